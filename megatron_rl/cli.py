@@ -1,0 +1,47 @@
+"""The one `megatron-rl` command. Each subcommand lives next to the code it drives and registers
+itself through a module exposing `add_arguments(parser)` and `run(args) -> int`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from megatron_rl.config import ConfigError
+
+# name -> (module, one-line help). Modules are imported lazily so `megatron-rl --help` stays fast.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("megatron_rl.checkpoints_tools.cli", "convert GGUF / HF safetensors <-> Megatron checkpoints (any TP/PP)"),
+    "bench": ("megatron_rl.bench", "time our code against its baseline in one run; last line is JSON"),
+    "config": ("megatron_rl.config_cli", "print a recipe with overrides applied, or describe every field"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ConfigError as exc:
+        # Bad input is the user's to fix: one clear line, no traceback (MEGATRON_RL_DEBUG=1 shows it).
+        if os.environ.get("MEGATRON_RL_DEBUG"):
+            raise
+        print(f"megatron-rl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The run's config tree: dataclasses with a docstring under every field, YAML recipes, dotted overrides.
+
+Each component keeps its config dataclass next to its code (`trainer/`, `rollout/`, ...); this module
+holds the machinery that builds any of them from plain data and the root `RunConfig` that gathers
+them. Errors name the offending field by its dotted path, the YAML file and line where it came from,
+and for an unknown key the closest valid one.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import os
+import textwrap
+import types
+import typing
+from typing import Any, Literal, Mapping, Sequence, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong. The message names the field, and where known the file and line."""
+
+    def __init__(self, message: str, field: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.reason = reason
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Source:
+    """Where config values came from: a YAML file (key -> line) or the command line."""
+
+    file: str | None = None
+    lines: dict[str, int] = dataclasses.field(default_factory=dict)
+    overrides: set[str] = dataclasses.field(default_factory=set)
+
+    def where(self, path: str) -> str:
+        if path in self.overrides:
+            return f"command-line override '{path}'"
+        probe = path
+        while probe:
+            if probe in self.lines:
+                return f"{self.file}:{self.lines[probe]}"
+            probe = probe.rpartition(".")[0]
+        return self.file or "config"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (and of its bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        docs.update(_class_field_docs(klass))
+    return docs
+
+
+@functools.lru_cache(maxsize=None)
+def _class_field_docs(klass: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, following in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    module = inspect.getmodule(cls)
+    return typing.get_type_hints(cls, globalns=vars(module) if module else None)
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str, source: Source) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in args:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, path, source)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{source.where(path)}: field '{path}' = {value!r} does not fit {_type_name(tp)}")
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{source.where(path)}: field '{path}' = {value!r} is not one of {list(args)}{hint}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source.where(path)}: section '{path}' must be a mapping, got {value!r}")
+        return _build(tp, value, path, source)
+    if origin in (list, Sequence, tuple) or tp in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source.where(path)}: field '{path}' must be a list, got {value!r}")
+        item_type = args[0] if args else Any
+        items = [_convert(v, item_type, f"{path}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source.where(path)}: field '{path}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source.where(path)}: field '{path}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{source.where(path)}: field '{path}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-6" (no dot) as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{source.where(path)}: field '{path}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{source.where(path)}: field '{path}' must be a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{source.where(path)}: field '{path}' has unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -> T:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = _type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            section = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"{source.where(path)}: unknown key '{path}' in {section}{hint} "
+                              f"(valid keys: {', '.join(sorted(fields))})")
+        kwargs[key] = _convert(value, hints[key], path, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if exc.field is None:
+            raise
+        path = f"{prefix}.{exc.field}" if prefix else exc.field
+        raise ConfigError(f"{source.where(path)}: field '{path}': {exc.reason}") from None
+    except TypeError as exc:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            names = ", ".join(f"'{prefix + '.' if prefix else ''}{m}'" for m in missing)
+            raise ConfigError(f"{source.where(prefix)}: missing required field {names}") from None
+        raise
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, source: Source | None = None) -> T:
+    """Build config dataclass `cls` from plain data, checking keys and types recursively."""
+    return _build(cls, data or {}, "", source or Source())
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain data (YAML-safe) for a config dataclass."""
+    return dataclasses.asdict(config)
+
+
+def _yaml_with_lines(text: str, file: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML, also returning the 1-based line of every mapping key by dotted path."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark else file
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    lines: dict[str, int] = {}
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for key_node, value_node in n.value:
+                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    walk(node, "")
+    return data, lines
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=1e-6` -> (['trainer', 'lr'], 1e-06). The value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"command-line override {text!r} must look like section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def merge_overrides(data: dict[str, Any], overrides: Sequence[str], source: Source) -> dict[str, Any]:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"command-line override {text!r}: '{key}' is not a section")
+            node = child
+        node[keys[-1]] = value
+        source.overrides.add(".".join(keys))
+    return data
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
+    """Load a YAML recipe into `cls`, applying dotted `section.field=value` overrides on top."""
+    source = Source()
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            parsed, lines = _yaml_with_lines(f.read(), path)
+        if parsed is not None and not isinstance(parsed, dict):
+            raise ConfigError(f"{path}:1: the top level of a config must be a mapping")
+        data = parsed or {}
+        source = Source(file=path, lines=lines)
+    data = merge_overrides(data, overrides, source)
+    return from_dict(cls, data, source)
+
+
+def dump_yaml(config: Any) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per field, `path: type = default  # doc`, for `megatron-rl config --describe`."""
+    lines = []
+    docs = field_docs(cls)
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{path}:  # {docs.get(f.name, '')}")
+            lines.extend(describe(tp, path + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "<required>")
+        lines.append(f"{path}: {_type_name(tp)} = {default!r}  # {docs.get(f.name, '').splitlines()[0] if docs.get(f.name) else ''}")
+    return lines
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    """Validation helper for `__post_init__`: raise a ConfigError naming `field`."""
+    if not condition:
+        raise ConfigError(f"field '{field}': {message}", field=field, reason=message)

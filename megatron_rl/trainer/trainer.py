@@ -1,0 +1,324 @@
+"""The Megatron-core policy trainer: model, DDP, optimizer, schedules, and the loss-function hook.
+
+`MegatronTrainer.train_step(batch, loss_fn)` runs Megatron's `get_forward_backward_func` schedule
+(no pipelining, or 1F1B with PP > 1) over micro-batches, then an optimizer step.
+
+The loss hook. `loss_fn(logprobs, micro_batch) -> (loss, metrics)` receives the token-aligned
+log-probabilities `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])` ([b, S] float32, column 0 is
+0) of one micro-batch and returns that micro-batch's *share of the global loss*: the sum over its
+tokens or sequences divided by a normaliser the loss function computed over the whole global batch
+(all micro-batches and data-parallel ranks). The trainer undoes Megatron's own division by the number
+of micro-batches and its gradient averaging over data-parallel ranks, so the gradient is exactly that
+of the global loss, whatever the micro-batching and DP size. Metrics are scalars, averaged over
+micro-batches and data-parallel ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.config import require
+from megatron_rl.models import ModelArch
+from megatron_rl.trainer import cpu_compat
+from megatron_rl.trainer.model import build_gpt_model, resolve_layer_spec, transformer_config
+from megatron_rl.trainer.parallel import ParallelConfig, setup_model_parallel
+from megatron_rl.types import TrainBatch
+
+LossFn = Callable[[torch.Tensor, TrainBatch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+# Finite instead of -inf: the vocab-parallel softmax subtracts a max, and -inf - -inf is NaN.
+_MASKED_LOGIT = -1.0e30
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The Megatron policy trainer: parallel layout, precision, optimizer."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Tensor / pipeline layout of the trainer ranks."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter dtype: auto is bf16 on GPU (fp32 master weights in the optimizer), fp32 on CPU."""
+    lr: float = 1e-6
+    """Peak learning rate (Adam)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (with lr_decay_style cosine/linear)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    lr_decay_steps: int = 0
+    """Steps over which the learning rate decays to min_lr (0: constant after warm-up)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay shape after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward micro-batch on each data-parallel rank."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
+    recompute_activations: bool = False
+    """Recompute every layer's activations in the backward pass (full, uniform)."""
+    layer_spec: Literal["auto", "local", "te"] = "auto"
+    """Transformer Engine layers when TE + CUDA are present (auto), or Megatron's local layers."""
+    vocab_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
+    seed: int = 1234
+    """Seed for initialisation (and Megatron's model-parallel RNG tracker)."""
+
+    def __post_init__(self) -> None:
+        require(self.lr >= 0, "lr", "must be >= 0")
+        require(0 <= self.min_lr <= max(self.lr, self.min_lr), "min_lr", "must be in [0, lr]")
+        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables clipping)")
+        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
+        require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
+                "warm-up and decay steps must be >= 0")
+
+    def params_dtype(self) -> torch.dtype:
+        if self.precision == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.precision]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class MegatronTrainer:
+    """One rank's share of a Megatron-core GPT policy, with its optimizer and schedules."""
+
+    def __init__(self, arch: ModelArch, config: TrainerConfig, *, pg_collection=None,
+                 hf_state: dict[str, torch.Tensor] | None = None):
+        self.arch = arch
+        self.config = config
+        self.step_count = 0
+        with cpu_compat.redirect_cuda_to_cpu():
+            self._build(pg_collection, hf_state)
+
+    # --- construction -----------------------------------------------------------------------------
+    def _build(self, pg_collection, hf_state) -> None:
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
+
+        cfg, parallel = self.config, self.config.parallel
+        self.pg = pg_collection if pg_collection is not None else setup_model_parallel(parallel)
+        self.tp_rank, self.tp_size = self.pg.tp.rank(), self.pg.tp.size()
+        self.pp_rank, self.pp_size = self.pg.pp.rank(), self.pg.pp.size()
+        self.dp_size = self.pg.dp.size()
+        self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
+                                     layer_spec=resolve_layer_spec(cfg.layer_spec),
+                                     vocab_divisible_by=cfg.vocab_divisible_by)
+        self.params_dtype = cfg.params_dtype()
+        torch.manual_seed(cfg.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
+        self.tf_config = transformer_config(self.arch, tensor_parallel=self.tp_size, pipeline_parallel=self.pp_size,
+                                            params_dtype=self.params_dtype, recompute=cfg.recompute_activations)
+        model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
+                                post_process=self.is_last_stage)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        self.gpt = model
+        if hf_state is not None:
+            self.load_hf_state(hf_state)
+        if self.params_dtype != torch.float32:
+            model = Float16Module(self.tf_config, model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=cfg.use_distributed_optimizer)
+        self.model = DistributedDataParallel(self.tf_config, ddp_config, model, pg_collection=self.pg)
+        self.tf_config.finalize_model_grads_func = finalize_model_grads
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=self.params_dtype == torch.bfloat16, fp16=False,
+            params_dtype=self.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False,
+                                                pg_collection=self.pg)
+        decay_steps = max(cfg.lr_decay_steps, cfg.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr,
+            min_lr=cfg.min_lr if cfg.lr_decay_style != "constant" else cfg.lr,
+            lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps,
+            wd_incr_style="constant")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    # --- weights ----------------------------------------------------------------------------------
+    def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of HF-named weights into the model (and the optimizer's master copy)."""
+        self.load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.tp_rank])
+
+    def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        own = {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k}
+        missing = sorted(set(own) - set(shard))
+        unexpected = sorted(set(shard) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit this rank (tp={self.tp_rank}, pp={self.pp_rank}): "
+                             f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                if tensor.shape != shard[name].shape:
+                    raise ValueError(f"tensor '{name}': shape {tuple(shard[name].shape)} does not fit "
+                                     f"{tuple(tensor.shape)} on tp={self.tp_rank}, pp={self.pp_rank}")
+                tensor.copy_(shard[name])
+        if hasattr(self, "optimizer"):
+            self.optimizer.reload_model_params()
+
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's Megatron-named weights (views, not copies)."""
+        return {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k and v is not None}
+
+    def gather_hf_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """All shards gathered to global rank `dst` and converted to HF names (None elsewhere).
+        For export and tests; weight sync to engines uses the bucketed, resharded path instead."""
+        world = dist.get_world_size()
+        shard = {k: v.detach().float().cpu() if v.dtype == torch.float32 else v.detach().cpu()
+                 for k, v in self.shard_state().items()}
+        gathered: list = [None] * world if dist.get_rank() == dst else None
+        dist.gather_object((self.tp_rank, self.pp_rank, self.pg.dp.rank(), shard), gathered, dst=dst)
+        if gathered is None:
+            return None
+        shards = [[None] * self.tp_size for _ in range(self.pp_size)]
+        for tp_rank, pp_rank, dp_rank, state in gathered:
+            if dp_rank == 0:
+                shards[pp_rank][tp_rank] = state
+        return megatron_to_hf(shards, self.layout)
+
+    # --- forward ----------------------------------------------------------------------------------
+    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, S-1, V/tp] vocab-parallel logits of tokens[:, :-1] -> token-aligned log-probs [b, S]."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float()
+        shard = logits.shape[-1]
+        start = self.tp_rank * shard
+        real = self.arch.vocab_size - start
+        if real < shard:  # vocabulary padding lives on the last TP ranks: keep it out of the softmax
+            pad = torch.arange(shard, device=logits.device) >= real
+            logits = logits.masked_fill(pad, _MASKED_LOGIT)
+        targets = tokens[:, 1:]
+        nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
+        logprobs = -nll.transpose(0, 1)
+        return torch.cat([logprobs.new_zeros(tokens.shape[0], 1), logprobs], dim=1)
+
+    def _run_schedule(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = list(batch.micro_batches(self.config.micro_batch_size))
+        seq = batch.seq_length - 1
+        scale = len(micro) * self.dp_size
+        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
+
+        def forward_step(data_iterator, model):
+            mb: TrainBatch = next(data_iterator)
+            tokens = mb.tokens.to(device)
+            inputs = tokens[:, :-1]
+            positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(inputs)
+            output = model(inputs, positions, None)
+
+            def loss_func(logits):
+                logprobs = self._token_logprobs(logits, tokens)
+                if loss_fn is None:  # forward-only log-prob recompute
+                    return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
+                loss, metrics = loss_fn(logprobs, mb)
+                # Megatron divides by the micro-batch count and averages over DP; the loss is already
+                # a share of the global loss, so scale those back out (see module docstring).
+                return loss * scale, {k: v.detach().float() for k, v in {"loss": loss * len(micro), **metrics}.items()}
+
+            return output, loss_func
+
+        schedule = get_forward_backward_func()
+        return micro, schedule(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                               num_microbatches=len(micro), seq_length=seq,
+                               micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        if batch.batch_size % self.config.micro_batch_size:
+            raise ValueError(f"batch of {batch.batch_size} rows is not a multiple of micro_batch_size="
+                             f"{self.config.micro_batch_size} (pipeline schedules need equal micro-batches)")
+        if batch.seq_length > self.arch.max_position_embeddings:
+            raise ValueError(f"sequence length {batch.seq_length} exceeds the model's "
+                             f"max_position_embeddings={self.arch.max_position_embeddings}")
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Token-aligned log pi(tokens) [B, S] (float32, CPU) on every rank of this DP replica."""
+        self._check_batch(batch)
+        with cpu_compat.redirect_cuda_to_cpu():
+            self.model.eval()
+            _, outputs = self._run_schedule(batch, None, forward_only=True)
+            self.model.train()
+            if self.is_last_stage:
+                result = torch.cat([o["logprobs"] for o in outputs]).float()
+            else:
+                result = torch.empty(batch.batch_size, batch.seq_length, dtype=torch.float32)
+            if self.pp_size > 1:
+                result = result.to(self._device())
+                dist.broadcast(result, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
+            return result.cpu()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on `batch` (this DP rank's rows). Returns averaged metrics on every rank."""
+        self._check_batch(batch)
+        start = time.perf_counter()
+        with cpu_compat.redirect_cuda_to_cpu():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            micro, outputs = self._run_schedule(batch, loss_fn, forward_only=False)
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if update_ok:
+                self.scheduler.step(increment=1)
+                self.step_count += 1
+            metrics = self._reduce_metrics(outputs, len(micro))
+        metrics.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                        "train/lr": self.optimizer.param_groups[0]["lr"],
+                        "train/update_skipped": float(not update_ok),
+                        "perf/train_step_time": time.perf_counter() - start})
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]], num_micro: int) -> dict[str, float]:
+        names = sorted(outputs[0]) if outputs else []
+        count = torch.tensor([len(names)], dtype=torch.float64, device=self._device())
+        if self.pp_size > 1:  # only the last stage computed losses: tell the others how many metrics
+            dist.broadcast(count, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
+        values = torch.zeros(int(count.item()), dtype=torch.float64, device=self._device())
+        if self.is_last_stage and names:
+            values = torch.stack([torch.stack([o[n] for o in outputs]).double().mean() for n in names]).to(values.device)
+        if self.pp_size > 1:
+            dist.broadcast(values, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
+            names_box = [names]
+            dist.broadcast_object_list(names_box, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
+            names = names_box[0]
+        if self.dp_size > 1:
+            dist.all_reduce(values, group=self.pg.dp)
+            values /= self.dp_size
+        return {(n if "/" in n else f"train/{n}"): float(v) for n, v in zip(names, values.tolist())}

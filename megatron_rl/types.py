@@ -1,0 +1,79 @@
+"""Typed records passed between the parts of a run. Shapes are written in the field docstrings.
+
+Per-token tensors in a `TrainBatch` are *token-aligned*: entry [b, t] refers to token t of row b
+(its log-probability given tokens [0, t), its advantage, ...). Position 0 never carries a loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled response to one prompt, as a rollout engine returns it."""
+
+    request_id: str
+    """Id of the request (unique per sample; `n > 1` requests get `<id>-<k>`)."""
+    prompt_ids: list[int]
+    """Prompt token ids, length P."""
+    output_ids: list[int]
+    """Generated token ids, length R (includes the stop token when one ended the response)."""
+    output_logprobs: list[float]
+    """log mu(y_t | x, y_<t) of each generated token under the engine's raw policy (temperature 1,
+    no top-p/top-k truncation), length R: the behaviour log-probs for importance weighting."""
+    weight_versions: list[int]
+    """Weight version that produced each generated token, length R (one value unless the weights were
+    updated while this response was in flight)."""
+    finish_reason: str
+    """'stop' (stop token or string), 'length' (max_new_tokens or context), or 'abort'."""
+    group_id: str = ""
+    """Samples of the same prompt share a group id (advantage baselines are per group)."""
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest version that contributed to this response (what staleness is measured against)."""
+        return min(self.weight_versions) if self.weight_versions else -1
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """Rows of (prompt + response) tokens for the trainer, right-padded to one length S."""
+
+    tokens: torch.Tensor
+    """[B, S] int64 token ids, right-padded with any id (padding is masked out)."""
+    loss_mask: torch.Tensor
+    """[B, S] float: 1 on tokens whose log-prob enters the loss (response tokens), 0 elsewhere; [:, 0] is 0."""
+    advantages: torch.Tensor | None = None
+    """[B, S] float advantage of each token (usually the sequence advantage broadcast over its tokens)."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """[B, S] float log mu of each token under the policy that sampled it (0 where loss_mask is 0)."""
+    reference_logprobs: torch.Tensor | None = None
+    """[B, S] float log pi_ref of each token, when a KL penalty to a reference model is used."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2:
+            raise ValueError(f"TrainBatch.tokens must be [B, S], got shape {tuple(self.tokens.shape)}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor) and value.shape != self.tokens.shape:
+                raise ValueError(f"TrainBatch.{field.name} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(self.tokens.shape)} like tokens")
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
+        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
+                             for f in dataclasses.fields(self)})
+
+    def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
+        for start in range(0, self.batch_size, micro_batch_size):
+            yield self.select(slice(start, start + micro_batch_size))
