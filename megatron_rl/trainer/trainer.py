@@ -94,12 +94,6 @@ class TrainerConfig:
         return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.precision]
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 class MegatronTrainer:
     """One rank's share of a Megatron-core GPT policy, with its optimizer and schedules."""
 
@@ -227,13 +221,14 @@ class MegatronTrainer:
         logprobs = -nll.transpose(0, 1)
         return torch.cat([logprobs.new_zeros(tokens.shape[0], 1), logprobs], dim=1)
 
-    def _run_schedule(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool):
+    def _run_schedule(self, batch: TrainBatch, on_logits, forward_only: bool):
+        """Run Megatron's schedule; `on_logits(logits, tokens, micro_batch) -> (loss, outputs)` runs on
+        the last stage for each micro-batch. Returns the per-micro-batch outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro = list(batch.micro_batches(self.config.micro_batch_size))
         seq = batch.seq_length - 1
-        scale = len(micro) * self.dp_size
-        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
+        device = self._device()
 
         def forward_step(data_iterator, model):
             mb: TrainBatch = next(data_iterator)
@@ -241,22 +236,36 @@ class MegatronTrainer:
             inputs = tokens[:, :-1]
             positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(inputs)
             output = model(inputs, positions, None)
-
-            def loss_func(logits):
-                logprobs = self._token_logprobs(logits, tokens)
-                if loss_fn is None:  # forward-only log-prob recompute
-                    return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
-                loss, metrics = loss_fn(logprobs, mb)
-                # Megatron divides by the micro-batch count and averages over DP; the loss is already
-                # a share of the global loss, so scale those back out (see module docstring).
-                return loss * scale, {k: v.detach().float() for k, v in {"loss": loss * len(micro), **metrics}.items()}
-
-            return output, loss_func
+            return output, lambda logits: on_logits(logits, tokens, mb)
 
         schedule = get_forward_backward_func()
-        return micro, schedule(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-                               num_microbatches=len(micro), seq_length=seq,
-                               micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+        return schedule(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                        num_microbatches=len(micro), seq_length=seq,
+                        micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+
+    def _forward_only(self, batch: TrainBatch, on_logits, key: str) -> torch.Tensor | None:
+        """Concatenated `key` outputs of a forward-only pass (last stage; None elsewhere). Pads the batch
+        with copies of its first row up to a multiple of micro_batch_size (pipelines need equal
+        micro-batches) and drops them again."""
+        rows = batch.batch_size
+        padded_rows = -(-rows // self.config.micro_batch_size) * self.config.micro_batch_size
+        if padded_rows != rows:
+            batch = TrainBatch(tokens=torch.cat([batch.tokens, batch.tokens[:1].expand(padded_rows - rows, -1)]),
+                               loss_mask=torch.zeros(padded_rows, batch.seq_length))
+        self._check_batch(batch)
+        self.model.eval()
+        try:
+            outputs = self._run_schedule(batch, on_logits, forward_only=True)
+        finally:
+            self.model.train()
+        return torch.cat([o[key] for o in outputs])[:rows] if self.is_last_stage else None
+
+    def _broadcast_from_last_stage(self, result: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        if self.pp_size == 1:
+            return result.cpu()
+        buffer = result.to(self._device()) if result is not None else torch.empty(shape, dtype=dtype, device=self._device())
+        dist.broadcast(buffer, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
+        return buffer.cpu()
 
     def _check_batch(self, batch: TrainBatch) -> None:
         if batch.batch_size % self.config.micro_batch_size:
@@ -269,19 +278,27 @@ class MegatronTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Token-aligned log pi(tokens) [B, S] (float32, CPU) on every rank of this DP replica."""
-        self._check_batch(batch)
+        def on_logits(logits, tokens, mb):
+            return logits.new_zeros(()), {"logprobs": self._token_logprobs(logits, tokens)}
+
         with cpu_compat.redirect_cuda_to_cpu():
-            self.model.eval()
-            _, outputs = self._run_schedule(batch, None, forward_only=True)
-            self.model.train()
-            if self.is_last_stage:
-                result = torch.cat([o["logprobs"] for o in outputs]).float()
-            else:
-                result = torch.empty(batch.batch_size, batch.seq_length, dtype=torch.float32)
-            if self.pp_size > 1:
-                result = result.to(self._device())
-                dist.broadcast(result, src=dist.get_global_rank(self.pg.pp, self.pp_size - 1), group=self.pg.pp)
-            return result.cpu()
+            result = self._forward_only(batch, on_logits, "logprobs")
+            return self._broadcast_from_last_stage(result, (batch.batch_size, batch.seq_length), torch.float32)
+
+    @torch.no_grad()
+    def compute_logits(self, batch: TrainBatch) -> torch.Tensor:
+        """Full-vocabulary logits [B, S-1, vocab_size] (float32, CPU) predicting tokens[:, 1:], gathered
+        over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        def on_logits(logits, tokens, mb):
+            full = gather_from_tensor_model_parallel_region(logits.float())[..., :self.arch.vocab_size]
+            return logits.new_zeros(()), {"logits": full}
+
+        with cpu_compat.redirect_cuda_to_cpu():
+            result = self._forward_only(batch, on_logits, "logits")
+            return self._broadcast_from_last_stage(
+                result, (batch.batch_size, batch.seq_length - 1, self.arch.vocab_size), torch.float32)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -289,23 +306,33 @@ class MegatronTrainer:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows). Returns averaged metrics on every rank."""
         self._check_batch(batch)
+        num_micro = batch.batch_size // self.config.micro_batch_size
+        # Megatron divides each micro-batch loss by their count and averages gradients over DP; the
+        # hook's loss is already a share of the global loss, so scale those back out (module doc).
+        scale = num_micro * self.dp_size
+
+        def on_logits(logits, tokens, mb):
+            loss, metrics = loss_fn(self._token_logprobs(logits, tokens), mb)
+            reported = {"loss": loss.detach() * num_micro, **{k: v.detach() for k, v in metrics.items()}}
+            return loss * scale, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in reported.items()}
+
         start = time.perf_counter()
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            micro, outputs = self._run_schedule(batch, loss_fn, forward_only=False)
+            outputs = self._run_schedule(batch, on_logits, forward_only=False)
             update_ok, grad_norm, _ = self.optimizer.step()
             if update_ok:
                 self.scheduler.step(increment=1)
                 self.step_count += 1
-            metrics = self._reduce_metrics(outputs, len(micro))
+            metrics = self._reduce_metrics(outputs)
         metrics.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/update_skipped": float(not update_ok),
                         "perf/train_step_time": time.perf_counter() - start})
         return metrics
 
-    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]], num_micro: int) -> dict[str, float]:
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         names = sorted(outputs[0]) if outputs else []
         count = torch.tensor([len(names)], dtype=torch.float64, device=self._device())
         if self.pp_size > 1:  # only the last stage computed losses: tell the others how many metrics
@@ -322,3 +349,25 @@ class MegatronTrainer:
             dist.all_reduce(values, group=self.pg.dp)
             values /= self.dp_size
         return {(n if "/" in n else f"train/{n}"): float(v) for n, v in zip(names, values.tolist())}
+
+
+def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None) -> MegatronTrainer:
+    """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
+    read shard by shard (each rank reads only its own file); any other source is converted in memory."""
+    from megatron_rl.checkpoints_tools.pretrained import (
+        MEGATRON_META, load_megatron_shard, load_pretrained, read_megatron_layout, resolve_model_path)
+
+    import os
+
+    path = resolve_model_path(model_path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, MEGATRON_META)):
+        saved = read_megatron_layout(path)
+        trainer = MegatronTrainer(saved.arch, config, pg_collection=pg_collection)
+        if (saved.tp, saved.pp, saved.layer_spec, saved.padded_vocab_size) == (
+                trainer.tp_size, trainer.pp_size, trainer.layout.layer_spec, trainer.layout.padded_vocab_size):
+            trainer.load_shard(load_megatron_shard(path, trainer.tp_rank, trainer.pp_rank))
+            return trainer
+        trainer.load_hf_state(load_pretrained(path).state)
+        return trainer
+    model = load_pretrained(path)
+    return MegatronTrainer(model.arch, config, pg_collection=pg_collection, hf_state=model.state)

