@@ -9,8 +9,9 @@ log-probabilities `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])` ([b, S
 tokens or sequences divided by a normaliser the loss function computed over the whole global batch
 (all micro-batches and data-parallel ranks). The trainer undoes Megatron's own division by the number
 of micro-batches and its gradient averaging over data-parallel ranks, so the gradient is exactly that
-of the global loss, whatever the micro-batching and DP size. Metrics are scalars, averaged over
-micro-batches and data-parallel ranks.
+of the global loss, whatever the micro-batching and DP size. The reported `train/loss` is the
+global loss (the sum of the shares); the hook's other metrics are scalars averaged over micro-batches
+and data-parallel ranks.
 """
 from __future__ import annotations
 
@@ -313,7 +314,9 @@ class MegatronTrainer:
 
         def on_logits(logits, tokens, mb):
             loss, metrics = loss_fn(self._token_logprobs(logits, tokens), mb)
-            reported = {"loss": loss.detach() * num_micro, **{k: v.detach() for k, v in metrics.items()}}
+            # Metrics are averaged over micro-batches and DP ranks; the loss is a share, so its total is
+            # the sum: report it pre-multiplied by the number of shares.
+            reported = {"loss": loss.detach() * scale, **{k: v.detach() for k, v in metrics.items()}}
             return loss * scale, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in reported.items()}
 
         start = time.perf_counter()

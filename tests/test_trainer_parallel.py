@@ -1,0 +1,78 @@
+"""Training steps at TP=2, PP=2 and DP=2 give the same losses as TP=1 on the same data (tiny model)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.types import TrainBatch
+from tests.distributed import run_distributed
+
+STEPS = 3
+
+
+def _random_hf_state(arch, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size),
+              "lm_head.weight": (arch.vocab_size, arch.hidden_size),
+              "model.norm.weight": (arch.hidden_size,)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (arch.q_size, arch.hidden_size),
+                       p + "self_attn.k_proj.weight": (arch.kv_size, arch.hidden_size),
+                       p + "self_attn.v_proj.weight": (arch.kv_size, arch.hidden_size),
+                       p + "self_attn.o_proj.weight": (arch.hidden_size, arch.q_size),
+                       p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, arch.hidden_size),
+                       p + "mlp.up_proj.weight": (arch.ffn_hidden_size, arch.hidden_size),
+                       p + "mlp.down_proj.weight": (arch.hidden_size, arch.ffn_hidden_size),
+                       p + "input_layernorm.weight": (arch.hidden_size,),
+                       p + "post_attention_layernorm.weight": (arch.hidden_size,)})
+    return {k: (1.0 + 0.1 * torch.randn(s, generator=generator)) if len(s) == 1
+            else 0.05 * torch.randn(s, generator=generator) for k, s in shapes.items()}
+
+
+def _data(arch, rows=8, length=24):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, arch.vocab_size, (rows, length), generator=generator)
+    mask = torch.zeros(rows, length)
+    for r in range(rows):  # a "response" of varying length after a 6-token "prompt"
+        mask[r, 6:6 + 4 + 2 * r] = 1.0
+    return TrainBatch(tokens=tokens, loss_mask=mask)
+
+
+def _train_worker(rank, world_size, arch, tp, pp, state, batch):
+    import torch.distributed as dist
+    from megatron_rl.trainer.parallel import ParallelConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
+                           micro_batch_size=2, lr=1e-2, clip_grad=1.0, vocab_divisible_by=1)
+    trainer = MegatronTrainer(arch, config, hf_state=state)
+    dp, dp_rank = trainer.dp_size, trainer.pg.dp.rank()
+    normalizer = batch.loss_mask.sum()  # token-mean over the GLOBAL batch
+    rows = batch.batch_size // dp
+    local = batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows))
+
+    def lm_loss(logprobs, mb):
+        return -(logprobs * mb.loss_mask).sum() / normalizer, {}
+
+    losses = [trainer.train_step(local, lm_loss)["train/loss"] for _ in range(STEPS)]
+    final = trainer.compute_logprobs(local)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, final))
+    by_dp = dict(gathered)
+    return losses, torch.cat([by_dp[d] for d in range(dp)])
+
+
+def _run(arch, tp, pp, world):
+    state = _random_hf_state(arch)
+    return run_distributed(_train_worker, world, arch, tp, pp, state, _data(arch))[0]
+
+
+def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
+    reference_losses, reference_logprobs = _run(tiny_arch, 1, 1, 1)
+    assert reference_losses[-1] < reference_losses[0]  # it is learning, so the comparison means something
+    for tp, pp, world in [(2, 1, 2), (1, 2, 2), (1, 1, 2)]:
+        losses, logprobs = _run(tiny_arch, tp, pp, world)
+        assert torch.allclose(torch.tensor(losses), torch.tensor(reference_losses), atol=1e-5, rtol=0), \
+            f"TP={tp} PP={pp} world={world}: {losses} vs {reference_losses}"
+        assert torch.allclose(logprobs, reference_logprobs, atol=1e-5), f"TP={tp} PP={pp} world={world}"
