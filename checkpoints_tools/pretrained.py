@@ -154,18 +154,26 @@ def save_megatron(path: str, layout: MegatronLayout, shards: list[list[dict[str,
         for pp_rank, row in enumerate(shards):
             for tp_rank, shard in enumerate(row):
                 os.makedirs(os.path.join(tmp, shard_dir_name(tp_rank, pp_rank)))
-                save_file({k: v.contiguous() for k, v in shard.items()},
-                          os.path.join(tmp, shard_dir_name(tp_rank, pp_rank), "model.safetensors"))
-        meta = {"format": 1, "arch": dataclasses.asdict(layout.arch), "tp": layout.tp, "pp": layout.pp,
-                "layer_spec": layout.layer_spec, "vocab_divisible_by": layout.vocab_divisible_by}
-        with open(os.path.join(tmp, MEGATRON_META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
-        if tokenizer is not None:
-            tokenizer.save_hf(tmp)
+                save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(tmp, tp_rank, pp_rank))
+        write_megatron_meta(tmp, layout, tokenizer)
         _publish(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_megatron_meta(path: str, layout: MegatronLayout, tokenizer: ChatTokenizer | None) -> None:
+    """The metadata (and tokenizer) that make a directory of shards a loadable Megatron checkpoint."""
+    meta = {"format": 1, "arch": dataclasses.asdict(layout.arch), "tp": layout.tp, "pp": layout.pp,
+            "layer_spec": layout.layer_spec, "vocab_divisible_by": layout.vocab_divisible_by}
+    with open(os.path.join(path, MEGATRON_META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_hf(path)
+
+
+def shard_file(path: str, tp_rank: int, pp_rank: int) -> str:
+    return os.path.join(path, shard_dir_name(tp_rank, pp_rank), "model.safetensors")
 
 
 def read_megatron_layout(path: str) -> MegatronLayout:
@@ -183,7 +191,7 @@ def read_megatron_layout(path: str) -> MegatronLayout:
 
 
 def load_megatron_shard(path: str, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    file = os.path.join(path, shard_dir_name(tp_rank, pp_rank), "model.safetensors")
+    file = shard_file(path, tp_rank, pp_rank)
     if not os.path.isfile(file):
         raise ConfigError(f"{path}: shard {shard_dir_name(tp_rank, pp_rank)} is missing")
     return _load_safetensors(file)

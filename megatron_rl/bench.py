@@ -18,6 +18,7 @@ from megatron_rl.config import ConfigError
 # name -> "module:function", each returning the result dict (without the "bench" key).
 BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench:bench_trainer",
+    "logprob": "megatron_rl.kernels.bench:bench_logprob",
 }
 
 

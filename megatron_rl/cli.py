@@ -1,5 +1,6 @@
 """The one `megatron-rl` command. Each subcommand lives next to the code it drives and registers
-itself through a module exposing `add_arguments(parser)` and `run(args) -> int`."""
+itself through a module exposing `add_arguments(parser)` and `run(args) -> int` (or, written as
+"module:NAME", `add_NAME_arguments` and `run_NAME`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_rl.checkpoints_tools.cli", "convert GGUF / HF safetensors <-> Megatron checkpoints (any TP/PP)"),
     "bench": ("megatron_rl.bench", "time our code against its baseline in one run; last line is JSON"),
     "config": ("megatron_rl.config_cli", "print a recipe with overrides applied, or describe every field"),
+    "train": ("megatron_rl.controller.cli:train", "run RL training from a YAML recipe (add --resume to continue)"),
+    "eval": ("megatron_rl.controller.cli:eval", "held-out greedy accuracy (and mean@k) of a model or checkpoint"),
 }
+
+
+def _entry(spec: str, kind: str):
+    module, _, name = spec.partition(":")
+    attr = (f"add_{name}_arguments" if kind == "add" else f"run_{name}") if name else (
+        "add_arguments" if kind == "add" else "run")
+    return getattr(importlib.import_module(module), attr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(command)
+        _entry(module, "add")(command)
     return parser
 
 
@@ -34,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        return int(_entry(args._module, "run")(args) or 0)
     except ConfigError as exc:
         # Bad input is the user's to fix: one clear line, no traceback (MEGATRON_RL_DEBUG=1 shows it).
         if os.environ.get("MEGATRON_RL_DEBUG"):

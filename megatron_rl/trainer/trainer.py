@@ -189,6 +189,16 @@ class MegatronTrainer:
         """This rank's Megatron-named weights (views, not copies)."""
         return {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k and v is not None}
 
+    def export_hf_state(self) -> dict[str, torch.Tensor]:
+        """HF-named weights for a colocated engine. With one trainer rank these are views of the live
+        parameters (the engine copies them into its own layout); otherwise a gather to every rank."""
+        if dist.get_world_size() == 1:
+            return megatron_to_hf([[self.shard_state()]], self.layout)
+        state = self.gather_hf_state(dst=0)
+        box = [state]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather_hf_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """All shards gathered to global rank `dst` and converted to HF names (None elsewhere).
         For export and tests; weight sync to engines uses the bucketed, resharded path instead."""
@@ -217,9 +227,8 @@ class MegatronTrainer:
         if real < shard:  # vocabulary padding lives on the last TP ranks: keep it out of the softmax
             pad = torch.arange(shard, device=logits.device) >= real
             logits = logits.masked_fill(pad, _MASKED_LOGIT)
-        targets = tokens[:, 1:]
-        nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
-        logprobs = -nll.transpose(0, 1)
+        # The cross entropy reduces over the last dim only, so [b, s, v] works without a transpose copy.
+        logprobs = -vocab_parallel_cross_entropy(logits, tokens[:, 1:])
         return torch.cat([logprobs.new_zeros(tokens.shape[0], 1), logprobs], dim=1)
 
     def _run_schedule(self, batch: TrainBatch, on_logits, forward_only: bool):

@@ -1,0 +1,154 @@
+"""Advantage estimators: pure functions from sequence rewards (and their prompt groups) to advantages.
+
+Inputs are either flat rewards `[N]` with `group_ids` (one id per sample; samples of the same prompt
+share an id, in any order), or a `[G, n]` tensor whose rows are the groups (then `group_ids` is None).
+The output has the shape of `rewards`. A group of one sample has no baseline to compare against and
+gets advantage 0 from the group-relative estimators (it carries no learning signal).
+
+`token_advantages` broadcasts sequence advantages onto the response tokens of a token-aligned batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Literal, Sequence
+
+import torch
+
+from megatron_rl.config import require
+
+
+
+
+def group_index(group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
+    """Dense group index `[N]` int64 (0 .. G-1, in order of first appearance) for arbitrary group ids."""
+    if isinstance(group_ids, torch.Tensor):
+        group_ids = group_ids.tolist()
+    index: dict[Hashable, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+
+
+def _flatten(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.double()
+    if group_ids is None:
+        if rewards.dim() != 2:
+            raise ValueError(f"rewards of shape {tuple(rewards.shape)} need group_ids (or pass a [G, n] tensor)")
+        g, n = rewards.shape
+        return rewards.reshape(-1), torch.arange(g).repeat_interleave(n)
+    if rewards.dim() != 1:
+        raise ValueError(f"with group_ids, rewards must be [N], got shape {tuple(rewards.shape)}")
+    index = group_index(group_ids)
+    if index.numel() != rewards.numel():
+        raise ValueError(f"{rewards.numel()} rewards but {index.numel()} group ids")
+    return rewards, index
+
+
+def _group_stats(r: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group size, group sum and group sum of squares (each [N])."""
+    groups = int(index.max()) + 1 if index.numel() else 0
+    count = torch.zeros(groups, dtype=r.dtype).index_add_(0, index, torch.ones_like(r))
+    total = torch.zeros(groups, dtype=r.dtype).index_add_(0, index, r)
+    return count[index], total[index], index
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids=None, *, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO group-normalised advantage (Shao et al., DeepSeekMath, 2024, arXiv 2402.03300, sec. 4.1.2):
+
+        A_i = (r_i - mean_g r) / (std_g r + eps)
+
+    std is the unbiased (Bessel-corrected) standard deviation of the group's rewards, as in TRL and verl.
+    `scale_by_std=False` gives A_i = r_i - mean_g r: Dr.GRPO (Liu et al., 2025, arXiv 2503.20783), the
+    advantage of LlamaRL's AIPO (arXiv 2505.24034) and PCL (arXiv 2510.01135). Groups of one sample get 0.
+    """
+    r, index = _flatten(rewards, group_ids)
+    count, total, _ = _group_stats(r, index)
+    mean = total / count
+    centred = r - mean
+    if scale_by_std:
+        groups = int(index.max()) + 1 if index.numel() else 0
+        sq = torch.zeros(groups, dtype=r.dtype).index_add_(0, index, centred * centred)[index]
+        std = torch.sqrt(sq / (count - 1).clamp(min=1))
+        centred = centred / (std + eps)
+    centred = torch.where(count > 1, centred, torch.zeros_like(centred))
+    return centred.reshape(torch.as_tensor(rewards).shape)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids=None) -> torch.Tensor:
+    """RLOO leave-one-out advantage (Kool et al., 2019, "Buy 4 REINFORCE samples, get a baseline for
+    free!"; Ahmadian et al., 2024, arXiv 2402.14740):
+
+        A_i = r_i - 1/(n-1) sum_{j != i} r_j  =  n/(n-1) (r_i - mean_g r)
+
+    Groups of one sample get 0.
+    """
+    r, index = _flatten(rewards, group_ids)
+    count, total, _ = _group_stats(r, index)
+    baseline = (total - r) / (count - 1).clamp(min=1)
+    adv = torch.where(count > 1, r - baseline, torch.zeros_like(r))
+    return adv.reshape(torch.as_tensor(rewards).shape)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_ids=None, *, group_baseline: bool = False,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ batch-normalised advantage (Hu, 2025, arXiv 2501.03262):
+
+        A_i = (r_i - mean_batch r) / (std_batch r + eps)
+
+    (the paper's per-token KL-shaped return reduces to r_i for a sequence reward and no KL in the reward).
+    `group_baseline=True` is its "REINFORCE++-baseline" variant: subtract the group mean first, then
+    normalise by the batch std of the centred rewards. std is unbiased; a batch of one sample gets 0.
+    """
+    r, index = _flatten(rewards, group_ids)
+    if group_baseline:
+        count, total, _ = _group_stats(r, index)
+        r = r - total / count
+    if r.numel() < 2:
+        return torch.zeros_like(r).reshape(torch.as_tensor(rewards).shape)
+    adv = (r - r.mean()) / (r.std(unbiased=True) + eps)
+    return adv.reshape(torch.as_tensor(rewards).shape)
+
+
+def token_advantages(sequence_advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Broadcast sequence advantages `[B]` onto response tokens: `[B, S]` = A_b on tokens where
+    `loss_mask` is 1, and 0 elsewhere (the `TrainBatch.advantages` layout)."""
+    if sequence_advantages.dim() != 1 or sequence_advantages.shape[0] != loss_mask.shape[0]:
+        raise ValueError(f"sequence advantages {tuple(sequence_advantages.shape)} do not match "
+                         f"loss_mask rows {tuple(loss_mask.shape)}")
+    adv = sequence_advantages.to(loss_mask.dtype if loss_mask.is_floating_point() else torch.float32)
+    return adv[:, None] * (loss_mask != 0).to(adv.dtype)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageConfig:
+    """How sequence rewards become advantages."""
+
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: (r - group mean) / group std; rloo: r - mean of the other samples of the group;
+    reinforce_pp: batch-normalised (r - batch mean) / batch std."""
+    scale_by_std: bool = True
+    """grpo only: divide by the group std. False gives r - group mean (Dr.GRPO, AIPO, PCL)."""
+    group_baseline: bool = False
+    """reinforce_pp only: subtract the group mean before batch normalisation (REINFORCE++-baseline)."""
+    eps: float = 1e-6
+    """Added to the std in the denominators."""
+
+    def __post_init__(self) -> None:
+        require(self.estimator in ADVANTAGE_ESTIMATORS, "estimator",
+                f"unknown estimator {self.estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+        require(self.eps >= 0, "eps", "must be >= 0")
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": lambda r, g, c: grpo_advantages(r, g, scale_by_std=c.scale_by_std, eps=c.eps),
+    "rloo": lambda r, g, c: rloo_advantages(r, g),
+    "reinforce_pp": lambda r, g, c: reinforce_pp_advantages(r, g, group_baseline=c.group_baseline, eps=c.eps),
+}
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids=None,
+                       config: AdvantageConfig | None = None) -> torch.Tensor:
+    """Sequence advantages with the estimator `config` names (default GRPO); same shape as `rewards`."""
+    config = config or AdvantageConfig()
+    return ADVANTAGE_ESTIMATORS[config.estimator](rewards, group_ids, config)

@@ -1,0 +1,356 @@
+"""Policy-gradient losses: pure functions of token-aligned log-probs, one signature, chosen by name.
+
+Every loss in `LOSSES` has the signature
+
+    loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+         reference_logprobs=None, entropy=None, proximal_logprobs=None) -> (loss, metrics)
+
+with all tensors `[B, S]` and token-aligned like `TrainBatch` (entry [b, t] is token t of row b):
+`logprobs` = log pi_theta (with grad, from the trainer), `behaviour_logprobs` = log mu (from the rollout
+engine that sampled the tokens), `advantages` = per-token advantage (usually the sequence advantage
+broadcast by `token_advantages`), `mask` = 1 on response tokens that enter the loss.
+
+The normaliser. `loss` is this micro-batch's *share of the global loss*: sums over its tokens (or
+sequences) divided by `normalizer`, a number computed once over the whole global batch (all
+micro-batches, all data-parallel ranks) by `compute_normalizer`:
+
+- `token_mean`   (DAPO token-level loss, Yu et al. 2025, arXiv 2503.14476):
+      L = sum_{b,t} m_bt l_bt / N_tokens                         normalizer = global count of loss tokens
+- `seq_mean`     (GRPO as written, Shao et al. 2024; PCL's "token-level ratio averaged per sequence"):
+      L = sum_b [ sum_t m_bt l_bt / |y_b| ] / N_seq              normalizer = global count of rows with >= 1 loss token
+- `seq_sum_norm` (Dr.GRPO, Liu et al. 2025, arXiv 2503.20783: a constant length normaliser):
+      L = sum_{b,t} m_bt l_bt / (N_seq * max_response_tokens)    normalizer = N_seq * config.max_response_tokens
+
+Summing the shares of any split of the global batch into micro-batches gives the global loss (tested),
+which is what the trainer's loss hook requires. The KL and entropy terms are aggregated the same way.
+
+Metrics are detached scalar means over this micro-batch's loss tokens (the trainer averages them over
+micro-batches): importance weight pi/mu mean/max/min, clip fraction, mismatch |log pi - log mu|,
+approx_kl (k3 estimate of KL(mu || pi)), kl_ref, entropy, and the per-token loss terms.
+
+Numerics: log pi - log mu is clamped to +-`config.log_ratio_clamp` before exp (as verl does) and
+masked positions are zeroed before any arithmetic so padding can never produce inf/NaN gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal, Protocol
+
+import torch
+
+from megatron_rl.config import require
+
+
+@dataclasses.dataclass(kw_only=True)
+class LossConfig:
+    """The policy loss: which surrogate, its clipping, the KL / entropy terms and the normalisation."""
+
+    name: str = "aipo"
+    """Registered loss: pg (on-policy REINFORCE), ppo_clip, aipo (LlamaRL), tis (truncated IS)."""
+    aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
+    """How per-token terms are summed and normalised over the global batch (see module docstring)."""
+    max_response_tokens: int = 0
+    """seq_sum_norm only: the constant length L in the normaliser N_seq * L (must be > 0 then)."""
+    clip_eps_low: float = 0.2
+    """ppo_clip / tis: lower clip, the ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
+    clip_eps_high: float = 0.2
+    """ppo_clip / tis: upper clip (DAPO's clip-higher uses 0.28)."""
+    dual_clip_c: float | None = None
+    """ppo_clip / tis: dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the loss is at most -c*A. None disables."""
+    aipo_rho: float = 4.0
+    """aipo: upper clip rho of the detached importance weight min(pi/mu, rho); LlamaRL uses rho in [2, 10]."""
+    tis_cap: float = 2.0
+    """tis: cap C of the importance weight pi_prox/mu."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """tis: truncate (weight min(w, C)) or mask (tokens with w > C get weight 0, "masked IS")."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL(pi || pi_ref) penalty in the loss (0: no reference model needed)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman, "Approximating KL divergence", 2020): k1 = log pi - log ref,
+    k2 = (log pi - log ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (subtracted from the loss); needs per-token entropies."""
+    log_ratio_clamp: float = 20.0
+    """Clamp of log pi - log mu before exp, for numerical safety."""
+
+    def __post_init__(self) -> None:
+        require(self.name in LOSSES, "name", f"unknown loss {self.name!r}; registered: {sorted(LOSSES)}")
+        require(self.aggregation != "seq_sum_norm" or self.max_response_tokens > 0, "max_response_tokens",
+                "must be > 0 with aggregation seq_sum_norm")
+        require(self.max_response_tokens >= 0, "max_response_tokens", "must be >= 0")
+        require(0 <= self.clip_eps_low < 1, "clip_eps_low", "must be in [0, 1)")
+        require(self.clip_eps_high >= 0, "clip_eps_high", "must be >= 0")
+        require(self.dual_clip_c is None or self.dual_clip_c > 1, "dual_clip_c", "must be > 1 (or null)")
+        require(self.aipo_rho > 0, "aipo_rho", "must be > 0")
+        require(self.tis_cap > 0, "tis_cap", "must be > 0")
+        require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        require(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        require(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
+
+
+class PolicyLoss(Protocol):
+    def __call__(self, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig, normalizer: float, *,
+                 reference_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                 proximal_logprobs: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+# --- normaliser ---------------------------------------------------------------------------------------
+
+def compute_normalizer(loss_mask: torch.Tensor | list[torch.Tensor], config: LossConfig, *,
+                       group=None) -> float:
+    """The global normaliser for `config.aggregation` (see the module docstring).
+
+    `loss_mask` is the whole global batch's `[B, S]` mask, or a list of its pieces (micro-batches or
+    rows of different lengths). With a torch.distributed `group`, each rank passes its own rows and the
+    counts are summed over the group. Never 0 (an empty batch gives 1, so the loss is 0, not NaN).
+    """
+    masks = loss_mask if isinstance(loss_mask, (list, tuple)) else [loss_mask]
+    tokens = sum(float((m != 0).sum()) for m in masks)
+    seqs = sum(float(((m != 0).sum(-1) > 0).sum()) for m in masks)
+    if group is not None:
+        import torch.distributed as dist
+
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64)
+        dist.all_reduce(counts, group=group)
+        tokens, seqs = counts.tolist()
+    if config.aggregation == "token_mean":
+        value = tokens
+    elif config.aggregation == "seq_mean":
+        value = seqs
+    else:
+        value = seqs * config.max_response_tokens
+    return max(value, 1.0)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, normalizer: float) -> torch.Tensor:
+    """This micro-batch's share: sum of masked per-token terms (per-sequence means for seq_mean) / normalizer."""
+    m = (mask != 0).to(per_token.dtype)
+    if config.aggregation == "seq_mean":
+        per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)
+        return per_seq.sum() / normalizer
+    return (per_token * m).sum() / normalizer
+
+
+# --- shared pieces ----------------------------------------------------------------------------------
+
+def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by the policy (Schulman 2020)."""
+    log_ratio = logprobs - reference_logprobs  # log pi/ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio * log_ratio
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2, k3)")
+
+
+def _masked_stats(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = m.sum()
+    if n == 0:
+        zero = x.new_zeros(())
+        return zero, zero, zero
+    mean = (x * m).sum() / n
+    return mean, x.masked_fill(m == 0, float("-inf")).max(), x.masked_fill(m == 0, float("inf")).min()
+
+
+def _mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def _finish(pg_token: torch.Tensor, metrics: dict[str, torch.Tensor], logprobs: torch.Tensor,
+            behaviour_logprobs: torch.Tensor | None, mask: torch.Tensor, config: LossConfig, normalizer: float,
+            reference_logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add KL and entropy terms, aggregate, and fill the shared metrics."""
+    m = (mask != 0).to(logprobs.dtype)
+    loss = aggregate(pg_token, mask, config, normalizer)
+    metrics["pg_loss"] = _mean(pg_token, m)
+    if config.kl_coef > 0 and reference_logprobs is None:
+        raise ValueError("LossConfig.kl_coef > 0 needs reference_logprobs (a reference model)")
+    if reference_logprobs is not None:
+        ref = torch.where(m > 0, reference_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+        kl = kl_penalty(logprobs, ref, config.kl_estimator)
+        metrics["kl_ref"] = _mean(kl, m)
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * aggregate(kl, mask, config, normalizer)
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("LossConfig.entropy_coef > 0 needs per-token entropies (entropy=[B, S])")
+    if entropy is not None:
+        ent = torch.where(m > 0, entropy.to(logprobs.dtype), torch.zeros_like(logprobs))
+        metrics["entropy"] = _mean(ent, m)
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * aggregate(ent, mask, config, normalizer)
+    if behaviour_logprobs is not None:
+        diff = (logprobs.detach() - behaviour_logprobs.to(logprobs.dtype)) * m
+        ratio = torch.exp(diff.clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+        mean, hi, lo = _masked_stats(ratio, m)
+        metrics.setdefault("is_weight_mean", mean)
+        metrics.setdefault("is_weight_max", hi)
+        metrics.setdefault("is_weight_min", lo)
+        metrics["logprob_mismatch"] = _mean(diff.abs(), m)
+        # k3 estimate of KL(mu || pi) from tokens sampled by mu: r - 1 - log r with r = pi/mu.
+        metrics["approx_kl"] = _mean(ratio - 1.0 - diff, m)
+    metrics["response_tokens"] = m.sum()
+    metrics["loss"] = loss.detach()
+    return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+def _prepare(logprobs, behaviour_logprobs, advantages, mask, *, need_behaviour: bool, name: str):
+    if logprobs.shape != mask.shape or advantages.shape != mask.shape:
+        raise ValueError(f"{name}: logprobs {tuple(logprobs.shape)}, advantages {tuple(advantages.shape)} and "
+                         f"mask {tuple(mask.shape)} must all be [B, S]")
+    m = mask != 0
+    zero = torch.zeros_like(logprobs)
+    logp = torch.where(m, logprobs, zero)
+    adv = torch.where(m, advantages.to(logprobs.dtype), zero)
+    mu = None
+    if behaviour_logprobs is not None:
+        if behaviour_logprobs.shape != mask.shape:
+            raise ValueError(f"{name}: behaviour_logprobs {tuple(behaviour_logprobs.shape)} must be [B, S]")
+        mu = torch.where(m, behaviour_logprobs.to(logprobs.dtype), zero)
+    elif need_behaviour:
+        raise ValueError(f"{name} needs behaviour_logprobs (the rollout engine's log mu)")
+    return logp, mu, adv, m.to(logprobs.dtype)
+
+
+def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, config: LossConfig, m: torch.Tensor,
+                       metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+    """-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), optionally dual-clipped; per token."""
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high) * adv
+    loss = -torch.minimum(surr1, surr2)
+    metrics["clip_frac"] = _mean((surr2 < surr1).to(m.dtype), m)
+    if config.dual_clip_c is not None:
+        bound = -config.dual_clip_c * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["dual_clip_frac"] = _mean(dual.to(m.dtype), m)
+    return loss
+
+
+# --- the losses ---------------------------------------------------------------------------------------
+
+LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register a policy loss under `name` (selectable as `LossConfig.name`)."""
+
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss(name: str) -> PolicyLoss:
+    if name not in LOSSES:
+        raise KeyError(f"unknown loss {name!r}; registered: {sorted(LOSSES)}")
+    return LOSSES[name]
+
+
+@register_loss("pg")
+def pg_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+            reference_logprobs=None, entropy=None, proximal_logprobs=None):
+    """Vanilla on-policy policy gradient (REINFORCE, Williams 1992): l_t = -A_t log pi(y_t).
+
+    No importance correction: correct only when the samples come from pi_theta itself. The value is not
+    a meaningful objective, its gradient is. Behaviour log-probs, when given, feed only the metrics.
+    Normaliser: `config.aggregation` (module docstring)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=False, name="pg")
+    return _finish(-adv * logp, {}, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+
+
+@register_loss("ppo_clip")
+def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+                  reference_logprobs=None, entropy=None, proximal_logprobs=None):
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), old policy = behaviour policy mu:
+
+        r_t = pi(y_t)/mu(y_t),  l_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)
+
+    with asymmetric clipping (DAPO clip-higher, arXiv 2503.14476) and optional dual-clip (Ye et al. 2020,
+    arXiv 1912.09729): for A_t < 0, l_t = min(l_t, -c A_t). Normaliser: `config.aggregation`."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True,
+                                name="ppo_clip")
+    metrics: dict[str, torch.Tensor] = {}
+    ratio = torch.exp((logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    per_token = _clipped_surrogate(ratio, adv, config, m, metrics)
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+
+
+@register_loss("aipo")
+def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+              reference_logprobs=None, entropy=None, proximal_logprobs=None):
+    """AIPO, LlamaRL's asynchronous importance-weighted policy optimisation (Wu et al. 2025,
+    arXiv 2505.24034; ALGORITHMS.md sec. 1):
+
+        l_t = -sg[ min(pi(y_t)/mu(y_t), rho) ] * A_t * log pi(y_t)
+
+    The weight is detached (stop-gradient) and clipped from above only, so grad l_t =
+    -min(pi/mu, rho) A_t grad log pi. mu's log-probs are the rollout engine's, so the weight absorbs both
+    staleness and the inference/training numeric mismatch. Departure: the paper sums over tokens; the
+    normaliser here is `config.aggregation` (a positive constant per global batch: same direction).
+    `clip_frac` is the fraction of tokens with pi/mu > rho."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="aipo")
+    ratio = torch.exp((logp.detach() - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    weight = ratio.clamp(max=config.aipo_rho)
+    metrics = {"clip_frac": _mean((ratio > config.aipo_rho).to(m.dtype), m)}
+    return _finish(-weight * adv * logp, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+
+
+@register_loss("tis")
+def tis_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+             reference_logprobs=None, entropy=None, proximal_logprobs=None):
+    """Truncated importance sampling for the rollout/training mismatch (Yao, Liu et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; decoupled PPO, Hilton et al. 2022,
+    arXiv 2110.00641, as used by AReaL):
+
+        w_t = min(pi_prox(y_t)/mu(y_t), C)   (detached; tis_mode=mask: w_t = 0 where the ratio > C)
+        l_t = w_t * -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t),  r_t = pi(y_t)/pi_prox(y_t)
+
+    pi_prox = `proximal_logprobs` (the trainer's own log-probs of the batch before this update) when
+    given; otherwise pi_prox = sg[pi], so r_t = 1 with gradient grad log pi and the loss's gradient equals
+    AIPO's with rho = C (and the PPO clip never binds). Normaliser: `config.aggregation`."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="tis")
+    lo, hi = -config.log_ratio_clamp, config.log_ratio_clamp
+    if proximal_logprobs is None:
+        prox = logp.detach()
+    else:
+        prox = torch.where(m > 0, proximal_logprobs.to(logp.dtype), torch.zeros_like(logp))
+    is_ratio = torch.exp((prox - mu).clamp(lo, hi))
+    if config.tis_mode == "truncate":
+        weight = is_ratio.clamp(max=config.tis_cap)
+    else:
+        weight = torch.where(is_ratio > config.tis_cap, torch.zeros_like(is_ratio), is_ratio)
+    metrics = {"is_clip_frac": _mean((is_ratio > config.tis_cap).to(m.dtype), m)}
+    ratio = torch.exp((logp - prox).clamp(lo, hi))
+    per_token = weight * _clipped_surrogate(ratio, adv, config, m, metrics)
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+
+
+def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                mask: torch.Tensor, config: LossConfig, normalizer: float, **kwargs,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dispatch to the loss `config.name` names."""
+    return get_loss(config.name)(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, **kwargs)
+
+
+def make_loss_fn(config: LossConfig, normalizer: float):
+    """The trainer's loss hook `loss_fn(logprobs, micro_batch) -> (loss, metrics)` for one global batch.
+
+    `normalizer` comes from `compute_normalizer(global_batch.loss_mask, config)` (or per-rank masks and
+    the data-parallel group): compute it once per optimizer step, before splitting into micro-batches."""
+    loss = get_loss(config.name)
+
+    def loss_fn(logprobs: torch.Tensor, micro_batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if micro_batch.advantages is None:
+            raise ValueError("TrainBatch.advantages is None: compute advantages before training")
+        return loss(logprobs, micro_batch.behaviour_logprobs, micro_batch.advantages, micro_batch.loss_mask,
+                    config, normalizer, reference_logprobs=micro_batch.reference_logprobs)
+
+    return loss_fn

@@ -1,0 +1,86 @@
+"""Scored groups -> the trainer's `TrainBatch` (advantages, behaviour log-probs, staleness)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_rl.algorithms import AdvantageConfig, compute_advantages, token_advantages
+from megatron_rl.controller.rollouts import Group
+from megatron_rl.types import TrainBatch
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """A training step's batch and the rollout statistics computed while building it."""
+
+    batch: TrainBatch | None
+    """Rows to train on (None when every group was uninformative), padded to the micro-batch size."""
+    full_loss_mask: torch.Tensor
+    """[N, S] loss mask of ALL samples before uninformative groups were dropped: the loss normaliser
+    is computed over it, so dropping zero-advantage rows leaves the gradient unchanged."""
+    metrics: dict[str, float]
+    """rollout/* metrics: rewards, accuracy, lengths, staleness, reward errors."""
+
+
+def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer_version: int,
+                     micro_batch_size: int, pad_token_id: int, drop_uninformative: bool) -> StepBatch:
+    samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok]
+    rewards = torch.tensor([s.reward.reward for _, s in samples], dtype=torch.float64)
+    group_ids = torch.tensor([gi for gi, _ in samples])
+    advantages = compute_advantages(rewards, group_ids, advantage).float() if samples else torch.zeros(0)
+
+    lengths = [len(s.completion.prompt_ids) + len(s.completion.output_ids) for _, s in samples]
+    width = max(lengths, default=2)
+    rows = len(samples)
+    tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width)
+    behaviour = torch.zeros(rows, width)
+    for r, (_, sample) in enumerate(samples):
+        c = sample.completion
+        p, n = len(c.prompt_ids), len(c.output_ids)
+        tokens[r, :p + n] = torch.tensor(c.prompt_ids + c.output_ids)
+        loss_mask[r, p:p + n] = 1.0
+        behaviour[r, p:p + n] = torch.tensor(c.output_logprobs, dtype=torch.float32)
+    token_adv = token_advantages(advantages, loss_mask) if rows else torch.zeros(0, width)
+
+    keep = torch.ones(rows, dtype=torch.bool)
+    if drop_uninformative:
+        for gi in set(group_ids.tolist()):
+            members = group_ids == gi
+            if torch.all(advantages[members] == 0):
+                keep &= ~members
+    kept = int(keep.sum())
+    batch = None
+    if kept:
+        padded = -(-kept // micro_batch_size) * micro_batch_size
+        index = keep.nonzero().flatten()
+        pad_rows = padded - kept
+
+        def take(t: torch.Tensor, fill: float) -> torch.Tensor:
+            extra = torch.full((pad_rows, width), fill, dtype=t.dtype)
+            return torch.cat([t[index], extra])
+
+        batch = TrainBatch(tokens=take(tokens, pad_token_id), loss_mask=take(loss_mask, 0.0),
+                           advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0))
+
+    all_samples = [s for g in groups for s in g.samples]
+    ok = [s for s in all_samples if s.reward.ok]
+    response_lengths = torch.tensor([len(s.completion.output_ids) for s in all_samples], dtype=torch.float32)
+    staleness = torch.tensor([trainer_version - s.completion.weight_version for s in all_samples], dtype=torch.float32)
+    truncated = sum(s.completion.finish_reason == "length" for s in all_samples)
+    metrics = {
+        "rollout/reward_mean": float(rewards.mean()) if rows else 0.0,
+        "rollout/reward_std": float(rewards.std()) if rows > 1 else 0.0,
+        "rollout/accuracy": sum(bool(s.reward.correct) for s in ok) / max(len(ok), 1),
+        "rollout/response_length_mean": float(response_lengths.mean()) if len(all_samples) else 0.0,
+        "rollout/response_length_max": float(response_lengths.max()) if len(all_samples) else 0.0,
+        "rollout/truncated_fraction": truncated / max(len(all_samples), 1),
+        "rollout/effective_ratio": float((advantages != 0).float().mean()) if rows else 0.0,
+        "rollout/trained_samples": float(kept),
+        "rollout/reward_errors": float(len(all_samples) - len(ok)),
+        "rollout/staleness_mean": float(staleness.mean()) if len(all_samples) else 0.0,
+        "rollout/staleness_max": float(staleness.max()) if len(all_samples) else 0.0,
+        "rollout/response_tokens": float(response_lengths.sum()),
+    }
+    return StepBatch(batch, loss_mask, metrics)

@@ -1,0 +1,481 @@
+"""Prompt sources: JSONL / parquet files and reasoning-gym generators, held-out splits, a resumable cursor.
+
+    train, heldout = build_datasets(DataConfig())      # default: the quickstart chain_sum task
+    stream = PromptStream(train, seed=1)               # deterministic shuffled order, epoch after epoch
+    prompts = stream.next(8)                           # list[Prompt]
+    state = stream.state_dict()                        # {'epoch', 'index', ...} for the checkpoint
+    stream.load_state_dict(state)                      # resume exactly where it stopped
+
+Every prompt is a typed `Prompt`: chat messages for the model, the question text, the reference
+answer, metadata (for reasoning-gym, the task entry its scorer needs) and a stable id.
+
+Splits never overlap: both are de-duplicated by question text (whitespace-normalised) and every
+training question that also appears in the held-out set is dropped from training. FINDINGS.md: with
+1-digit chain sums a naive training set contained 71 of 100 held-out questions.
+
+The quickstart task (SmolLM2-135M-Instruct starts at ~22% greedy with the chat template's default
+system prompt) is the default `SourceConfig`: reasoning-gym chain_sum, 2 terms of 1-2 digits, training
+seed 1, held-out seed 987654. In YAML:
+
+    data:
+      train: {kind: reasoning_gym, task: chain_sum, size: 4000, seed: 1,
+              task_config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}}
+      heldout_size: 100
+      heldout_seed: 987654
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+from typing import Any, Iterator, Literal, Sequence
+
+from megatron_rl.config import require
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the line or row, and the field."""
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One prompt of a data set."""
+
+    prompt_id: str
+    """Stable id: the row's id field when configured, else `<source>-<hash of question and answer>`."""
+    messages: list[dict[str, str]]
+    """Chat messages to render with the tokenizer's template ({'role', 'content'}), system prompt first
+    when one is configured; with no system message the template's own default applies."""
+    question: str
+    """The question text (the last user message); the key for de-duplication."""
+    answer: str | None = None
+    """Reference answer (None for sources without one)."""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra data for rewards: for reasoning-gym `{'reasoning_gym': {'task', 'config', 'entry'}}`;
+    for files, `{'source': path, 'row': line or row number}` and the row's other fields under 'row_data'."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SourceConfig:
+    """Where prompts come from: a reasoning-gym generator or a JSONL / parquet file."""
+
+    kind: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    """reasoning_gym: a seeded procedural generator; jsonl / parquet: a file at `path`."""
+    path: str | None = None
+    """jsonl / parquet: the file."""
+    prompt_field: str = "prompt"
+    """jsonl / parquet: field with the prompt, a string (the user message) or a list of chat messages
+    ({'role', 'content'}). Dotted paths reach nested fields ('extra.question')."""
+    answer_field: str | None = "answer"
+    """jsonl / parquet: field with the reference answer (None: no answers)."""
+    id_field: str | None = None
+    """jsonl / parquet: field with a stable prompt id (None: hash of question and answer)."""
+    system_prompt: str | None = None
+    """System message put before every prompt (None: none, so the chat template's default applies)."""
+    system_prompt_field: str | None = None
+    """jsonl / parquet: per-row system prompt field (overrides system_prompt when present in a row)."""
+    prompt_template: str = "{question}"
+    """Format string for the user message; `{question}` is the prompt text (e.g. add answer-format
+    instructions: "{question}\\nPut the final answer in \\\\boxed{{}}.")."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row (bad JSON, missing field, wrong type): error names the file and line; skip
+    counts it in the data set's stats and goes on."""
+    task: str = "chain_sum"
+    """reasoning_gym: the task name (chain_sum, basic_arithmetic, countdown, ...)."""
+    task_config: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    """reasoning_gym: the generator's own config options (difficulty), without size and seed."""
+    size: int = 4000
+    """reasoning_gym: how many questions to generate (before de-duplication)."""
+    seed: int = 1
+    """reasoning_gym: generator seed."""
+
+    def __post_init__(self) -> None:
+        if self.kind in ("jsonl", "parquet"):
+            require(bool(self.path), "path", f"a {self.kind} source needs a path")
+        require(self.size >= 1, "size", "must be >= 1")
+        require("{question}" in self.prompt_template, "prompt_template", "must contain {question}")
+        require(bool(self.prompt_field), "prompt_field", "must not be empty")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "reasoning_gym":
+            return f"rg_{self.task}"
+        return os.path.splitext(os.path.basename(self.path or "data"))[0]
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """Training prompts, the held-out evaluation set, and the order prompts are drawn in."""
+
+    train: SourceConfig = dataclasses.field(default_factory=SourceConfig)
+    """The training source (default: the quickstart reasoning-gym chain_sum task)."""
+    heldout: SourceConfig | None = None
+    """A separate held-out source. None: for reasoning_gym, the same task generated with heldout_seed;
+    for files, heldout_size rows carved out of the training file (seeded by heldout_seed)."""
+    heldout_size: int = 100
+    """Number of held-out questions (0: no held-out set; with an explicit `heldout` source, its cap)."""
+    heldout_seed: int = 987654
+    """Seed of the held-out generator (reasoning_gym) or of the carve-out (files)."""
+    shuffle: bool = True
+    """Draw training prompts in a new seeded permutation every epoch (False: file order)."""
+    shuffle_seed: int = 1
+    """Seed of the per-epoch permutations."""
+
+    def __post_init__(self) -> None:
+        require(self.heldout_size >= 0, "heldout_size", "must be >= 0")
+
+
+# --- reading ----------------------------------------------------------------------------------------------
+
+def normalize_question(text: str) -> str:
+    """The de-duplication key: whitespace collapsed and stripped (case and punctuation kept)."""
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _stable_id(prefix: str, question: str, answer: str | None) -> str:
+    digest = hashlib.sha1(f"{normalize_question(question)}\x00{answer}".encode("utf-8")).hexdigest()
+    return f"{prefix}-{digest[:16]}"
+
+
+def _get(row: dict, dotted: str) -> Any:
+    value: Any = row
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(dotted)
+        value = value[key]
+    return value
+
+
+def _messages(question_or_messages: Any, system: str | None, template: str, where: str,
+              field: str) -> tuple[list[dict[str, str]], str]:
+    if isinstance(question_or_messages, str):
+        question = question_or_messages
+        messages = [{"role": "user", "content": template.format(question=question)}]
+    elif isinstance(question_or_messages, (list, tuple)) and question_or_messages:
+        messages = []
+        for m in question_or_messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: field '{field}' must be a string or a list of "
+                                f"{{'role': str, 'content': str}} messages, got item {m!r}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        if not users:
+            raise DataError(f"{where}: field '{field}' has no user message")
+        question = users[-1]
+        if system is not None and messages[0]["role"] == "system":
+            system = None  # the row's own system message wins
+    else:
+        raise DataError(f"{where}: field '{field}' must be a non-empty string or list of chat messages, "
+                        f"got {type(question_or_messages).__name__}")
+    if not question.strip():
+        raise DataError(f"{where}: field '{field}' is empty")
+    if system is not None:
+        messages = [{"role": "system", "content": system}] + messages
+    return messages, question
+
+
+def _row_to_prompt(row: Any, cfg: SourceConfig, where: str, row_number: int) -> Prompt:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    try:
+        raw_prompt = _get(row, cfg.prompt_field)
+    except KeyError:
+        raise DataError(f"{where}: missing field '{cfg.prompt_field}' (prompt_field); "
+                        f"fields present: {sorted(row)}") from None
+    answer = None
+    if cfg.answer_field:
+        try:
+            answer = _get(row, cfg.answer_field)
+        except KeyError:
+            raise DataError(f"{where}: missing field '{cfg.answer_field}' (answer_field); "
+                            f"fields present: {sorted(row)}") from None
+        if answer is not None and not isinstance(answer, str):
+            answer = json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)
+    system = cfg.system_prompt
+    if cfg.system_prompt_field:
+        try:
+            row_system = _get(row, cfg.system_prompt_field)
+        except KeyError:
+            row_system = None
+        if row_system is not None:
+            system = str(row_system)
+    messages, question = _messages(raw_prompt, system, cfg.prompt_template, where, cfg.prompt_field)
+    if cfg.id_field:
+        try:
+            prompt_id = str(_get(row, cfg.id_field))
+        except KeyError:
+            raise DataError(f"{where}: missing field '{cfg.id_field}' (id_field); "
+                            f"fields present: {sorted(row)}") from None
+    else:
+        prompt_id = _stable_id(cfg.name, question, answer)
+    used = {cfg.prompt_field, cfg.answer_field, cfg.id_field, cfg.system_prompt_field}
+    extra = {k: v for k, v in row.items() if k not in used}
+    return Prompt(prompt_id=prompt_id, messages=messages, question=question, answer=answer,
+                  metadata={"source": cfg.path, "row": row_number, "row_data": extra})
+
+
+def _read_rows(cfg: SourceConfig) -> Iterator[tuple[int, str, Any]]:
+    """(row number, location text, row or exception) for each row of the file."""
+    path = cfg.path
+    assert path is not None
+    if not os.path.isfile(path):
+        raise DataError(f"data file not found: {path}")
+    if cfg.kind == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, f"{path}:{lineno}", json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield lineno, f"{path}:{lineno}", DataError(
+                        f"{path}:{lineno}: malformed JSON row ({exc.msg} at column {exc.colno})")
+    else:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise DataError(f"{path}: cannot read parquet file: {exc}") from None
+        for i, row in enumerate(table.to_pylist()):
+            yield i, f"{path}: row {i}", row
+
+
+@dataclasses.dataclass
+class PromptDataset:
+    """An ordered, de-duplicated list of prompts with counts of what was dropped."""
+
+    name: str
+    prompts: list[Prompt]
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    """rows_read, bad_rows_skipped, duplicates_dropped, heldout_overlap_dropped."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return iter(self.prompts)
+
+    def questions(self) -> set[str]:
+        return {normalize_question(p.question) for p in self.prompts}
+
+
+def _dedup(prompts: Sequence[Prompt], exclude: set[str] = frozenset(), limit: int | None = None,
+           ) -> tuple[list[Prompt], int, int]:
+    """Keep the first prompt of each question, skip those in `exclude`; (kept, duplicates, excluded)."""
+    seen: set[str] = set()
+    kept, dup, excluded = [], 0, 0
+    for p in prompts:
+        key = normalize_question(p.question)
+        if key in exclude:
+            excluded += 1
+            continue
+        if key in seen:
+            dup += 1
+            continue
+        seen.add(key)
+        kept.append(p)
+        if limit is not None and len(kept) >= limit:
+            break
+    return kept, dup, excluded
+
+
+def load_file_source(cfg: SourceConfig) -> PromptDataset:
+    """All rows of a JSONL / parquet source as prompts (not yet de-duplicated)."""
+    prompts: list[Prompt] = []
+    read = bad = 0
+    first_error: DataError | None = None
+    for number, where, row in _read_rows(cfg):
+        read += 1
+        try:
+            if isinstance(row, Exception):
+                raise row
+            prompts.append(_row_to_prompt(row, cfg, where, number))
+        except DataError as exc:
+            if cfg.on_bad_row == "error":
+                raise
+            bad += 1
+            first_error = first_error or exc
+    if not prompts:
+        detail = f"; first error: {first_error}" if first_error else ""
+        raise DataError(f"{cfg.path}: no usable rows ({read} read, {bad} bad){detail}")
+    return PromptDataset(cfg.name, prompts, {"rows_read": read, "bad_rows_skipped": bad})
+
+
+def reasoning_gym_prompt(task: str, task_config: dict[str, Any], entry: dict[str, Any],
+                         cfg: SourceConfig) -> Prompt:
+    messages, question = _messages(entry["question"], cfg.system_prompt, cfg.prompt_template,
+                                   f"reasoning-gym {task}", "question")
+    answer = None if entry.get("answer") is None else str(entry["answer"])
+    return Prompt(prompt_id=_stable_id(f"rg_{task}", question, answer), messages=messages, question=question,
+                  answer=answer,
+                  metadata={"reasoning_gym": {"task": task, "config": dict(task_config), "entry": entry}})
+
+
+def generate_reasoning_gym(cfg: SourceConfig, *, size: int | None = None, seed: int | None = None,
+                           unique: int | None = None, exclude: set[str] = frozenset()) -> PromptDataset:
+    """Generate prompts from a reasoning-gym task. With `unique`, keep generating (up to 50x) until that
+    many distinct questions not in `exclude` exist; otherwise generate `size` and de-duplicate."""
+    from megatron_rl.data.reasoning_gym_tasks import create_task_dataset
+
+    size = cfg.size if size is None else size
+    seed = cfg.seed if seed is None else seed
+    budget = size if unique is None else max(size, 50 * unique)
+    dataset = create_task_dataset(cfg.task, cfg.task_config, size=budget, seed=seed)
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    dup = excluded = read = 0
+    for i in range(budget):
+        if unique is not None and len(prompts) >= unique:
+            break
+        if unique is None and i >= size:
+            break
+        p = reasoning_gym_prompt(cfg.task, cfg.task_config, dataset[i], cfg)
+        read += 1
+        key = normalize_question(p.question)
+        if key in exclude:
+            excluded += 1
+        elif key in seen:
+            dup += 1
+        else:
+            seen.add(key)
+            prompts.append(p)
+    stats = {"rows_read": read, "duplicates_dropped": dup, "heldout_overlap_dropped": excluded}
+    return PromptDataset(cfg.name, prompts, stats)
+
+
+def build_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset]:
+    """(train, heldout): each de-duplicated by question text, and no training question in heldout."""
+    train_cfg = config.train
+    if config.heldout is not None:
+        if config.heldout.kind == "reasoning_gym":
+            heldout = generate_reasoning_gym(config.heldout, unique=config.heldout_size or None)
+        else:
+            raw = load_file_source(config.heldout)
+            kept, dup, _ = _dedup(raw.prompts, limit=config.heldout_size or None)
+            heldout = PromptDataset(raw.name, kept, {**raw.stats, "duplicates_dropped": dup})
+        exclude = heldout.questions()
+        if train_cfg.kind == "reasoning_gym":
+            train = generate_reasoning_gym(train_cfg, exclude=exclude)
+        else:
+            raw = load_file_source(train_cfg)
+            kept, dup, excl = _dedup(raw.prompts, exclude)
+            train = PromptDataset(raw.name, kept,
+                                  {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": excl})
+    elif train_cfg.kind == "reasoning_gym":
+        if config.heldout_size:
+            heldout = generate_reasoning_gym(train_cfg, seed=config.heldout_seed, unique=config.heldout_size)
+            heldout.name = f"{train_cfg.name}_heldout"
+        else:
+            heldout = PromptDataset(f"{train_cfg.name}_heldout", [], {})
+        train = generate_reasoning_gym(train_cfg, exclude=heldout.questions())
+    else:
+        raw = load_file_source(train_cfg)
+        unique, dup, _ = _dedup(raw.prompts)
+        order = list(range(len(unique)))
+        random.Random(config.heldout_seed).shuffle(order)
+        held_idx = set(order[:config.heldout_size])
+        if config.heldout_size and len(unique) - len(held_idx) < 1:
+            raise DataError(f"{train_cfg.path}: {len(unique)} distinct prompts cannot give "
+                            f"heldout_size={config.heldout_size} and a training set")
+        heldout = PromptDataset(f"{raw.name}_heldout", [unique[i] for i in sorted(held_idx)],
+                                {"rows_read": len(held_idx)})
+        train = PromptDataset(raw.name, [p for i, p in enumerate(unique) if i not in held_idx],
+                              {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": len(held_idx)})
+    if not train.prompts:
+        raise DataError(f"training source {train_cfg.name}: no prompts left after de-duplication "
+                        f"against the held-out set")
+    return train, heldout
+
+
+# --- the cursor ------------------------------------------------------------------------------------------
+
+class PromptCursor:
+    """A deterministic, resumable position (epoch, index) in per-epoch permutations of range(size).
+
+    Epoch e's order is a permutation seeded by (seed, e) alone, so the order of any epoch can be
+    recomputed after a restart; `state_dict` / `load_state_dict` save and restore the position, and
+    every index is handed out exactly once per epoch.
+    """
+
+    def __init__(self, size: int, *, seed: int = 1, shuffle: bool = True):
+        if size < 1:
+            raise ValueError("PromptCursor needs a non-empty data set")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            order = list(range(self.size))
+            if self.shuffle:
+                random.Random(f"megatron_rl-cursor-{self.seed}-{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def take(self, count: int) -> list[int]:
+        """The next `count` indices (crossing into the next epoch's permutation when one ends)."""
+        out = []
+        while len(out) < count:
+            order = self.order(self.epoch)
+            n = min(count - len(out), self.size - self.index)
+            out.extend(order[self.index:self.index + n])
+            self.index += n
+            if self.index == self.size:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    @property
+    def consumed(self) -> int:
+        """Indices handed out since the start of the run."""
+        return self.epoch * self.size + self.index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, "size": self.size, "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("size", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"cannot resume the prompt cursor: saved {key}={state[key]!r} but the data "
+                                f"set now has {key}={getattr(self, key)!r} (the data or its config changed)")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self.size:
+            raise DataError(f"cannot resume the prompt cursor: bad position epoch={epoch} index={index}")
+        self.epoch, self.index = epoch, index
+
+
+class PromptStream:
+    """Training prompts in cursor order: `next(k)` returns the next k prompts; resumable."""
+
+    def __init__(self, dataset: PromptDataset, *, seed: int = 1, shuffle: bool = True):
+        self.dataset = dataset
+        self.cursor = PromptCursor(len(dataset), seed=seed, shuffle=shuffle)
+
+    @classmethod
+    def from_config(cls, dataset: PromptDataset, config: DataConfig) -> "PromptStream":
+        return cls(dataset, seed=config.shuffle_seed, shuffle=config.shuffle)
+
+    def next(self, count: int) -> list[Prompt]:
+        return [self.dataset[i] for i in self.cursor.take(count)]
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.cursor.state_dict(), "dataset": self.dataset.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor.load_state_dict(state)

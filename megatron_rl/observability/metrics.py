@@ -1,0 +1,143 @@
+"""Metrics out of a run: JSONL in the run directory, W&B (offline automatically without credentials),
+a one-line console summary per step, and PNG plots at the end.
+
+Metric names follow the peers' style: `rollout/reward_mean`, `train/pg_loss`, `perf/step_time`,
+`eval/accuracy`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Literal
+
+from megatron_rl.config import require
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go."""
+
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """W&B mode: auto is online with WANDB_API_KEY set (or a netrc login), offline otherwise; the
+    WANDB_MODE environment variable overrides it."""
+    wandb_project: str = "megatron-rl"
+    """W&B project."""
+    wandb_run_name: str | None = None
+    """W&B run name (default: the run directory's name)."""
+    plots: bool = True
+    """Write PNG plots (reward/accuracy, step-time breakdown) into the run directory at the end."""
+    console_every: int = 1
+    """Print a one-line summary every N steps (0: never)."""
+
+    def __post_init__(self) -> None:
+        require(self.console_every >= 0, "console_every", "must be >= 0")
+
+
+def _wandb_mode(requested: str) -> str:
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if requested != "auto":
+        return requested
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.isfile(os.path.expanduser("~/.netrc"))
+    return "online" if has_key else "offline"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, config: LoggingConfig, run_config: dict[str, Any], *, resume: bool = False):
+        self.run_dir = run_dir
+        self.config = config
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
+        self._wandb = None
+        mode = _wandb_mode(config.wandb)
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project=config.wandb_project, dir=run_dir, mode=mode,
+                                         name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
+                                         config=run_config, resume="allow" if resume else None,
+                                         settings=wandb.Settings(silent=True, console="off"))
+            except Exception as exc:  # a broken W&B set-up must not stop training; the JSONL has everything
+                print(f"W&B disabled ({type(exc).__name__}: {exc}); metrics still go to {self.path}")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                   for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        every = self.config.console_every
+        if every and step % every == 0:
+            print(console_line(step, metrics), flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def console_line(step: int, m: dict[str, float]) -> str:
+    parts = [f"step {step}"]
+    for key, label, fmt in [("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/accuracy", "acc", "{:.2f}"),
+                            ("eval/accuracy", "eval", "{:.2f}"), ("train/pg_loss", "pg", "{:+.4f}"),
+                            ("train/logprob_mismatch", "mismatch", "{:.1e}"), ("rollout/staleness_mean", "stale", "{:.1f}"),
+                            ("rollout/response_length_mean", "len", "{:.0f}"), ("perf/step_time", "time", "{:.1f}s")]:
+        if key in m and m[key] is not None:
+            parts.append(f"{label} " + fmt.format(m[key]))
+    return " | ".join(parts)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_plots(run_dir: str) -> list[str]:
+    """reward_accuracy.png and step_time.png from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    train = [r for r in records if "rollout/reward_mean" in r]
+    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    written = []
+    if train:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in train], [r["rollout/reward_mean"] for r in train], label="train reward")
+        ax.plot([r["step"] for r in train], [r.get("rollout/accuracy", 0) for r in train], label="train accuracy", alpha=0.6)
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend()
+        ax.set_title("reward and accuracy")
+        fig.tight_layout()
+        path = os.path.join(run_dir, "reward_accuracy.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+        phases = [k for k in ("perf/generate_time", "perf/reward_time", "perf/train_time", "perf/weight_sync_time",
+                              "perf/checkpoint_time") if any(k in r for r in train)]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(train)
+        for key in phases:
+            values = [r.get(key) or 0.0 for r in train]
+            ax.bar([r["step"] for r in train], values, bottom=bottom, label=key.split("/")[1])
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.legend()
+        ax.set_title("step time breakdown")
+        fig.tight_layout()
+        path = os.path.join(run_dir, "step_time.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

