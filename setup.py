@@ -31,11 +31,17 @@ setup(
         "pyyaml>=6",
         "wandb>=0.17",
         "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "sympy>=1.12",
+        "math-verify>=0.7",
+        # reasoning-gym (task generators + scorers) is installed with --no-deps by scripts/setup_cpu.sh:
+        # its declared dependencies are puzzle libraries the tasks we use never import.
     ],
     extras_require={
         # Never list "apex": the PyPI package of that name is an unrelated web toolkit.
         "gpu": ["transformer-engine[pytorch]", "sglang", "triton"],
-        "dev": ["pytest>=8", "transformers>=4.45", "accelerate>=0.30"],
+        "dev": ["pytest>=8", "transformers>=4.45", "accelerate>=0.30", "pyarrow>=14"],
+        "parquet": ["pyarrow>=14"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

