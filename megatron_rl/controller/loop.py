@@ -129,6 +129,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
             controller.stream.load_state_dict(saved["data"])
+            controller.rollouts.resume_at(start_step)
             state.update(saved["controller"])
             controller.sync_weights()
             print(f"resumed from {latest} at step {start_step} (version {controller.version})")

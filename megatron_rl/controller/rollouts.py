@@ -129,6 +129,12 @@ class RolloutProducer:
             groups.append(Group(prompt, samples, step, elapsed))
         return groups
 
+    def resume_at(self, step: int) -> None:
+        """Continue a restored run: the next groups admitted belong to training step `step`."""
+        if self._in_flight:
+            raise RuntimeError("resume_at() needs an idle producer")
+        self._admitted_steps = step
+
     def pending_prompt_ids(self) -> list[str]:
         return [prompt.prompt_id for prompt, *_ in self._in_flight]
 

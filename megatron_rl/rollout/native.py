@@ -2,8 +2,8 @@
 continuous batching, exact seeded sampling and in-place weight updates. Runs on CPU or one GPU.
 
 Model. HF-layout weights (the names `checkpoints_tools.load_pretrained` returns) are copied at load /
-update time into fused matrices: per layer `qkv` = [q; k; v] rows and `gate_up` = [gate; up] rows, so a
-layer is four matmuls. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
+update time into fused, transposed matrices: per layer `qkv` = [q | k | v] and `gate_up` = [gate | up]
+columns, so a layer is four matmuls `x @ W`. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
 activation dtype, rotate-half RoPE from the same fp32 tables, softmax scale 1/sqrt(head_dim), SiLU
 MLP); grouped-query attention is computed per KV head on [q heads of the group] without repeating K/V.
 Logits are computed only for the positions that sample a token, in fp32.
@@ -100,8 +100,9 @@ class LlamaWeights:
         self.layers: list[_Layer] = []
         for _ in range(arch.num_layers):
             layer = _Layer()
-            layer.qkv, layer.o = new(q + 2 * kv, h), new(h, q)
-            layer.gate_up, layer.down = new(2 * f, h), new(h, f)
+            # stored transposed ([in, out], contiguous): x @ W is faster than F.linear for decode shapes
+            layer.qkv, layer.o = new(h, q + 2 * kv), new(q, h)
+            layer.gate_up, layer.down = new(h, 2 * f), new(f, h)
             layer.ln1, layer.ln2 = new(h), new(h)
             self.layers.append(layer)
         self._targets = self._name_table()
@@ -114,10 +115,11 @@ class LlamaWeights:
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             table.update({
-                p + "self_attn.q_proj.weight": layer.qkv[:q], p + "self_attn.k_proj.weight": layer.qkv[q:q + kv],
-                p + "self_attn.v_proj.weight": layer.qkv[q + kv:], p + "self_attn.o_proj.weight": layer.o,
-                p + "mlp.gate_proj.weight": layer.gate_up[:f], p + "mlp.up_proj.weight": layer.gate_up[f:],
-                p + "mlp.down_proj.weight": layer.down,
+                p + "self_attn.q_proj.weight": layer.qkv[:, :q].t(),
+                p + "self_attn.k_proj.weight": layer.qkv[:, q:q + kv].t(),
+                p + "self_attn.v_proj.weight": layer.qkv[:, q + kv:].t(), p + "self_attn.o_proj.weight": layer.o.t(),
+                p + "mlp.gate_proj.weight": layer.gate_up[:, :f].t(), p + "mlp.up_proj.weight": layer.gate_up[:, f:].t(),
+                p + "mlp.down_proj.weight": layer.down.t(),
                 p + "input_layernorm.weight": layer.ln1, p + "post_attention_layernorm.weight": layer.ln2,
             })
         return table
@@ -239,7 +241,7 @@ class LlamaModel:
                 causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
         for li, layer in enumerate(w.layers):
             h = _rms_norm(x, layer.ln1, a.norm_eps)
-            qkv = F.linear(h, layer.qkv)
+            qkv = torch.mm(h, layer.qkv)
             qk = _rope(qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d), cos, sin)
             q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
@@ -271,10 +273,10 @@ class LlamaModel:
                 oc = torch.matmul(probs, vc[slot, :, :end])                     # [kv, g*len, d]
                 out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
                     length, n_heads * d)
-            x = x + F.linear(out, layer.o)
+            x = x + torch.mm(out, layer.o)
             h = _rms_norm(x, layer.ln2, a.norm_eps)
-            gate_up = F.linear(h, layer.gate_up)
-            x = x + F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down)
+            gate_up = torch.mm(h, layer.gate_up)
+            x = x + torch.mm(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down)
         if batch.logit_rows.numel() != n:
             x = x.index_select(0, batch.logit_rows)
         h = _rms_norm(x, w.norm, a.norm_eps)
