@@ -52,7 +52,7 @@ def _train_worker(rank, world_size, arch, tp, pp, state, batch):
     rows = batch.batch_size // dp
     local = batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows))
 
-    def lm_loss(logprobs, mb):
+    def lm_loss(logprobs, mb, entropy):
         return -(logprobs * mb.loss_mask).sum() / normalizer, {}
 
     losses = [trainer.train_step(local, lm_loss)["train/loss"] for _ in range(STEPS)]

@@ -341,16 +341,17 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
 
 
 def make_loss_fn(config: LossConfig, normalizer: float):
-    """The trainer's loss hook `loss_fn(logprobs, micro_batch) -> (loss, metrics)` for one global batch.
+    """The trainer's loss hook `loss_fn(logprobs, micro_batch, entropy) -> (loss, metrics)` for one global batch.
 
     `normalizer` comes from `compute_normalizer(global_batch.loss_mask, config)` (or per-rank masks and
     the data-parallel group): compute it once per optimizer step, before splitting into micro-batches."""
     loss = get_loss(config.name)
 
-    def loss_fn(logprobs: torch.Tensor, micro_batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(logprobs: torch.Tensor, micro_batch, entropy: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if micro_batch.advantages is None:
             raise ValueError("TrainBatch.advantages is None: compute advantages before training")
         return loss(logprobs, micro_batch.behaviour_logprobs, micro_batch.advantages, micro_batch.loss_mask,
-                    config, normalizer, reference_logprobs=micro_batch.reference_logprobs)
+                    config, normalizer, reference_logprobs=micro_batch.reference_logprobs, entropy=entropy)
 
     return loss_fn

@@ -34,7 +34,7 @@ def bench_trainer(options: dict) -> dict:
 
     trainer = MegatronTrainer(model.arch, TrainerConfig(micro_batch_size=rows, lr=lr, clip_grad=1.0),
                               hf_state=model.state)
-    lm_loss = lambda logprobs, mb: (-(logprobs * mb.loss_mask).sum() / normalizer, {})  # noqa: E731
+    lm_loss = lambda logprobs, mb, entropy: (-(logprobs * mb.loss_mask).sum() / normalizer, {})  # noqa: E731
     results["megatron_step_s"] = _timed(lambda: trainer.train_step(batch, lm_loss), steps)
     del trainer
 

@@ -3,9 +3,10 @@
 `MegatronTrainer.train_step(batch, loss_fn)` runs Megatron's `get_forward_backward_func` schedule
 (no pipelining, or 1F1B with PP > 1) over micro-batches, then an optimizer step.
 
-The loss hook. `loss_fn(logprobs, micro_batch) -> (loss, metrics)` receives the token-aligned
-log-probabilities `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])` ([b, S] float32, column 0 is
-0) of one micro-batch and returns that micro-batch's *share of the global loss*: the sum over its
+The loss hook. `loss_fn(logprobs, micro_batch, entropy) -> (loss, metrics)` receives the
+token-aligned log-probabilities `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])` and the policy's
+entropy at each of those positions ([b, S] float32, column 0 is 0; both differentiable) of one
+micro-batch and returns that micro-batch's *share of the global loss*: the sum over its
 tokens or sequences divided by a normaliser the loss function computed over the whole global batch
 (all micro-batches and data-parallel ranks). The trainer undoes Megatron's own division by the number
 of micro-batches and its gradient averaging over data-parallel ranks, so the gradient is exactly that
@@ -31,10 +32,13 @@ from megatron_rl.trainer.model import build_gpt_model, resolve_layer_spec, trans
 from megatron_rl.trainer.parallel import ParallelConfig, setup_model_parallel
 from megatron_rl.types import TrainBatch
 
-LossFn = Callable[[torch.Tensor, TrainBatch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
-# Finite instead of -inf: the vocab-parallel softmax subtracts a max, and -inf - -inf is NaN.
-_MASKED_LOGIT = -1.0e30
+
+def _hidden_states_head(input_, weight=None, runtime_gather_output=None, **kwargs):
+    """Stands in for the output layer's forward: the model returns final hidden states, and the
+    log-prob kernel applies the output weight chunk by chunk (no [tokens, vocab] logits in memory)."""
+    return input_, None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -133,6 +137,8 @@ class MegatronTrainer:
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         self.gpt = model
+        if self.is_last_stage:
+            model.output_layer.forward = _hidden_states_head
         if hf_state is not None:
             self.load_hf_state(hf_state)
         if self.params_dtype != torch.float32:
@@ -216,24 +222,25 @@ class MegatronTrainer:
         return megatron_to_hf(shards, self.layout)
 
     # --- forward ----------------------------------------------------------------------------------
-    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, S-1, V/tp] vocab-parallel logits of tokens[:, :-1] -> token-aligned log-probs [b, S]."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    def _output_weight(self) -> torch.Tensor:
+        return self.gpt.shared_embedding_or_output_weight() if self.arch.tie_word_embeddings else \
+            self.gpt.output_layer.weight
 
-        logits = logits.float()
-        shard = logits.shape[-1]
-        start = self.tp_rank * shard
-        real = self.arch.vocab_size - start
-        if real < shard:  # vocabulary padding lives on the last TP ranks: keep it out of the softmax
-            pad = torch.arange(shard, device=logits.device) >= real
-            logits = logits.masked_fill(pad, _MASKED_LOGIT)
-        # The cross entropy reduces over the last dim only, so [b, s, v] works without a transpose copy.
-        logprobs = -vocab_parallel_cross_entropy(logits, tokens[:, 1:])
-        return torch.cat([logprobs.new_zeros(tokens.shape[0], 1), logprobs], dim=1)
+    def _token_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, S-1, H] final hidden states of tokens[:, :-1] -> token-aligned (log-probs, entropy), each
+        [b, S] float32, via the fused vocab-parallel kernel (padding rows of the vocabulary excluded)."""
+        from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 
-    def _run_schedule(self, batch: TrainBatch, on_logits, forward_only: bool):
-        """Run Megatron's schedule; `on_logits(logits, tokens, micro_batch) -> (loss, outputs)` runs on
-        the last stage for each micro-batch. Returns the per-micro-batch outputs (last stage only)."""
+        weight = self._output_weight()
+        logprobs, entropy = fused_logprobs_and_entropy(
+            hidden, weight, tokens[:, 1:], tp_group=self.pg.tp if self.tp_size > 1 else None,
+            vocab_start=self.tp_rank * weight.shape[0], vocab_size=self.arch.vocab_size)
+        pad = logprobs.new_zeros(tokens.shape[0], 1)
+        return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
+
+    def _run_schedule(self, batch: TrainBatch, on_hidden, forward_only: bool):
+        """Run Megatron's schedule; `on_hidden(hidden, tokens, micro_batch) -> (loss, outputs)` runs on
+        the last stage (hidden: final hidden states [b, S-1, H] of the micro-batch) for each micro-batch. Returns the per-micro-batch outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro = list(batch.micro_batches(self.config.micro_batch_size))
@@ -246,14 +253,14 @@ class MegatronTrainer:
             inputs = tokens[:, :-1]
             positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(inputs)
             output = model(inputs, positions, None)
-            return output, lambda logits: on_logits(logits, tokens, mb)
+            return output, lambda hidden: on_hidden(hidden, tokens, mb)
 
         schedule = get_forward_backward_func()
         return schedule(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                         num_microbatches=len(micro), seq_length=seq,
                         micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
 
-    def _forward_only(self, batch: TrainBatch, on_logits, key: str) -> torch.Tensor | None:
+    def _forward_only(self, batch: TrainBatch, on_hidden, key: str) -> torch.Tensor | None:
         """Concatenated `key` outputs of a forward-only pass (last stage; None elsewhere). Pads the batch
         with copies of its first row up to a multiple of micro_batch_size (pipelines need equal
         micro-batches) and drops them again."""
@@ -265,7 +272,7 @@ class MegatronTrainer:
         self._check_batch(batch)
         self.model.eval()
         try:
-            outputs = self._run_schedule(batch, on_logits, forward_only=True)
+            outputs = self._run_schedule(batch, on_hidden, forward_only=True)
         finally:
             self.model.train()
         return torch.cat([o[key] for o in outputs])[:rows] if self.is_last_stage else None
@@ -288,11 +295,11 @@ class MegatronTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Token-aligned log pi(tokens) [B, S] (float32, CPU) on every rank of this DP replica."""
-        def on_logits(logits, tokens, mb):
-            return logits.new_zeros(()), {"logprobs": self._token_logprobs(logits, tokens)}
+        def on_hidden(hidden, tokens, mb):
+            return hidden.new_zeros(()), {"logprobs": self._token_logprobs(hidden, tokens)[0]}
 
         with cpu_compat.redirect_cuda_to_cpu():
-            result = self._forward_only(batch, on_logits, "logprobs")
+            result = self._forward_only(batch, on_hidden, "logprobs")
             return self._broadcast_from_last_stage(result, (batch.batch_size, batch.seq_length), torch.float32)
 
     @torch.no_grad()
@@ -301,12 +308,13 @@ class MegatronTrainer:
         over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        def on_logits(logits, tokens, mb):
-            full = gather_from_tensor_model_parallel_region(logits.float())[..., :self.arch.vocab_size]
-            return logits.new_zeros(()), {"logits": full}
+        def on_hidden(hidden, tokens, mb):
+            logits = hidden.float() @ self._output_weight().float().t()
+            full = gather_from_tensor_model_parallel_region(logits)[..., :self.arch.vocab_size]
+            return hidden.new_zeros(()), {"logits": full}
 
         with cpu_compat.redirect_cuda_to_cpu():
-            result = self._forward_only(batch, on_logits, "logits")
+            result = self._forward_only(batch, on_hidden, "logits")
             return self._broadcast_from_last_stage(
                 result, (batch.batch_size, batch.seq_length - 1, self.arch.vocab_size), torch.float32)
 
@@ -321,8 +329,9 @@ class MegatronTrainer:
         # hook's loss is already a share of the global loss, so scale those back out (module doc).
         scale = num_micro * self.dp_size
 
-        def on_logits(logits, tokens, mb):
-            loss, metrics = loss_fn(self._token_logprobs(logits, tokens), mb)
+        def on_hidden(hidden, tokens, mb):
+            logprobs, entropy = self._token_logprobs(hidden, tokens)
+            loss, metrics = loss_fn(logprobs, mb, entropy)
             # Metrics are averaged over micro-batches and DP ranks; the loss is a share, so its total is
             # the sum: report it pre-multiplied by the number of shares.
             reported = {"loss": loss.detach() * scale, **{k: v.detach() for k, v in metrics.items()}}
@@ -332,7 +341,7 @@ class MegatronTrainer:
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(batch, on_logits, forward_only=False)
+            outputs = self._run_schedule(batch, on_hidden, forward_only=False)
             update_ok, grad_norm, _ = self.optimizer.step()
             if update_ok:
                 self.scheduler.step(increment=1)
