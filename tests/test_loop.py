@@ -83,3 +83,16 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, tiny_chat_mo
     with open(shard, "r+b") as f:
         f.truncate(100)
     assert manager.latest().endswith("step_00000002")
+
+
+def test_async_disaggregated_run_respects_staleness_and_verifies_weights(tmp_path, tiny_chat_model):
+    run_dir = str(tmp_path / "async")
+    train(_config(tiny_chat_model, run_dir, "steps=4", "rollout.max_staleness=1", "rollout.placement=disaggregated",
+                  "rollout.verify_weight_sync=true", "checkpoint.every_steps=0"))
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in records if "rollout/reward_mean" in r]
+    assert len(steps) == 4
+    assert max(r["rollout/staleness_max"] for r in steps) <= 1
+    assert any(r["rollout/staleness_max"] == 1 for r in steps[1:])  # generation really ran ahead
+    # Off-policy samples: the importance weights differ from 1 (AIPO corrects them).
+    assert any(abs(r["train/is_weight_mean"] - 1.0) > 1e-6 for r in steps[1:])

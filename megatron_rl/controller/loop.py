@@ -53,6 +53,18 @@ class RunSummary:
     """The last step's metrics."""
 
 
+def make_engine(config: RunConfig, model):
+    """The generator executor for the configured placement (see RolloutConfig.placement)."""
+    rollout = config.rollout
+    if rollout.placement == "disaggregated":
+        from megatron_rl.controller.generator_process import GeneratorProcess
+
+        torch.set_num_threads(rollout.trainer_threads)
+        return GeneratorProcess(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine,
+                                threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync)
+    return NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
+
+
 class Controller:
     """Owns the executors of a colocated run (trainer and engine share this process's cores)."""
 
@@ -65,7 +77,7 @@ class Controller:
             raise ValueError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
-        self.engine = NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
+        self.engine = make_engine(config, model)
         del model
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = build_datasets(config.data)

@@ -41,6 +41,16 @@ class RolloutConfig:
     max_staleness: int = 0
     """Versions a consumed sample may lag the trainer: 0 is synchronous on-policy training; k >= 1
     lets generation run up to k steps ahead of training (asynchronous, off-policy)."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: the engine shares the trainer's process and cores, and generation and training take
+    turns. disaggregated: the engine runs in its own process on `generator_threads` cores while the
+    trainer keeps `trainer_threads` (LlamaRL's layout; with max_staleness >= 1 they overlap)."""
+    generator_threads: int = 1
+    """Cores (torch threads) of the generator process in the disaggregated placement."""
+    trainer_threads: int = 1
+    """Cores (torch threads) of the trainer in the disaggregated placement."""
+    verify_weight_sync: bool = False
+    """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
     drop_uninformative_groups: bool = True
     """Skip the backward pass for groups whose advantages are all zero (every sample scored the same).
     Their gradient is exactly zero without a KL/entropy term, so this changes speed, not the update."""
@@ -52,6 +62,8 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        require(self.generator_threads >= 1, "generator_threads", "must be >= 1")
+        require(self.trainer_threads >= 1, "trainer_threads", "must be >= 1")
 
     def sampling(self, seed: int | None) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,

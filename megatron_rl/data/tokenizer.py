@@ -41,9 +41,15 @@ class ChatTokenizer:
         self.eos_token_id = eos_token_id
         self.pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
         self.chat_template = chat_template
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._template = env.from_string(chat_template) if chat_template else None
+        self._template = _compile_template(chat_template)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled jinja template does not pickle; executors in other processes recompile it.
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._template = _compile_template(self.chat_template)
 
     # --- construction -----------------------------------------------------------------------------
     @classmethod
@@ -126,6 +132,15 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _compile_template(chat_template: str | None):
+    if not chat_template:
+        return None
+    # The same environment transformers renders chat templates with (sandboxed, trimmed blocks).
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(chat_template)
 
 
 def _raise_template_error(message: str) -> None:

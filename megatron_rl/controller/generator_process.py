@@ -1,0 +1,326 @@
+"""A generator executor in its own process: the native engine behind the `RolloutEngine` interface.
+
+LlamaRL's disaggregated layout on one host: the trainer keeps its cores, the generator process keeps
+its own, and the two run concurrently. The controller talks to it through two channels:
+
+- requests / completions: typed records over a pair of multiprocessing queues (the loop sees only
+  `submit() -> futures`, exactly like an in-process engine);
+- weights: a shared-memory weight channel. The HF-named tensors are packed once into flat
+  per-dtype buckets allocated in shared memory (`kernels.reshard.pack_tensors` layout); an update
+  copies the trainer's tensors into those buckets (one memcpy), then tells the generator the new
+  version; the generator copies from the shared views into its engine between two decode steps
+  and acknowledges. With a checksum mode, both sides hash every tensor and a mismatch fails loudly.
+
+A generator that dies is detected by the receiver thread: the process is restarted from the weights
+in shared memory (the latest version), and every request it had not finished is submitted again, so
+no prompt is lost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+import traceback
+import zlib
+from concurrent.futures import Future
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_rl.kernels.reshard import Bucket, pack_tensors, unpack_buckets
+from megatron_rl.models import ModelArch
+from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request
+from megatron_rl.rollout.native import NativeEngineConfig
+from megatron_rl.types import Completion
+
+_BUCKET_BYTES = 64 << 20
+
+
+def tensor_checksum(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes (verification mode of the weight channel)."""
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data))
+
+
+class WeightMismatchError(RuntimeError):
+    """A tensor's checksum differs between trainer and generator after a weight sync."""
+
+
+def _worker(arch: ModelArch, buckets: list[Bucket], version: int, config: NativeEngineConfig, tokenizer,
+            requests: mp.Queue, results: mp.Queue, threads: int) -> None:
+    torch.set_num_threads(threads)
+    from megatron_rl.rollout.native import NativeEngine
+
+    try:
+        engine = NativeEngine(arch, unpack_buckets(buckets), tokenizer=tokenizer, version=version,
+                              config=dataclasses.replace(config, num_threads=threads))
+    except BaseException:
+        results.put(("fatal", traceback.format_exc()))
+        return
+    results.put(("ready", os.getpid()))
+
+    def forward(sample_id: str, future: Future) -> None:
+        try:
+            results.put(("done", sample_id, future.result()))
+        except BaseException as exc:  # a per-request error (bad prompt): report it, keep serving
+            results.put(("failed", sample_id, f"{type(exc).__name__}: {exc}"))
+
+    while True:
+        message = requests.get()
+        kind = message[0]
+        if kind == "submit":
+            try:
+                futures = engine.submit(message[1])
+            except BaseException as exc:
+                for request in message[1]:
+                    for sample_id in request.sample_ids():
+                        results.put(("failed", sample_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            ids = [sid for request in message[1] for sid in request.sample_ids()]
+            for sample_id, future in zip(ids, futures):
+                future.add_done_callback(lambda f, sid=sample_id: forward(sid, f))
+        elif kind == "update":
+            _, new_version, verify = message
+            try:
+                tensors = unpack_buckets(buckets)
+                engine.update_weights(tensors, new_version)
+                sums = {n: tensor_checksum(t) for n, t in engine.named_weights(tensors).items()} if verify else None
+                results.put(("updated", new_version, sums))
+            except BaseException:
+                results.put(("fatal", traceback.format_exc()))
+                return
+        elif kind == "control":
+            _, name, args = message
+            try:
+                value = getattr(engine, name)(*args)
+                results.put(("control", name, value))
+            except BaseException as exc:
+                results.put(("control", name, exc))
+        elif kind == "stop":
+            engine.close()
+            results.put(("stopped",))
+            return
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: GenerateRequest
+    futures: dict[str, Future]
+
+
+class GeneratorProcess:
+    """`RolloutEngine` whose engine runs in a child process (see module docstring)."""
+
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], *, tokenizer=None,
+                 config: NativeEngineConfig | None = None, threads: int = 1, verify_weights: bool = False,
+                 start_timeout: float = 300.0):
+        self.arch = arch
+        self.config = config or NativeEngineConfig()
+        self.tokenizer = tokenizer
+        self.threads = threads
+        self.verify_weights = verify_weights
+        self.start_timeout = start_timeout
+        self._ctx = mp.get_context("spawn")
+        self._buckets = pack_tensors(state, _BUCKET_BYTES, device="cpu")
+        for bucket in self._buckets:
+            bucket.buffer.share_memory_()
+        self._views = unpack_buckets(self._buckets)
+        self._version = 0
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}  # request id -> request and its per-sample futures
+        self._replies: queue.Queue = queue.Queue()
+        self.restarts = 0
+        self._closed = False
+        self._start()
+        self._receiver = threading.Thread(target=self._receive, name="generator-receiver", daemon=True)
+        self._receiver.start()
+
+    # --- process management ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self._requests = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._process = self._ctx.Process(
+            target=_worker, args=(self.arch, self._buckets, self._version, self.config, self.tokenizer,
+                                  self._requests, self._results, self.threads), daemon=True)
+        self._process.start()
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                message = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"generator process exited with code {self._process.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("generator process did not start in time")
+                continue
+            if message[0] == "ready":
+                self.pid = message[1]
+                return
+            raise RuntimeError(f"generator process failed to start:\n{message[1]}")
+
+    def _restart(self) -> None:
+        """Replace a dead generator and resubmit every unfinished request."""
+        self.restarts += 1
+        try:
+            self._process.join(timeout=1.0)
+        except Exception:
+            pass
+        with self._lock:
+            self._start()
+            unfinished = [p.request for p in self._pending.values()
+                          if any(not f.done() for f in p.futures.values())]
+            if unfinished:
+                self._requests.put(("submit", unfinished))
+        self._replies.put(("restarted",))
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                message = self._results.get(timeout=0.5)
+            except queue.Empty:
+                if not self._closed and not self._process.is_alive():
+                    self._restart()
+                continue
+            except (EOFError, OSError):
+                if self._closed:
+                    return
+                self._restart()
+                continue
+            kind = message[0]
+            if kind in ("done", "failed"):
+                self._resolve(kind, message[1], message[2])
+            elif kind == "fatal":
+                self._replies.put(RuntimeError(f"generator process failed:\n{message[1]}"))
+            else:
+                self._replies.put(message)
+
+    def _resolve(self, kind: str, sample_id: str, value: Any) -> None:
+        with self._lock:
+            for request_id, pending in list(self._pending.items()):
+                future = pending.futures.get(sample_id)
+                if future is None:
+                    continue
+                if not future.done():
+                    if kind == "done":
+                        future.set_result(value)
+                    else:
+                        future.set_exception(ValueError(value))
+                if all(f.done() for f in pending.futures.values()):
+                    del self._pending[request_id]
+                return
+
+    def _reply(self, expected: str, resend=None, timeout: float = 600.0):
+        """Wait for the generator's answer; if it was restarted meanwhile, ask the new one again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                message = self._replies.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"generator did not answer '{expected}' in {timeout:.0f}s")
+                continue
+            if isinstance(message, BaseException):
+                raise message
+            if message[0] == "restarted" and resend is not None:
+                resend()
+            elif message[0] == expected:
+                return message
+
+    # --- RolloutEngine ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        prepared = [as_request(r, i) for i, r in enumerate(requests)]
+        futures: list[Future] = []
+        with self._lock:
+            for request in prepared:
+                per_sample = {sid: Future() for sid in request.sample_ids()}
+                self._pending[request.request_id] = _Pending(request, per_sample)
+                futures.extend(per_sample.values())
+            self._requests.put(("submit", prepared))
+        return futures
+
+    def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
+        return [f.result(timeout=timeout) for f in self.submit(requests)]
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> int:
+        """Copy tensors into the shared buckets, then have the generator load them (between two decode
+        steps: in-flight sequences continue under the new version, recorded per token)."""
+        items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        unknown = sorted(set(items) - set(self._views))
+        if unknown:
+            raise ValueError(f"update_weights: unknown tensor names {unknown[:3]}")
+        dsts = [self._views[n] for n in items]
+        torch._foreach_copy_(dsts, [t.detach() for t in items.values()])
+        new_version = self._version + 1 if version is None else int(version)
+        send = lambda: self._requests.put(("update", new_version, self.verify_weights))  # noqa: E731
+        send()
+        _, applied, sums = self._reply("updated", resend=send)
+        self._version = applied
+        if sums is not None:
+            expected = {n: tensor_checksum(t) for n, t in items.items()}
+            bad = [n for n, s in expected.items() if sums.get(n) != s]
+            if bad:
+                raise WeightMismatchError(f"weight sync to version {applied}: checksum mismatch on {len(bad)} "
+                                          f"tensors, e.g. {bad[:3]}")
+        return len(items)
+
+    def _control(self, name: str, *args):
+        send = lambda: self._requests.put(("control", name, args))  # noqa: E731
+        send()
+        _, _, value = self._reply("control", resend=send)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def pause(self) -> None:
+        self._control("pause")
+
+    def resume(self) -> None:
+        self._control("resume")
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        self._control("abort", None if request_ids is None else list(request_ids))
+
+    def flush_cache(self) -> bool:
+        return self._control("flush_cache")
+
+    def health(self) -> dict[str, Any]:
+        status = self._control("health")
+        return {**status, "process_alive": self.alive, "restarts": self.restarts, "pid": self.pid}
+
+    def kill(self) -> None:
+        """Fault injection for tests: SIGKILL the generator process."""
+        self._process.kill()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._process.is_alive():
+                self._requests.put(("stop",))
+                self._process.join(timeout=10)
+        finally:
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._receiver.join(timeout=2)
+
+    def __enter__(self) -> "GeneratorProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
