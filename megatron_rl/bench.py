@@ -19,6 +19,7 @@ from megatron_rl.config import ConfigError
 BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench:bench_trainer",
     "logprob": "megatron_rl.kernels.bench:bench_logprob",
+    "async": "megatron_rl.controller.bench:bench_async",
 }
 
 

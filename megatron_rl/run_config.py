@@ -50,6 +50,8 @@ class EvalConfig:
     """Longest response when evaluating."""
     before_training: bool = True
     """Measure the starting policy's held-out accuracy (reported as accuracy_before)."""
+    after_training: bool = True
+    """Measure the trained policy's held-out accuracy (reported as accuracy_after)."""
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", "must be >= 0")

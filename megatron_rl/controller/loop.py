@@ -170,10 +170,12 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                     "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer)
                 metrics["perf/checkpoint_time"] = time.perf_counter() - tick
             logger.log(done, metrics)
-        after = controller.evaluate()
-        logger.log(config.steps, after)
-        print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
-              + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))
+        after = {"eval/accuracy": None}
+        if config.eval.after_training:
+            after = controller.evaluate()
+            logger.log(config.steps, after)
+            print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
+                  + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))
     finally:
         logger.close()
         controller.close()
