@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench:bench_trainer",
     "logprob": "megatron_rl.kernels.bench:bench_logprob",
     "async": "megatron_rl.controller.bench:bench_async",
+    "sync": "megatron_rl.weight_sync.bench:bench_sync",
 }
 
 

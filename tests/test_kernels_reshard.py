@@ -10,7 +10,7 @@ from megatron_rl.kernels import reshard as R
 from megatron_rl.kernels import triton_reshard
 from megatron_rl.models import ModelArch
 
-from .distributed import run_distributed
+from megatron_rl.controller.launch import run_distributed
 
 needs_triton = pytest.mark.skipif(not triton_reshard.AVAILABLE, reason="triton not importable")
 

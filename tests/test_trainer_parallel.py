@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.types import TrainBatch
-from tests.distributed import run_distributed
+from megatron_rl.controller.launch import run_distributed
 
 STEPS = 3
 

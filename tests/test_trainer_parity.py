@@ -8,7 +8,7 @@ import pytest
 from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.checkpoints_tools.pretrained import convert, load_pretrained
 from megatron_rl.types import TrainBatch
-from tests.distributed import run_distributed
+from megatron_rl.controller.launch import run_distributed
 
 
 def _chat_batch(tokenizer, prompts):

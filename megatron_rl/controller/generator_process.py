@@ -5,11 +5,12 @@ its own, and the two run concurrently. The controller talks to it through two ch
 
 - requests / completions: typed records over a pair of multiprocessing queues (the loop sees only
   `submit() -> futures`, exactly like an in-process engine);
-- weights: a shared-memory weight channel. The HF-named tensors are packed once into flat
-  per-dtype buckets allocated in shared memory (`kernels.reshard.pack_tensors` layout); an update
-  copies the trainer's tensors into those buckets (one memcpy), then tells the generator the new
-  version; the generator copies from the shared views into its engine between two decode steps
-  and acknowledges. With a checksum mode, both sides hash every tensor and a mismatch fails loudly.
+- weights: a shared-memory weight channel (`weight_sync.shared_memory`). The HF-named tensors live
+  in flat per-dtype buckets in named shared memory; an update writes the trainer's tensors into
+  them (`stage_weights`, or each trainer rank writes its own shard through the reshard plan), then
+  `commit_weights` tells the generator the new version; the generator copies from the shared views
+  into its engine between two decode steps and acknowledges. With a checksum mode, both sides hash
+  every tensor and a mismatch fails loudly.
 
 A generator that dies is detected by the receiver thread: the process is restarted from the weights
 in shared memory (the latest version), and every request it had not finished is submitted again, so
@@ -30,13 +31,11 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from megatron_rl.kernels.reshard import Bucket, pack_tensors, unpack_buckets
 from megatron_rl.models import ModelArch
 from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request
 from megatron_rl.rollout.native import NativeEngineConfig
 from megatron_rl.types import Completion
-
-_BUCKET_BYTES = 64 << 20
+from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:
@@ -49,13 +48,14 @@ class WeightMismatchError(RuntimeError):
     """A tensor's checksum differs between trainer and generator after a weight sync."""
 
 
-def _worker(arch: ModelArch, buckets: list[Bucket], version: int, config: NativeEngineConfig, tokenizer,
+def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, config: NativeEngineConfig, tokenizer,
             requests: mp.Queue, results: mp.Queue, threads: int) -> None:
     torch.set_num_threads(threads)
     from megatron_rl.rollout.native import NativeEngine
 
     try:
-        engine = NativeEngine(arch, unpack_buckets(buckets), tokenizer=tokenizer, version=version,
+        shared = SharedBuckets.attach(weights).views()
+        engine = NativeEngine(arch, shared, tokenizer=tokenizer, version=version,
                               config=dataclasses.replace(config, num_threads=threads))
     except BaseException:
         results.put(("fatal", traceback.format_exc()))
@@ -85,9 +85,8 @@ def _worker(arch: ModelArch, buckets: list[Bucket], version: int, config: Native
         elif kind == "update":
             _, new_version, verify = message
             try:
-                tensors = unpack_buckets(buckets)
-                engine.update_weights(tensors, new_version)
-                sums = {n: tensor_checksum(t) for n, t in engine.named_weights(tensors).items()} if verify else None
+                engine.update_weights(shared, new_version)
+                sums = {n: tensor_checksum(t) for n, t in engine.named_weights(shared).items()} if verify else None
                 results.put(("updated", new_version, sums))
             except BaseException:
                 results.put(("fatal", traceback.format_exc()))
@@ -124,10 +123,9 @@ class GeneratorProcess:
         self.verify_weights = verify_weights
         self.start_timeout = start_timeout
         self._ctx = mp.get_context("spawn")
-        self._buckets = pack_tensors(state, _BUCKET_BYTES, device="cpu")
-        for bucket in self._buckets:
-            bucket.buffer.share_memory_()
-        self._views = unpack_buckets(self._buckets)
+        self._shared = SharedBuckets.create([(n, tuple(t.shape), t.dtype) for n, t in state.items()])
+        self._views = self._shared.views()
+        torch._foreach_copy_([self._views[n] for n in state], [t.detach() for t in state.values()])
         self._version = 0
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # request id -> request and its per-sample futures
@@ -143,7 +141,7 @@ class GeneratorProcess:
         self._requests = self._ctx.Queue()
         self._results = self._ctx.Queue()
         self._process = self._ctx.Process(
-            target=_worker, args=(self.arch, self._buckets, self._version, self.config, self.tokenizer,
+            target=_worker, args=(self.arch, self._shared.descriptor, self._version, self.config, self.tokenizer,
                                   self._requests, self._results, self.threads), daemon=True)
         self._process.start()
         deadline = time.monotonic() + self.start_timeout
@@ -254,28 +252,44 @@ class GeneratorProcess:
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
         return [f.result(timeout=timeout) for f in self.submit(requests)]
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None) -> int:
-        """Copy tensors into the shared buckets, then have the generator load them (between two decode
-        steps: in-flight sequences continue under the new version, recorded per token)."""
+    @property
+    def shared_weights(self) -> SharedBucketsDescriptor:
+        """Where the engine reads weights from: trainer ranks attach and write their shards directly."""
+        return self._shared.descriptor
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the shared buffer (the generator keeps using its own copy)."""
         items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         unknown = sorted(set(items) - set(self._views))
         if unknown:
             raise ValueError(f"update_weights: unknown tensor names {unknown[:3]}")
-        dsts = [self._views[n] for n in items]
-        torch._foreach_copy_(dsts, [t.detach() for t in items.values()])
+        torch._foreach_copy_([self._views[n] for n in items], [t.detach() for t in items.values()])
+        return len(items)
+
+    def commit_weights(self, version: int | None = None,
+                       expected: dict[str, torch.Tensor] | None = None) -> int:
+        """Have the generator load the shared buffer as `version` (between two decode steps: in-flight
+        sequences continue under the new version, recorded per token). With verification on, the
+        generator's checksums are compared with `expected` (default: the shared buffer's contents)."""
         new_version = self._version + 1 if version is None else int(version)
         send = lambda: self._requests.put(("update", new_version, self.verify_weights))  # noqa: E731
         send()
         _, applied, sums = self._reply("updated", resend=send)
         self._version = applied
         if sums is not None:
-            expected = {n: tensor_checksum(t) for n, t in items.items()}
-            bad = [n for n, s in expected.items() if sums.get(n) != s]
+            reference = expected if expected is not None else self._views
+            bad = [n for n, t in reference.items() if sums.get(n) != tensor_checksum(t)]
             if bad:
                 raise WeightMismatchError(f"weight sync to version {applied}: checksum mismatch on {len(bad)} "
                                           f"tensors, e.g. {bad[:3]}")
-        return len(items)
+        return applied
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> int:
+        items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        count = self.stage_weights(items)
+        self.commit_weights(version, expected=items)
+        return count
 
     def _control(self, name: str, *args):
         send = lambda: self._requests.put(("control", name, args))  # noqa: E731
@@ -317,6 +331,7 @@ class GeneratorProcess:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join()
+            self._shared.unlink()
         self._receiver.join(timeout=2)
 
     def __enter__(self) -> "GeneratorProcess":

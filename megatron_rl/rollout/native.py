@@ -820,8 +820,8 @@ class NativeEngine:
                 best, best_len = None, min_share - 1
                 limit = len(seq.prompt) - 1
                 for other in self._running:
-                    if other.kv_epoch is not None and other.kv_epoch != self._epoch:
-                        continue
+                    if other.donor is not None or (other.kv_epoch is not None and other.kv_epoch != self._epoch):
+                        continue  # no chains of waiting sequences; no prefixes of older weights
                     length = _common_prefix(seq.prompt, other.prompt, limit)
                     if length > best_len:
                         best, best_len = other, length

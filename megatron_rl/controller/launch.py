@@ -1,4 +1,5 @@
-"""Run a function in N processes over gloo on loopback, collect each rank's return value, clean up.
+"""Run a function in N local processes over gloo on loopback (tests, benchmarks, laptop runs),
+collect each rank's return value, clean up. Cluster runs use torchrun / srun instead.
 
 Each worker joins a fresh world on a free port (so parallel test files never collide), runs
 `target(rank, world_size, *args)`, and returns its result through a pipe. A failing rank's traceback
@@ -43,7 +44,8 @@ def run_distributed(target, world_size: int, *args, timeout: float = 600.0) -> l
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue), daemon=True)
+    # Not daemonic: a worker may start processes of its own (a generator executor); all are joined below.
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

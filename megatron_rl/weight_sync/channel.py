@@ -1,0 +1,51 @@
+"""The weight channel from a Megatron trainer (any TP x PP x DP) to a generator process on the host.
+
+Planned once from the two layouts (Megatron shards -> the engine's HF tensors, `kernels.reshard`);
+then every push has each trainer rank of data-parallel replica 0 write its own shard's slices
+straight into the engine's shared-memory buffer (no gather of the model on one rank), a barrier,
+and the owner rank commits the new version to the generator.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.kernels.reshard import EngineLayout, build_reshard_plan
+from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
+
+
+class SharedMemoryWeightChannel:
+    """Trainer -> generator weight sync over shared memory; collective over the trainer's world."""
+
+    def __init__(self, trainer, generator=None, *, owner_rank: int = 0, group=None):
+        """`generator` (a GeneratorProcess) is given on `owner_rank` only; every trainer rank constructs
+        the channel (the buffer's descriptor is broadcast from the owner)."""
+        self.trainer = trainer
+        self.generator = generator
+        self.owner_rank = owner_rank
+        self.group = group
+        box = [generator.shared_weights if generator is not None else None]
+        dist.broadcast_object_list(box, src=owner_rank, group=group)
+        self.buffer = SharedBuckets.attach(box[0])
+        self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
+        self.destinations = {0: self.buffer.views()}
+        self.writes = trainer.pg.dp.rank() == 0  # one data-parallel replica holds every shard once
+
+    def push(self, version: int) -> dict[str, float]:
+        """Write every shard into the engine's buffer and commit `version`. Returns timings (owner)."""
+        start = time.perf_counter()
+        written = 0
+        if self.writes:
+            written = write_shard(self.plan, self.trainer.pp_rank, self.trainer.tp_rank,
+                                  self.trainer.shard_state(), self.destinations)
+        total = torch.tensor([written], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)  # doubles as the barrier: every shard is written
+        staged = time.perf_counter()
+        if self.generator is not None:
+            self.generator.commit_weights(version)
+        dist.barrier(group=self.group)
+        end = time.perf_counter()
+        return {"perf/weight_sync_time": end - start, "perf/weight_sync_write_time": staged - start,
+                "perf/weight_sync_commit_time": end - staged, "perf/weight_sync_bytes": float(total.item())}

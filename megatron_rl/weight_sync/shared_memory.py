@@ -1,0 +1,102 @@
+"""Shared-memory weight channel between trainer ranks and a generator process on one host.
+
+The engine-side tensors (HF names at the engine's layout) live in flat per-dtype buckets backed by
+files in /dev/shm, so every process on the host can map them by path: the generator process reads
+them, and each trainer rank writes its own Megatron shard's part straight into them through the
+reshard plan (`write_shard`), with no gather of the model on one rank. This is LlamaRL's direct
+memory access weight sync, with the host's shared memory as the wire; on GPUs the same plan drives
+CUDA IPC or NCCL transports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Iterable, Mapping
+
+import torch
+
+from megatron_rl.kernels.reshard import Bucket, BucketLayout, ReshardPlan, plan_buckets
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedBucketsDescriptor:
+    """What another process needs to map the buckets: file paths and layouts (picklable, small)."""
+
+    paths: tuple[str, ...]
+    layouts: tuple[BucketLayout, ...]
+
+
+class SharedBuckets:
+    """Flat per-dtype buckets in named shared memory. The creator owns (and unlinks) the files."""
+
+    def __init__(self, descriptor: SharedBucketsDescriptor, *, owner: bool):
+        self.descriptor = descriptor
+        self.owner = owner
+        self.buckets = [Bucket(layout, _map(path, layout)) for path, layout in zip(descriptor.paths, descriptor.layouts)]
+
+    @classmethod
+    def create(cls, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *, bucket_bytes: int = 64 << 20,
+               directory: str | None = None) -> "SharedBuckets":
+        layouts = tuple(plan_buckets(list(specs), bucket_bytes))
+        directory = directory or _SHM_DIR or os.path.join(os.path.expanduser("~"), ".cache", "megatron_rl_shm")
+        os.makedirs(directory, exist_ok=True)
+        token = uuid.uuid4().hex[:12]
+        paths = []
+        for index, layout in enumerate(layouts):
+            path = os.path.join(directory, f"megatron_rl_weights_{os.getpid()}_{token}_{index}")
+            with open(path, "wb") as f:
+                f.truncate(layout.nbytes)
+            paths.append(path)
+        return cls(SharedBucketsDescriptor(tuple(paths), layouts), owner=True)
+
+    @classmethod
+    def attach(cls, descriptor: SharedBucketsDescriptor) -> "SharedBuckets":
+        return cls(descriptor, owner=False)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """HF name -> view into shared memory (writes are visible to every process that mapped it)."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            out.update(bucket.unpack())
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layout.nbytes for layout in self.descriptor.layouts)
+
+    def unlink(self) -> None:
+        if self.owner:
+            for path in self.descriptor.paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def _map(path: str, layout: BucketLayout) -> torch.Tensor:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"shared weight buffer {path} is gone (was its owner closed?)")
+    return torch.from_file(path, shared=True, size=layout.numel, dtype=layout.dtype)
+
+
+def write_shard(plan: ReshardPlan, pp_rank: int, tp_rank: int, shard: Mapping[str, torch.Tensor],
+                destinations: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
+    """Copy Megatron shard (pp_rank, tp_rank) into every engine rank's HF-named destination tensors it
+    feeds, following the reshard plan. Returns the bytes written. Each trainer rank calls this for its
+    own shard; together they fill the destinations completely (the plan covers every element once)."""
+    written = 0
+    with torch.no_grad():
+        for engine_rank, copies in plan.copies_from(pp_rank, tp_rank).items():
+            targets = destinations[engine_rank]
+            for copy in copies:
+                source = shard[copy.src[2]].detach()
+                s2 = source.view(source.shape[0], -1) if source.dim() != 1 else source.view(-1, 1)
+                target = targets[copy.dst]
+                d2 = target.view(target.shape[0], -1) if target.dim() != 1 else target.view(-1, 1)
+                for sr, sc, dr, dc, nr, nc in copy.segments:
+                    d2[dr:dr + nr, dc:dc + nc].copy_(s2[sr:sr + nr, sc:sc + nc])
+                    written += nr * nc * source.element_size()
+    return written

@@ -1,0 +1,49 @@
+"""Weight sync from a Megatron trainer at TP=2 x PP=2 to an engine process at TP=1: after every sync the
+engine's weights equal the trainer's (every tensor checksummed on both sides)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.controller.launch import run_distributed
+from tests.test_trainer_parallel import _data, _random_hf_state
+
+
+def _sync_worker(rank, world_size, arch, state, batch):
+    import torch.distributed as dist
+    from megatron_rl.controller.generator_process import GeneratorProcess
+    from megatron_rl.rollout.native import NativeEngineConfig
+    from megatron_rl.trainer.parallel import ParallelConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
+
+    torch.set_num_threads(1)
+    trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2),
+                                                  micro_batch_size=2, lr=1e-2, vocab_divisible_by=1), hf_state=state)
+    generator = None
+    if rank == 0:
+        generator = GeneratorProcess(arch, state, config=NativeEngineConfig(max_batch_size=2), verify_weights=True)
+    try:
+        channel = SharedMemoryWeightChannel(trainer, generator)
+        normalizer = batch.loss_mask.sum()
+        mismatches = []
+        for version in (1, 2):
+            trainer.train_step(batch, lambda lp, mb, ent: (-(lp * mb.loss_mask).sum() / normalizer, {}))
+            channel.push(version)  # verify mode: the engine's checksums must equal the shared buffer's
+            expected = trainer.gather_hf_state(dst=0)
+            if rank == 0:
+                views = channel.buffer.views()
+                assert set(views) == set(expected), sorted(set(views) ^ set(expected))
+                mismatches.append([n for n in expected if not torch.equal(views[n], expected[n])])
+                assert generator.version == version
+                assert generator.health()["process_alive"]
+        dist.barrier()
+        return mismatches if rank == 0 else None
+    finally:
+        if generator is not None:
+            generator.close()
+
+
+def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):
+    state = _random_hf_state(tiny_arch)
+    mismatches = run_distributed(_sync_worker, 4, tiny_arch, state, _data(tiny_arch))[0]
+    assert mismatches == [[], []]
