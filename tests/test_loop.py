@@ -54,6 +54,9 @@ def test_loop_writes_metrics_summary_and_checkpoints(tmp_path, tiny_chat_model):
         # Identical weights in trainer and engine: the recomputed log-probs match the rollout's.
         assert record["train/logprob_mismatch"] < 1e-4
     assert summary.steps == 3
+    trace = json.load(open(os.path.join(run_dir, "timeline_rank0.json")))["traceEvents"]
+    names = {e["name"].split(" ")[0] for e in trace if e["ph"] == "X"}
+    assert {"train", "weight_sync", "wait_for_rollouts", "generate", "evaluate"} <= names
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["latest", "step_00000002", "step_00000003"]
 
 
@@ -96,3 +99,12 @@ def test_async_disaggregated_run_respects_staleness_and_verifies_weights(tmp_pat
     assert any(r["rollout/staleness_max"] == 1 for r in steps[1:])  # generation really ran ahead
     # Off-policy samples: the importance weights differ from 1 (AIPO corrects them).
     assert any(abs(r["train/is_weight_mean"] - 1.0) > 1e-6 for r in steps[1:])
+
+
+def test_pause_mode_weight_updates(tmp_path, tiny_chat_model):
+    run_dir = str(tmp_path / "pause")
+    summary = train(_config(tiny_chat_model, run_dir, "steps=2", "rollout.weight_update=pause",
+                            "checkpoint.every_steps=0"))
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["train/version"] for r in records if "train/version" in r] == [1.0, 2.0]
+    assert summary.steps == 2

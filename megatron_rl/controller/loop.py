@@ -27,6 +27,7 @@ from megatron_rl.controller.batching import build_step_batch
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.observability.metrics import MetricsLogger, write_plots
+from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import RunConfig
@@ -82,16 +83,28 @@ class Controller:
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = build_datasets(config.data)
         self.stream = PromptStream.from_config(self.train_data, config.data)
-        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
-                                        seed=config.seed)
         self.version = 0
+        self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
+        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
+                                        seed=config.seed, timeline=self.timeline)
 
     def sync_weights(self) -> float:
         start = time.perf_counter()
-        self.engine.update_weights(self.policy.export_hf_state(), self.version)
+        with self.timeline.span("weight_sync", version=self.version):
+            pause = self.config.rollout.weight_update == "pause"
+            if pause:
+                self.engine.pause()
+            self.engine.update_weights(self.policy.export_hf_state(), self.version)
+            if pause:
+                self.engine.flush_cache()
+                self.engine.resume()
         return time.perf_counter() - start
 
     def evaluate(self) -> dict[str, float]:
+        with self.timeline.span("evaluate"):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
         return {f"eval/{k}": v for k, v in result.items()}
@@ -99,7 +112,9 @@ class Controller:
     def train_step(self) -> dict[str, float]:
         cfg = self.config
         start = time.perf_counter()
-        groups = self.rollouts.next_groups(self.version)
+        reward_before = self.rollouts.reward_time
+        with self.timeline.span("wait_for_rollouts", version=self.version):
+            groups = self.rollouts.next_groups(self.version)
         generated = time.perf_counter()
         step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=self.version,
                                 micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.tokenizer.pad_token_id,
@@ -108,18 +123,22 @@ class Controller:
         metrics = dict(step.metrics)
         if step.batch is not None:
             normalizer = compute_normalizer(step.full_loss_mask, cfg.algorithm.loss)
-            metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
+            with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
+                metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
         trained = time.perf_counter()
         self.version += 1
         sync_time = self.sync_weights()
         elapsed = time.perf_counter() - start
-        metrics.update({"perf/generate_time": generated - start, "perf/train_time": trained - generated,
+        reward_time = self.rollouts.reward_time - reward_before
+        metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
+                        "perf/train_time": trained - generated,
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
                         "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
         return metrics
 
     def close(self) -> None:
+        self.timeline.write()
         self.engine.close()
 
 

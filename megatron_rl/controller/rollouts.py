@@ -49,6 +49,10 @@ class RolloutConfig:
     """Cores (torch threads) of the generator process in the disaggregated placement."""
     trainer_threads: int = 1
     """Cores (torch threads) of the trainer in the disaggregated placement."""
+    weight_update: Literal["in_flight", "pause"] = "in_flight"
+    """in_flight: new weights apply between two decode steps and unfinished responses continue under
+    them (partial rollouts; each token records its version). pause: generation is paused for the
+    update, and the KV cache is freed (when no response is in flight) before it resumes."""
     verify_weight_sync: bool = False
     """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
     drop_uninformative_groups: bool = True
@@ -100,15 +104,17 @@ class RolloutProducer:
     """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups."""
 
     def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
-                 config: RolloutConfig, *, seed: int):
+                 config: RolloutConfig, *, seed: int, timeline=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
         self.reward = reward
         self.config = config
         self.seed = seed
+        self.timeline = timeline
         self._in_flight: list[tuple[Prompt, list[Future], int, float]] = []
         self._admitted_steps = 0  # training steps whose groups have been submitted
+        self.reward_time = 0.0  # seconds spent scoring, cumulative
 
     def _admit(self, trainer_version: int) -> None:
         """Submit groups for every step s whose consumption version s stays within the bound.
@@ -123,7 +129,10 @@ class RolloutProducer:
                 seed = (self.seed * 1_000_003 + step * 1009 + index) % (2 ** 31)
                 request = GenerateRequest(request_id=f"s{step}-p{index}-{prompt.prompt_id}", prompt_ids=ids,
                                           sampling=self.config.sampling(seed), group_id=prompt.prompt_id)
-                self._in_flight.append((prompt, self.engine.submit([request]), step, time.perf_counter()))
+                futures = self.engine.submit([request])
+                for future in futures:  # completion times, for the timeline's generation track
+                    future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
+                self._in_flight.append((prompt, futures, step, time.perf_counter()))
             self._admitted_steps += 1
 
     def next_groups(self, trainer_version: int) -> list[Group]:
@@ -135,8 +144,14 @@ class RolloutProducer:
         for prompt, futures, step, submitted in batch:
             completions = [c for f in futures for c in _as_list(f.result())]
             elapsed = time.perf_counter() - submitted
+            if self.timeline is not None:
+                finished = max(getattr(f, "finished_at", time.perf_counter()) for f in futures)
+                self.timeline.add(f"generate {prompt.prompt_id}", submitted, finished, category="generate",
+                                  step=step, versions=sorted({c.weight_version for c in completions}))
             texts = [self.tokenizer.decode(c.output_ids) for c in completions]
+            scored_from = time.perf_counter()
             rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+            self.reward_time += time.perf_counter() - scored_from
             samples = [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
             groups.append(Group(prompt, samples, step, elapsed))
         return groups
