@@ -7,7 +7,9 @@ and training alone on one core each, which gives the overlap efficiency:
     overlap_efficiency = max(generation alone, training alone) / async step time
 
 Perfect overlap of equal-length batches would give at most ~1.16x here (FINDINGS.md: generation and
-training speed up only 1.55x / 1.69x from one core to two).
+training speed up only 1.55x / 1.69x from one core to two). Options: steps, warmup, generator_threads,
+trainer_threads (1 and 1 by default: the async split the overlap efficiency is defined at), and any
+dotted config override.
 """
 from __future__ import annotations
 
@@ -38,11 +40,14 @@ def _run(name: str, overrides: list[str], root: str) -> list[dict]:
 def bench_async(options: dict) -> dict:
     steps = int(options.get("steps", 6))
     warmup = int(options.get("warmup", 1))
+    generator_threads = int(options.get("generator_threads", 1))
+    trainer_threads = int(options.get("trainer_threads", 1))
     common = [f"steps={steps}", *[f"{k}={v}" for k, v in options.items() if "." in k]]
     with tempfile.TemporaryDirectory() as root:
         sync = _run("sync", [*common, "rollout.placement=colocated", "rollout.max_staleness=0",
                              "engine.num_threads=2"], root)[warmup:]
-        split = ["rollout.placement=disaggregated", "rollout.generator_threads=1", "rollout.trainer_threads=1"]
+        split = ["rollout.placement=disaggregated", f"rollout.generator_threads={generator_threads}",
+                 f"rollout.trainer_threads={trainer_threads}"]
         alone = _run("split_sync", [*common, *split, "rollout.max_staleness=0"], root)[warmup:]
         overlapped = _run("async", [*common, *split, "rollout.max_staleness=1"], root)[warmup:]
 
@@ -57,7 +62,7 @@ def bench_async(options: dict) -> dict:
         "sync_generate_s": round(mean(sync, "perf/generate_time"), 2),
         "sync_train_s": round(mean(sync, "perf/train_time"), 2),
         "async_staleness_mean": round(mean(overlapped, "rollout/staleness_mean"), 3),
-        "steps_measured": len(overlapped),
+        "steps_measured": len(overlapped), "generator_threads": generator_threads, "trainer_threads": trainer_threads,
         "perfect_overlap_bound_equal_lengths": 1.16,
     }
     print(f"sync {sync_step:.1f} s/step (generate {result['sync_generate_s']} + train {result['sync_train_s']}), "
