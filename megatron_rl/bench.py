@@ -18,6 +18,7 @@ from megatron_rl.config import ConfigError
 # name -> "module:function", each returning the result dict (without the "bench" key).
 BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench:bench_trainer",
+    "rollout": "megatron_rl.rollout.bench:bench_rollout",
     "logprob": "megatron_rl.kernels.bench:bench_logprob",
     "async": "megatron_rl.controller.bench:bench_async",
     "sync": "megatron_rl.weight_sync.bench:bench_sync",

@@ -35,6 +35,9 @@ class _RandomSpeedEngine:
                 futures.append(future)
         return futures
 
+    def wait(self, futures, timeout=None):
+        return [f.result(timeout=timeout) for f in futures]
+
     def _finish(self, future, request, sample_id, start_version):
         future.set_result(Completion(request_id=sample_id, prompt_ids=list(request.prompt_ids), output_ids=[5, 6],
                                      output_logprobs=[-1.0, -1.0], weight_versions=[start_version, self.version],

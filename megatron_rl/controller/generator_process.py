@@ -61,7 +61,13 @@ def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, con
         results.put(("fatal", traceback.format_exc()))
         return
     results.put(("ready", os.getpid()))
+    # The engine computes on this process's main thread (run_forever); a second thread only moves
+    # messages, so torch keeps one OpenMP pool and steps never wait for a hand-off.
+    threading.Thread(target=_serve_messages, args=(engine, shared, requests, results), daemon=True).start()
+    engine.run_forever()
 
+
+def _serve_messages(engine, shared: dict[str, torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:
     def forward(sample_id: str, future: Future) -> None:
         try:
             results.put(("done", sample_id, future.result()))
@@ -90,12 +96,12 @@ def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, con
                 results.put(("updated", new_version, sums))
             except BaseException:
                 results.put(("fatal", traceback.format_exc()))
+                engine.close()
                 return
         elif kind == "control":
             _, name, args = message
             try:
-                value = getattr(engine, name)(*args)
-                results.put(("control", name, value))
+                results.put(("control", name, getattr(engine, name)(*args)))
             except BaseException as exc:
                 results.put(("control", name, exc))
         elif kind == "stop":
@@ -249,8 +255,11 @@ class GeneratorProcess:
             self._requests.put(("submit", prepared))
         return futures
 
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+        return [f.result(timeout=timeout) for f in futures]
+
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
-        return [f.result(timeout=timeout) for f in self.submit(requests)]
+        return self.wait(self.submit(requests), timeout)
 
     @property
     def shared_weights(self) -> SharedBucketsDescriptor:

@@ -142,7 +142,7 @@ class RolloutProducer:
         batch, self._in_flight = self._in_flight[:count], self._in_flight[count:]
         groups = []
         for prompt, futures, step, submitted in batch:
-            completions = [c for f in futures for c in _as_list(f.result())]
+            completions = self.engine.wait(futures)
             elapsed = time.perf_counter() - submitted
             if self.timeline is not None:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in futures)
@@ -166,10 +166,6 @@ class RolloutProducer:
         return [prompt.prompt_id for prompt, *_ in self._in_flight]
 
 
-def _as_list(result) -> Sequence[Completion]:
-    return result if isinstance(result, (list, tuple)) else [result]
-
-
 EvalMetric = Literal["greedy", "mean_at_k"]
 
 
@@ -184,10 +180,16 @@ def evaluate(engine, tokenizer: ChatTokenizer, prompts: Sequence[Prompt], reward
     requests = [GenerateRequest(request_id=f"eval-{i}-{p.prompt_id}", prompt_ids=tokenizer.encode_chat(p.messages),
                                 sampling=params, group_id=p.prompt_id) for i, p in enumerate(prompts)]
     futures = engine.submit(requests)
+    completions: list[Completion] = []
+    chunk = 16 * samples  # the engine keeps every request in flight; waiting in chunks feeds the bar
+    with tqdm(total=len(prompts), desc="evaluate", disable=not progress, leave=False) as bar:
+        for start in range(0, len(futures), chunk):
+            completions.extend(engine.wait(futures[start:start + chunk]))
+            bar.update(len(futures[start:start + chunk]) // samples)
     correct = total = errors = 0
     lengths = []
-    for prompt, future in tqdm(list(zip(prompts, futures)), desc="evaluate", disable=not progress, leave=False):
-        for completion in _as_list(future.result()):
+    for index, prompt in enumerate(prompts):
+        for completion in completions[index * samples:(index + 1) * samples]:
             result = reward(tokenizer.decode(completion.output_ids), prompt)
             correct += int(bool(result.correct))
             errors += int(not result.ok)

@@ -128,6 +128,9 @@ def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed
 
 
 def bench_rollout(options: dict) -> dict:
+    # Huge pages for the large weight / KV buffers (~10% faster decoding here). Takes effect only if
+    # set before torch's first large allocation; both engines in this run get the same allocator.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from megatron_rl.checkpoints_tools import load_pretrained
     from megatron_rl.config import ConfigError
 

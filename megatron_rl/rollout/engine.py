@@ -191,6 +191,11 @@ class RolloutEngine(Protocol):
         running batch as slots free, so a caller that keeps submitting keeps the batch full."""
         ...
 
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+        """Results of submitted futures, in order. An engine that computes in this process may run its
+        steps on the calling thread meanwhile (faster than handing them to a background thread)."""
+        ...
+
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Load HF-named tensors (a dict, (name, tensor) pairs, or an iterable of dict buckets) and set
         the weight version. Applied between two decoding steps, atomically with respect to them."""

@@ -17,8 +17,15 @@ Scheduling (one step = one forward pass): every running sequence that has finish
 its last sampled token (decode), and sequences still in their prompt contribute the next chunk of it
 (chunked prefill) up to `max_prefill_tokens` per step, all packed into one [N, hidden] batch. Waiting
 requests take slots as soon as finished ones free them (continuous batching), so a caller that keeps
-submitting keeps the batch full. Steps run on one background thread; the public methods are
-thread-safe and only exchange bookkeeping with it under a lock.
+submitting keeps the batch full. A new request whose prompt shares a prefix with a running one
+(n samples of a prompt, a common system prompt) copies that prefix's K/V instead of recomputing it.
+
+Threads. One thread at a time runs steps (the "driver"). A blocking `generate()` drives in the
+calling thread; `run_forever()` makes the calling thread the permanent driver (a dedicated engine
+process); otherwise a background thread drives whatever `submit()` queued. Keeping the compute on the
+thread that already uses torch matters on small CPUs: a second thread running torch ops creates a
+second OpenMP pool, libgomp then throttles its spin-waits, and every parallel op pays a futex wake-up
+(~25% slower decoding measured here). All public methods are thread-safe.
 
 Sampling and log-probs: see `sample_tokens` and the module docstring of rollout/engine.py. Each sample
 owns a torch.Generator seeded from its request's seed, drawing exactly `vocab_size` exponentials per
@@ -38,6 +45,7 @@ import logging
 import math
 import random
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Literal, Sequence
 
@@ -554,6 +562,8 @@ class NativeEngine:
         self._paused = False
         self._hold = 0
         self._closing = False
+        self._callers = 0                                # threads driving steps inside generate()
+        self._driver = threading.Lock()                  # held by whichever thread runs steps
         self._last_error: str | None = None
         self._stats = collections.Counter()
         self._seed_rng = random.Random()
@@ -604,8 +614,41 @@ class NativeEngine:
         return [s.future for s in seqs]
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
+        """Blocking: the calling thread runs the steps itself (other submitted requests share them)."""
         futures = self.submit(requests)
-        return [f.result(timeout=timeout) for f in futures]
+        self._drive(futures, timeout)
+        return [f.result() for f in futures]
+
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+        """Results of submitted futures; the calling thread runs the steps meanwhile (like generate)."""
+        futures = list(futures)
+        self._drive(futures, timeout)
+        return [f.result() for f in futures]
+
+    def run_forever(self) -> None:
+        """Drive steps in the calling thread until close(): for a process dedicated to the engine,
+        whose main thread runs this while other threads (HTTP handlers, IPC) only submit. Requests
+        then never wait for the background thread, and torch keeps a single OpenMP pool."""
+        with self._cv:
+            self._callers += 1
+        try:
+            while not self._closing:
+                if self._driver.acquire(timeout=0.05):
+                    try:
+                        with torch.inference_mode():
+                            while not self._closing and self._step_once():
+                                pass
+                    except BaseException as exc:
+                        self._die(exc)
+                        raise
+                    finally:
+                        self._driver.release()
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closing or self._abort_pending or self._can_step(), timeout=0.05)
+        finally:
+            with self._cv:
+                self._callers -= 1
+                self._cv.notify_all()
 
     def pause(self) -> None:
         """Stop stepping; returns once no step is running. Running requests keep their KV state."""
@@ -733,53 +776,104 @@ class NativeEngine:
             with torch.inference_mode():
                 self._serve()
         except BaseException as exc:  # the step thread must never die silently: fail everything queued
-            log.exception("native engine step thread died")
-            with self._cv:
-                self._last_error = f"{type(exc).__name__}: {exc}"
-                self._closing = True
-                seqs = list(self._waiting) + list(self._running)
-                self._waiting.clear()
-                self._running.clear()
-            for seq in seqs:
-                seq.finish = RuntimeError(f"native engine stopped: {self._last_error}")
-            self._resolve(seqs)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        log.exception("native engine stopped")
+        with self._cv:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._closing = True
+            seqs = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+            self._running.clear()
+            self._cv.notify_all()
+        for seq in seqs:
+            seq.finish = RuntimeError(f"native engine stopped: {self._last_error}")
+        self._resolve(seqs)
 
     def _serve(self) -> None:
+        """The background driver: steps whenever there is work and no blocking caller drives."""
         while True:
-            finished: list[_Seq] = []
             with self._cv:
-                self._cv.wait_for(lambda: self._closing or self._abort_pending or self._can_step())
-                finished += self._reap_aborted()
-                if self._closing:
+                self._cv.wait_for(lambda: self._closing or (
+                    (self._abort_pending or self._can_step()) and self._callers == 0))
+                closing = self._closing
+            if closing:
+                with self._driver:
+                    with self._cv:
+                        finished = self._reap_aborted()
                     self._resolve(finished)
-                    return
-                plan = None
-                if self._can_step():
-                    self._admit()
-                    plan = self._plan()
-            self._resolve(finished)
-            if plan is None:
+                return
+            if not self._driver.acquire(timeout=0.05):
                 continue
-            with self._model_lock:
-                with self._cv:
-                    # an update, pause or close since planning: re-plan (planning has no side effects)
-                    runnable = not (self._paused or self._hold or self._closing) and self._epoch == plan.epoch
-                    version = self._version
-                if not runnable:
-                    continue
-                try:
-                    tokens, logprobs = self._execute(plan)
-                    error = None
-                except Exception as exc:  # a bug or out-of-memory: fail this step's requests, keep serving
-                    log.exception("native engine step failed")
-                    error = exc
+            try:
+                while self._callers == 0 and self._step_once():
+                    pass
+            finally:
+                self._driver.release()
+
+    def _drive(self, futures: list[Future], timeout: float | None) -> None:
+        """Run steps in the calling thread until `futures` are done. Keeping the compute on the
+        caller's thread (usually the only thread using torch) avoids a second OpenMP thread pool,
+        which makes libgomp throttle its spin-waits and every parallel op ~10x slower to start."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._callers += 1
+        try:
+            while not all(f.done() for f in futures):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"generate did not finish within {timeout} s")
+                if self._driver.acquire(timeout=0.02):
+                    try:
+                        with torch.inference_mode():
+                            while not all(f.done() for f in futures) and self._step_once():
+                                pass
+                    except BaseException as exc:
+                        self._die(exc)
+                        raise
+                    finally:
+                        self._driver.release()
+                    if not all(f.done() for f in futures):
+                        with self._cv:  # paused or holding for an update: wait for a change
+                            self._cv.wait(timeout=0.02)
+        finally:
             with self._cv:
-                if error is not None:
-                    self._last_error = f"{type(error).__name__}: {error}"
-                    finished = self._fail(plan.decode + [c[0] for c in plan.chunks], error)
-                else:
-                    finished = self._apply(plan, tokens, logprobs, version)
-            self._resolve(finished)
+                self._callers -= 1
+                self._cv.notify_all()
+
+    def _step_once(self) -> bool:
+        """One scheduling step (the caller holds the driver lock). False when nothing could be done."""
+        finished: list[_Seq] = []
+        with self._cv:
+            finished += self._reap_aborted()
+            plan = None
+            if self._can_step() and not self._closing:
+                self._admit()
+                plan = self._plan()
+        self._resolve(finished)
+        if plan is None:
+            return bool(finished)
+        with self._model_lock:
+            with self._cv:
+                # an update, pause or close since planning: re-plan (planning has no side effects)
+                runnable = not (self._paused or self._hold or self._closing) and self._epoch == plan.epoch
+                version = self._version
+            if not runnable:
+                return True
+            try:
+                tokens, logprobs = self._execute(plan)
+                error = None
+            except Exception as exc:  # a bug or out-of-memory: fail this step's requests, keep serving
+                log.exception("native engine step failed")
+                error = exc
+        with self._cv:
+            if error is not None:
+                self._last_error = f"{type(error).__name__}: {error}"
+                finished = self._fail(plan.decode + [c[0] for c in plan.chunks], error)
+            else:
+                finished = self._apply(plan, tokens, logprobs, version)
+        self._resolve(finished)
+        return True
 
     def _resolve(self, seqs: list[_Seq]) -> None:
         for seq in seqs:
@@ -888,14 +982,18 @@ class NativeEngine:
                 logit_rows.append(offset + length - 1)
             offset += length
         if decode:
-            # attention reads cache positions [0, t_max) of every decode slot: make sure none is
-            # uninitialised memory (stale values of earlier sequences are finite and masked out)
+            # Attention reads cache positions [0, t_max) of every decode slot: none may be
+            # uninitialised memory (stale values of earlier sequences are finite and masked out).
+            # Zero-fill in bulk up to the longest the sequence can get, so its pages are committed
+            # once here rather than faulted in one by one as decoding advances.
             t_max = max(lens)
-            for slot in slots:
+            for seq in decode:
+                slot = seq.slot
                 if self._written[slot] < t_max:
-                    self._k_cache[:, slot, :, self._written[slot]:t_max] = 0
-                    self._v_cache[:, slot, :, self._written[slot]:t_max] = 0
-                    self._written[slot] = t_max
+                    horizon = max(t_max, min(self.max_seq_len, len(seq.prompt) + seq.params.max_new_tokens))
+                    self._k_cache[:, slot, :, self._written[slot]:horizon] = 0
+                    self._v_cache[:, slot, :, self._written[slot]:horizon] = 0
+                    self._written[slot] = horizon
         for seq, start, length in chunks:
             self._written[seq.slot] = max(self._written[seq.slot], start + length)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots))) if slots else False

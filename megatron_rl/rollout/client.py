@@ -1,0 +1,225 @@
+"""`HTTPEngine`: a RolloutEngine that talks to `megatron-rl serve` (or, for generation and control, an
+SGLang server) over HTTP. Standard library only.
+
+generate() sends one batched /generate call; submit() sends one call per request from a thread pool,
+so a caller streaming prompts keeps the server's continuous batch full. update_weights() sends
+safetensors buckets (raw octet-stream bodies, never pickles) inside a begin/end weight-update session,
+so the server applies all buckets between the same two decoding steps.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_request,
+                                        iter_named_tensors)
+from megatron_rl.types import Completion
+
+
+class EngineHTTPError(RuntimeError):
+    """A non-400 HTTP failure (server error, auth, unreachable)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: str) -> Completion:
+    """An SGLang /generate output dict (with return_logprob) -> Completion."""
+    meta = out.get("meta_info", {})
+    output_ids = list(out.get("output_ids") or [])
+    logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
+    spans = meta.get("weight_versions")
+    if spans:
+        versions = [0] * len(output_ids)
+        for span in spans:
+            for i in range(int(span["start"]), min(int(span["end"]), len(output_ids))):
+                versions[i] = _version_int(span["version"])
+    else:
+        versions = [_version_int(meta.get("weight_version"))] * len(output_ids)
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else (reason or "abort")
+    if kind not in ("stop", "length", "abort"):
+        kind = "abort"
+    return Completion(request_id=str(meta.get("id", "")), prompt_ids=list(prompt_ids), output_ids=output_ids,
+                      output_logprobs=logprobs, weight_versions=versions, finish_reason=kind,
+                      group_id=meta.get("group_id") or group_id)
+
+
+def _version_int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1  # SGLang's default weight_version is the string "default"
+
+
+class HTTPEngine:
+    """RolloutEngine over HTTP (see the module docstring). Thread-safe."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0,
+                 max_workers: int = 64, bucket_bytes: int = 512 << 20):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout-http-client")
+
+    # --- transport ------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                content_type: str = "application/json") -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, _decode(resp.read(), resp.headers.get("Content-Type", ""))
+        except urllib.error.HTTPError as exc:
+            payload = _decode(exc.read(), exc.headers.get("Content-Type", "") if exc.headers else "")
+            message = payload.get("error", {}).get("message", str(payload)) if isinstance(payload, dict) else str(payload)
+            if exc.code == 400:
+                raise RequestError(message) from None
+            raise EngineHTTPError(exc.code, message) from None
+        except urllib.error.URLError as exc:
+            raise EngineHTTPError(0, f"cannot reach {self.base_url}: {exc.reason}") from None
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+    def _generate_batch(self, requests: list[GenerateRequest]) -> list[Completion]:
+        if not requests:
+            return []
+        body = {"input_ids": [list(map(int, r.prompt_ids)) for r in requests],
+                "sampling_params": [r.sampling.to_sglang() for r in requests],
+                "rid": [r.request_id for r in requests], "return_logprob": True}
+        _, outs = self.request("POST", "/generate", body)
+        if isinstance(outs, dict):
+            outs = [outs]
+        expected = [(r, k) for r in requests for k in range(r.sampling.n)]
+        if len(outs) != len(expected):
+            raise EngineHTTPError(200, f"server returned {len(outs)} outputs for {len(expected)} samples")
+        return [completion_from_json(out, r.prompt_ids, r.group_id) for out, (r, _) in zip(outs, expected)]
+
+    def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        return self._generate_batch([as_request(r, i) for i, r in enumerate(requests)])
+
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+        return [f.result(timeout=timeout) for f in futures]
+
+    def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        futures: list[Future] = []
+        for i, item in enumerate(requests):
+            request = as_request(item, i)
+            samples = [Future() for _ in range(request.sampling.n)]
+            futures.extend(samples)
+            call = self._pool.submit(self._generate_batch, [request])
+            call.add_done_callback(lambda done, samples=samples: _fan_out(done, samples))
+        return futures
+
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        from safetensors.torch import save as save_safetensors
+
+        count = 0
+        self.request("POST", "/begin_weight_update", {})
+        try:
+            for bucket in _buckets(iter_named_tensors(named_tensors), self.bucket_bytes):
+                payload = save_safetensors(bucket)
+                self.request("POST", "/update_weights_from_tensor", raw=payload,
+                             content_type="application/octet-stream")
+                count += len(bucket)
+        finally:
+            self.request("POST", "/end_weight_update", {"weight_version": version})
+        return count
+
+    def pause(self) -> None:
+        self.request("POST", "/pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        self.request("POST", "/continue_generation", {})
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        if request_ids is None:
+            self.request("POST", "/abort_request", {"abort_all": True})
+            return
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids:
+            self.request("POST", "/abort_request", {"rid": ids})
+
+    def flush_cache(self) -> bool:
+        try:
+            self.request("POST", "/flush_cache")
+            return True
+        except RequestError:
+            return False
+
+    def health(self) -> dict[str, Any]:
+        try:
+            _, info = self.request("GET", "/get_server_info")
+        except (EngineHTTPError, RequestError) as exc:
+            return {"ok": False, "error": str(exc)}
+        health = dict(info.get("engine", {})) if isinstance(info, dict) else {}
+        health.setdefault("ok", True)
+        health["url"] = self.base_url
+        return health
+
+    @property
+    def version(self) -> int:
+        _, info = self.request("GET", "/get_model_info")
+        return _version_int(info.get("weight_version"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "HTTPEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _fan_out(done: Future, samples: list[Future]) -> None:
+    error = done.exception()
+    if error is not None:
+        for f in samples:
+            f.set_exception(error)
+        return
+    for f, completion in zip(samples, done.result()):
+        f.set_result(completion)
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterable[dict[str, torch.Tensor]]:
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    seen_storage: set[int] = set()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen_storage:
+            t = t.clone()  # safetensors refuses tensors that share memory (tied weights)
+        seen_storage.add(t.untyped_storage().data_ptr())
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size, seen_storage = {}, 0, {t.untyped_storage().data_ptr()}
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _decode(data: bytes, content_type: str) -> Any:
+    if "json" in content_type:
+        try:
+            return json.loads(data)
+        except json.JSONDecodeError:
+            pass
+    return data.decode(errors="replace")

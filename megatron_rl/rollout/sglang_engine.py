@@ -1,0 +1,183 @@
+"""`SGLangEngine`: the RolloutEngine interface over `sglang.Engine` (SGLang's offline engine, GPU).
+
+Written against SGLang 0.5.23 (`sglang/srt/entrypoints/engine.py`, `managers/tokenizer_manager.py`,
+`managers/tokenizer_control_mixin.py`, `managers/io_struct.py`). Importing this module never imports
+sglang; constructing an engine does, and raises a clear error when it is missing.
+
+How the calls map:
+- generate / submit: `Engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True,
+  rid=...)` scheduled on the engine's event loop, which a background thread runs (so many requests are
+  in flight at once and join SGLang's continuous batch). `meta_info.output_token_logprobs` gives
+  (logprob, token_id, text) per token; `meta_info.weight_versions` spans (or `weight_version`) give the
+  version of each token.
+- Log-probs: SGLang returns log-probs of the temperature-scaled distribution unless the environment
+  variable SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set before its scheduler starts; we set it so that every
+  engine returns the raw policy's log-probs (see rollout/engine.py).
+- update_weights: `tokenizer_manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+  serialized_named_tensors=..., weight_version=str(version), flush_cache=...))` (tensors serialized per
+  TP rank as `Engine._serialize_tensors_per_rank` does; CUDA IPC when colocated).
+  `update_weights_from_distributed` / `init_weights_update_group` pass through for NCCL broadcasts.
+- pause / resume: `pause_generation(PauseGenerationReqInput(mode="in_place"))` /
+  `continue_generation(...)`; abort: `tokenizer_manager.abort_request(rid=..., abort_all=...)`;
+  flush_cache, release/resume_memory_occupation: the Engine's own coroutines.
+Its tests run only where sglang imports and CUDA is present (tests/test_rollout_contract.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Iterable, Sequence
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rollout.client import completion_from_json
+from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLike, as_request, iter_named_tensors
+from megatron_rl.types import Completion
+
+
+def sglang_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+class SGLangEngine:
+    """RolloutEngine over an in-process `sglang.Engine` (see the module docstring)."""
+
+    def __init__(self, model_path: str, *, version: int = 0, **engine_kwargs: Any):
+        os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ConfigError(f"the SGLang backend needs the 'sglang' package (pip install sglang): {exc}") from None
+        self._engine = sglang.Engine(model_path=model_path, **engine_kwargs)
+        self._tm = self._engine.tokenizer_manager
+        self._loop: asyncio.AbstractEventLoop = self._engine.loop
+        self._version = int(version)
+        self._paused = False
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
+        self._thread.start()
+        self._call(self._tm.update_weight_version(self._io().UpdateWeightVersionReqInput(
+            new_version=str(self._version), abort_all_requests=False)))
+
+    # --- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _io() -> Any:
+        from sglang.srt.managers import io_struct
+
+        return io_struct
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        n = request.sampling.n
+        rids = request.sample_ids()
+        out = await self._engine.async_generate(
+            input_ids=[list(request.prompt_ids)] * n if n > 1 else list(request.prompt_ids),
+            sampling_params=[{**request.sampling.to_sglang(), "n": 1}] * n if n > 1 else request.sampling.to_sglang(),
+            return_logprob=True, rid=rids if n > 1 else rids[0])
+        outs = out if isinstance(out, list) else [out]
+        return [completion_from_json(o, request.prompt_ids, request.group_id) for o in outs]
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+        return [f.result(timeout=timeout) for f in futures]
+
+    def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        futures: list[Future] = []
+        for i, item in enumerate(requests):
+            request = as_request(item, i)
+            samples = [Future() for _ in range(request.sampling.n)]
+            futures.extend(samples)
+            call = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
+
+            def fan_out(done: Any, samples: list[Future] = samples) -> None:
+                if done.exception() is not None:
+                    for f in samples:
+                        f.set_exception(done.exception())
+                else:
+                    for f, c in zip(samples, done.result()):
+                        f.set_result(c)
+            call.add_done_callback(fan_out)
+        return futures
+
+    def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
+        return [f.result() for f in self.submit(requests)]
+
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
+                       flush_cache: bool = True) -> int:
+        io = self._io()
+        named = list(iter_named_tensors(named_tensors))
+        payloads = self._engine._serialize_tensors_per_rank(named, None)
+        obj = io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, flush_cache=flush_cache,
+            weight_version=None if version is None else str(version))
+        success, message = self._call(self._tm.update_weights_from_tensor(obj, None))
+        if not success:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
+        if version is not None:
+            self._version = int(version)
+        return len(named)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        obj = self._io().InitWeightsUpdateGroupReqInput(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend)
+        success, message = self._call(self._tm.init_weights_update_group(obj, None))
+        if not success:
+            raise RuntimeError(f"SGLang init_weights_update_group failed: {message}")
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int | None = None, group_name: str = "weight_update_group",
+                                        flush_cache: bool = True) -> None:
+        """The trainer broadcasts each tensor over the group after this call is issued."""
+        obj = self._io().UpdateWeightsFromDistributedReqInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+            weight_version=None if version is None else str(version))
+        success, message = self._call(self._tm.update_weights_from_distributed(obj, None))
+        if not success:
+            raise RuntimeError(f"SGLang update_weights_from_distributed failed: {message}")
+        if version is not None:
+            self._version = int(version)
+
+    def pause(self) -> None:
+        self._call(self._tm.pause_generation(self._io().PauseGenerationReqInput(mode="in_place")))
+        self._paused = True
+
+    def resume(self) -> None:
+        self._call(self._tm.continue_generation(self._io().ContinueGenerationReqInput()))
+        self._paused = False
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        if request_ids is None:
+            self._loop.call_soon_threadsafe(lambda: self._tm.abort_request(abort_all=True))
+            return
+        for rid in ([request_ids] if isinstance(request_ids, str) else list(request_ids)):
+            self._loop.call_soon_threadsafe(lambda rid=rid: self._tm.abort_request(rid=rid))
+
+    def flush_cache(self) -> bool:
+        return bool(self._call(self._tm.flush_cache()).success)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call(self._tm.release_memory_occupation(self._io().ReleaseMemoryOccupationReqInput(tags=tags), None))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call(self._tm.resume_memory_occupation(self._io().ResumeMemoryOccupationReqInput(tags=tags), None))
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self._thread.is_alive(), "version": self._version, "paused": self._paused, "engine": "sglang"}
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._engine.shutdown()

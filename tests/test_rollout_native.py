@@ -1,0 +1,163 @@
+"""The native engine: parity with HF transformers on SmolLM2, continuous batching, weight updates,
+pause / abort, prefix sharing, bad input."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
+from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+from tests.rollout_helpers import prompt, tiny_state
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2):
+    with NativeEngine.from_pretrained(smollm2, NativeEngineConfig(max_batch_size=8, max_seq_len=512)) as engine:
+        yield engine
+
+
+def test_greedy_matches_hf_generate_and_logprobs_match_hf_forward(smollm2, hf_smollm2, smol_engine, chat_prompts):
+    tok = smollm2.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in chat_prompts]
+    outs = smol_engine.generate([GenerateRequest(f"p{i}", x, GREEDY) for i, x in enumerate(ids)])
+    worst = 0.0
+    for x, out in zip(ids, outs):
+        with torch.inference_mode():
+            ref = hf_smollm2.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
+                                      max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+            hf_ids = ref[0, len(x):].tolist()
+            assert out.output_ids == hf_ids, (tok.decode(out.output_ids), tok.decode(hf_ids))
+            logits = hf_smollm2(torch.tensor([x + out.output_ids])).logits[0].float()
+        ref_lp = torch.log_softmax(logits, -1)[len(x) - 1:-1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        worst = max(worst, (ref_lp - torch.tensor(out.output_logprobs)).abs().max().item())
+        assert out.weight_versions == [0] * len(out.output_ids)
+        assert out.finish_reason == ("stop" if out.output_ids[-1] == tok.eos_token_id else "length")
+    assert worst < 1e-4, worst
+
+
+def test_stop_strings_and_stop_tokens(smollm2, smol_engine):
+    tok = smollm2.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "What is 17 + 25?"}])
+    free = smol_engine.generate([GenerateRequest("free", ids, GREEDY)])[0]
+    text = tok.decode(free.output_ids)
+    assert "=" in text
+    stopped = smol_engine.generate([GenerateRequest("s", ids, SamplingParams(temperature=0, max_new_tokens=24,
+                                                                             stop=["="]))])[0]
+    assert stopped.finish_reason == "stop" and "=" in tok.decode(stopped.output_ids)
+    assert "=" not in tok.decode(stopped.output_ids[:-1])
+    assert stopped.output_ids == free.output_ids[:len(stopped.output_ids)]
+    token = free.output_ids[2]
+    by_id = smol_engine.generate([GenerateRequest("t", ids, SamplingParams(temperature=0, max_new_tokens=24,
+                                                                           stop_token_ids=[token]))])[0]
+    assert by_id.finish_reason == "stop" and by_id.output_ids == free.output_ids[:free.output_ids.index(token) + 1]
+
+
+# --- tiny model ---------------------------------------------------------------------------------
+def make_engine(arch, seed=0, **config):
+    config.setdefault("max_seq_len", 128)
+    return NativeEngine(arch, tiny_state(arch, seed), config=NativeEngineConfig(**config), eos_token_ids=[])
+
+
+def test_continuous_batching_equals_running_alone(tiny_arch):
+    requests = [GenerateRequest(f"r{i}", prompt(i, 3 + 5 * (i % 4)), SamplingParams(temperature=0, max_new_tokens=4 + 3 * i))
+                for i in range(10)]
+    with make_engine(tiny_arch, max_batch_size=3, max_prefill_tokens=16) as engine:
+        batched = engine.generate(requests)
+        assert engine.health()["steps"] < sum(r.sampling.max_new_tokens for r in requests)
+        alone = [engine.generate([r])[0] for r in requests]
+    for b, a, r in zip(batched, alone, requests):
+        assert b.request_id == r.request_id and len(b.output_ids) == r.sampling.max_new_tokens
+        assert b.output_ids == a.output_ids
+        assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < 1e-5
+
+
+def test_prefix_sharing_gives_the_same_results(tiny_arch):
+    base = prompt(3, 40)
+    requests = [GenerateRequest(f"r{i}", base[:30 + i] + prompt(50 + i, 3), SamplingParams(temperature=0, max_new_tokens=6))
+                for i in range(6)]
+    with make_engine(tiny_arch, max_batch_size=8) as shared, make_engine(tiny_arch, max_batch_size=8,
+                                                                        prefix_sharing_min_tokens=0) as plain:
+        a, b = shared.generate(requests), plain.generate(requests)
+        assert shared.health()["shared_prefix_tokens"] > 100 and plain.health().get("shared_prefix_tokens", 0) == 0
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids
+        assert max(abs(p - q) for p, q in zip(x.output_logprobs, y.output_logprobs)) < 1e-5
+
+
+def test_update_weights_equals_fresh_engine(tiny_arch):
+    requests = [GenerateRequest(f"r{i}", prompt(i, 6 + i), SamplingParams(temperature=0, max_new_tokens=10)) for i in range(4)]
+    new_state = tiny_state(tiny_arch, seed=1)
+    with make_engine(tiny_arch, seed=0) as engine, make_engine(tiny_arch, seed=1) as fresh:
+        before = engine.generate(requests)
+        buckets = [dict(list(new_state.items())[i:i + 7]) for i in range(0, len(new_state), 7)]
+        assert engine.update_weights(iter(buckets), version=3) == len(new_state)
+        assert engine.version == 3
+        after, expected = engine.generate(requests), fresh.generate(requests)
+        assert [c.output_ids for c in after] == [c.output_ids for c in expected]
+        assert [c.output_ids for c in after] != [c.output_ids for c in before]
+        assert all(c.weight_versions == [3] * len(c.output_ids) for c in after)
+        with pytest.raises(ValueError, match="unknown tensor name"):
+            engine.update_weights({"model.layers.0.mlp.gate.weight": torch.zeros(1)}, version=4)
+        with pytest.raises(ValueError, match="shape"):
+            engine.update_weights([("model.norm.weight", torch.zeros(3))], version=4)
+        assert engine.version == 3
+
+
+def test_update_while_paused_mid_response(tiny_arch):
+    with make_engine(tiny_arch, max_seq_len=256) as engine:
+        future = engine.submit([GenerateRequest("long", prompt(0, 5), SamplingParams(max_new_tokens=200, seed=0))])[0]
+        while engine.health().get("generated_tokens", 0) < 5:
+            time.sleep(0.001)
+        engine.pause()
+        made = engine.health()["generated_tokens"]
+        time.sleep(0.05)
+        assert engine.health()["generated_tokens"] == made and not future.done()  # paused: no steps
+        engine.update_weights(tiny_state(tiny_arch, seed=2), version=1)
+        engine.resume()
+        out = future.result(timeout=60)
+    versions = out.weight_versions
+    assert len(versions) == 200 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions) and versions.count(0) == made
+
+
+def test_abort_and_cancel(tiny_arch):
+    with make_engine(tiny_arch) as engine:
+        engine.pause()
+        futures = engine.submit([GenerateRequest(f"r{i}", prompt(i, 5), SamplingParams(max_new_tokens=20, seed=i))
+                                 for i in range(3)])
+        engine.abort(["r1"])
+        aborted = futures[1].result(timeout=10)
+        assert aborted.finish_reason == "abort" and aborted.output_ids == []
+        engine.resume()
+        assert [f.result(timeout=30).finish_reason for f in (futures[0], futures[2])] == ["length", "length"]
+        running = engine.submit([GenerateRequest("n", prompt(9, 5), SamplingParams(max_new_tokens=100, n=2, seed=1))])
+        while engine.health().get("generated_tokens", 0) < 70:
+            time.sleep(0.001)
+        engine.abort("n")  # the parent id aborts every sample
+        outs = [f.result(timeout=10) for f in running]
+        assert [o.finish_reason for o in outs] == ["abort", "abort"]
+        assert all(len(o.output_logprobs) == len(o.output_ids) == len(o.weight_versions) for o in outs)
+        assert engine.flush_cache() and engine.health()["ok"]
+        assert engine.generate([GenerateRequest("after", prompt(1, 4), SamplingParams(max_new_tokens=3))])[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("ids, match", [([], "prompt_ids.*empty"), (list(range(128)), "prompt_ids.*context"),
+                                        ([1, 2, 999], "prompt_ids.*vocabulary"), ([1, "a"], "prompt_ids")])
+def test_bad_requests_fail_alone(tiny_arch, ids, match):
+    with make_engine(tiny_arch) as engine:
+        running = engine.submit([GenerateRequest("ok", prompt(0, 5), SamplingParams(max_new_tokens=30, seed=0))])
+        with pytest.raises(RequestError, match=match) as info:
+            engine.submit([GenerateRequest("bad", ids, SamplingParams(max_new_tokens=4))])
+        assert info.value.request_id == "bad"
+        assert running[0].result(timeout=30).finish_reason == "length"
+        assert engine.health()["ok"]
+
+
+def test_context_limit_ends_with_length(tiny_arch):
+    with make_engine(tiny_arch, max_seq_len=20) as engine:
+        out = engine.generate([GenerateRequest("c", prompt(0, 15), SamplingParams(max_new_tokens=50, seed=0))])[0]
+    assert out.finish_reason == "length" and len(out.output_ids) == 5
