@@ -70,21 +70,9 @@ def tiny_chat_model(tmp_path_factory, smollm2):
     arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=64, ffn_hidden_size=128,
                      num_attention_heads=4, num_query_groups=2, rope_theta=10000.0, tie_word_embeddings=True,
                      max_position_embeddings=512)
-    generator = torch.Generator().manual_seed(0)
-    state = {"model.embed_tokens.weight": 0.02 * torch.randn(arch.vocab_size, arch.hidden_size, generator=generator),
-             "model.norm.weight": torch.ones(arch.hidden_size)}
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        for name, shape in [("self_attn.q_proj", (arch.q_size, arch.hidden_size)),
-                            ("self_attn.k_proj", (arch.kv_size, arch.hidden_size)),
-                            ("self_attn.v_proj", (arch.kv_size, arch.hidden_size)),
-                            ("self_attn.o_proj", (arch.hidden_size, arch.q_size)),
-                            ("mlp.gate_proj", (arch.ffn_hidden_size, arch.hidden_size)),
-                            ("mlp.up_proj", (arch.ffn_hidden_size, arch.hidden_size)),
-                            ("mlp.down_proj", (arch.hidden_size, arch.ffn_hidden_size))]:
-            state[p + name + ".weight"] = 0.05 * torch.randn(shape, generator=generator)
-        state[p + "input_layernorm.weight"] = torch.ones(arch.hidden_size)
-        state[p + "post_attention_layernorm.weight"] = torch.ones(arch.hidden_size)
+    from tests.helpers import near_uniform_state
+
+    state = near_uniform_state(arch)
     path = str(tmp_path_factory.mktemp("tiny_chat") / "hf")
     save_hf(path, arch, state, smollm2.tokenizer)
     return path

@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
-from tests.rollout_helpers import prompt, tiny_state
+from tests.helpers import prompt, tiny_state
 
 
 def _native(arch, seed=0):

@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
-from tests.rollout_helpers import prompt, tiny_state
+from tests.helpers import prompt, tiny_state
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 

@@ -13,7 +13,7 @@ from safetensors.torch import save as save_safetensors
 
 from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
 from megatron_rl.rollout.server import RolloutServer, version_spans
-from tests.rollout_helpers import prompt, tiny_state
+from tests.helpers import prompt, tiny_state
 
 
 @pytest.fixture(scope="module")

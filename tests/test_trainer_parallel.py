@@ -5,28 +5,9 @@ import torch
 
 from megatron_rl.types import TrainBatch
 from megatron_rl.controller.launch import run_distributed
+from tests.helpers import near_uniform_state
 
 STEPS = 3
-
-
-def _random_hf_state(arch, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size),
-              "lm_head.weight": (arch.vocab_size, arch.hidden_size),
-              "model.norm.weight": (arch.hidden_size,)}
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (arch.q_size, arch.hidden_size),
-                       p + "self_attn.k_proj.weight": (arch.kv_size, arch.hidden_size),
-                       p + "self_attn.v_proj.weight": (arch.kv_size, arch.hidden_size),
-                       p + "self_attn.o_proj.weight": (arch.hidden_size, arch.q_size),
-                       p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, arch.hidden_size),
-                       p + "mlp.up_proj.weight": (arch.ffn_hidden_size, arch.hidden_size),
-                       p + "mlp.down_proj.weight": (arch.hidden_size, arch.ffn_hidden_size),
-                       p + "input_layernorm.weight": (arch.hidden_size,),
-                       p + "post_attention_layernorm.weight": (arch.hidden_size,)})
-    return {k: (1.0 + 0.1 * torch.randn(s, generator=generator)) if len(s) == 1
-            else 0.05 * torch.randn(s, generator=generator) for k, s in shapes.items()}
 
 
 def _data(arch, rows=8, length=24):
@@ -64,7 +45,7 @@ def _train_worker(rank, world_size, arch, tp, pp, state, batch):
 
 
 def _run(arch, tp, pp, world):
-    state = _random_hf_state(arch)
+    state = near_uniform_state(arch)
     return run_distributed(_train_worker, world, arch, tp, pp, state, _data(arch))[0]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.controller.launch import run_distributed
-from tests.test_trainer_parallel import _data, _random_hf_state
+from tests.helpers import near_uniform_state
+from tests.test_trainer_parallel import _data
 
 
 def _sync_worker(rank, world_size, arch, state, batch):
@@ -44,6 +45,6 @@ def _sync_worker(rank, world_size, arch, state, batch):
 
 
 def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):
-    state = _random_hf_state(tiny_arch)
+    state = near_uniform_state(tiny_arch)
     mismatches = run_distributed(_sync_worker, 4, tiny_arch, state, _data(tiny_arch))[0]
     assert mismatches == [[], []]
