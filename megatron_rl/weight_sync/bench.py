@@ -12,11 +12,10 @@ import time
 import torch
 
 
-def _bench_worker(rank, world_size, checkpoint, repeats):
+def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
     import torch.distributed as dist
     from megatron_rl.checkpoints_tools import load_pretrained
     from megatron_rl.controller.generator_process import GeneratorProcess
-    from megatron_rl.rollout.native import NativeEngineConfig
     from megatron_rl.trainer.parallel import ParallelConfig
     from megatron_rl.trainer.trainer import TrainerConfig, load_policy
     from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
@@ -26,7 +25,7 @@ def _bench_worker(rank, world_size, checkpoint, repeats):
     generator = None
     if rank == 0:
         model = load_pretrained(checkpoint)
-        generator = GeneratorProcess(model.arch, model.state, config=NativeEngineConfig(max_batch_size=1))
+        generator = GeneratorProcess(model.arch, model.state, config=engine_config)
         del model
     try:
         channel = SharedMemoryWeightChannel(trainer, generator)
@@ -58,12 +57,16 @@ def _bench_worker(rank, world_size, checkpoint, repeats):
 def bench_sync(options: dict) -> dict:
     from megatron_rl.checkpoints_tools.pretrained import convert
     from megatron_rl.controller.launch import run_distributed
+    from megatron_rl.rollout.native import NativeEngineConfig
 
     tp = int(options.get("tp", 3))
     repeats = int(options.get("repeats", 5))
+    # The engine as the RL loop runs it (batch 64); prepack=false skips MKL weight re-packing on load.
+    engine_config = NativeEngineConfig(max_batch_size=int(options.get("engine_batch", 64)), max_seq_len=256,
+                                       prepack_weights=bool(options.get("prepack", True)))
     with tempfile.TemporaryDirectory() as root:
         checkpoint = convert(str(options.get("model", "smollm2-135m")), f"{root}/megatron", to="megatron", tp=tp)
-        result = run_distributed(_bench_worker, tp, checkpoint, repeats)[0]
+        result = run_distributed(_bench_worker, tp, checkpoint, repeats, engine_config)[0]
     sync, memcpy = statistics.median(result["sync"]), statistics.median(result["memcpy"])
     gib = result["bytes"] / 2**30
     print(f"weight sync TP={tp} -> engine process: {sync:.3f} s (trainer writes {statistics.median(result['write']):.3f} s, "
@@ -72,4 +75,4 @@ def bench_sync(options: dict) -> dict:
     return {"ratio": round(sync / memcpy, 3), "sync_s": round(sync, 4), "memcpy_s": round(memcpy, 4),
             "write_s": round(statistics.median(result["write"]), 4),
             "engine_load_s": round(statistics.median(result["commit"]), 4), "gib": round(gib, 3),
-            "trainer_tp": tp, "checksum_mode": "passed", "verified_sync_s": round(result["verified_sync_s"], 3)}
+            "trainer_tp": tp, "engine_prepack_weights": engine_config.prepack_weights, "checksum_mode": "passed", "verified_sync_s": round(result["verified_sync_s"], 3)}
