@@ -635,12 +635,7 @@ class NativeEngine:
             while not self._closing:
                 if self._driver.acquire(timeout=0.05):
                     try:
-                        with torch.inference_mode():
-                            while not self._closing and self._step_once():
-                                pass
-                    except BaseException as exc:
-                        self._die(exc)
-                        raise
+                        self._steps_while(lambda: not self._closing)
                     finally:
                         self._driver.release()
                 with self._cv:
@@ -649,6 +644,17 @@ class NativeEngine:
             with self._cv:
                 self._callers -= 1
                 self._cv.notify_all()
+
+    def _steps_while(self, keep_going) -> None:
+        """Run engine steps on this thread (the caller holds the driver lock) while there is work and
+        `keep_going()`; a failing step kills the engine (every waiter gets the error) and re-raises."""
+        try:
+            with torch.inference_mode():
+                while keep_going() and self._step_once():
+                    pass
+        except BaseException as exc:
+            self._die(exc)
+            raise
 
     def pause(self) -> None:
         """Stop stepping; returns once no step is running. Running requests keep their KV state."""
@@ -825,12 +831,7 @@ class NativeEngine:
                     raise TimeoutError(f"generate did not finish within {timeout} s")
                 if self._driver.acquire(timeout=0.02):
                     try:
-                        with torch.inference_mode():
-                            while not all(f.done() for f in futures) and self._step_once():
-                                pass
-                    except BaseException as exc:
-                        self._die(exc)
-                        raise
+                        self._steps_while(lambda: not all(f.done() for f in futures))
                     finally:
                         self._driver.release()
                     if not all(f.done() for f in futures):
