@@ -40,7 +40,6 @@ returned in the input dtype.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 

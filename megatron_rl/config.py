@@ -177,7 +177,7 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -
             raise
         path = f"{prefix}.{exc.field}" if prefix else exc.field
         raise ConfigError(f"{source.where(path)}: field '{path}': {exc.reason}") from None
-    except TypeError as exc:  # a required field is missing
+    except TypeError:  # a required field is missing
         missing = [n for n, f in fields.items() if n not in kwargs
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:

@@ -3,7 +3,6 @@ and recovery from a killed generator with no request lost."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.controller.generator_process import GeneratorProcess

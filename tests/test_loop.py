@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
