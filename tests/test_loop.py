@@ -107,3 +107,33 @@ def test_pause_mode_weight_updates(tmp_path, tiny_chat_model):
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["train/version"] for r in records if "train/version" in r] == [1.0, 2.0]
     assert summary.steps == 2
+
+
+def test_killed_generator_mid_run_loses_no_prompt(tmp_path, tiny_chat_model):
+    from megatron_rl.controller.loop import Controller
+    from megatron_rl.data.sources import PromptStream
+
+    config = _config(tiny_chat_model, str(tmp_path / "fault"), "rollout.max_staleness=1",
+                     "rollout.placement=disaggregated", "rollout.max_new_tokens=16")
+    controller = Controller(config)
+    expected = [p.prompt_id for p in PromptStream.from_config(controller.train_data, config.data).next(2 * 4)]
+    consumed = []
+    original = controller.rollouts.next_groups
+
+    def recording(version):
+        groups = original(version)  # also admits the next step's groups (max_staleness 1)
+        if version == 1:  # those were submitted an instant ago: still in flight when the generator dies
+            assert controller.rollouts.pending_prompt_ids()
+            controller.engine.kill()
+        consumed.extend(g.prompt.prompt_id for g in groups)
+        assert all(len(g.samples) == config.rollout.samples_per_prompt for g in groups)
+        return groups
+
+    controller.rollouts.next_groups = recording
+    try:
+        for _ in range(4):
+            controller.train_step()
+        assert controller.engine.restarts == 1
+        assert consumed == expected  # every prompt consumed exactly once, in order, despite the crash
+    finally:
+        controller.close()

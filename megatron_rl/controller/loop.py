@@ -84,6 +84,7 @@ class Controller:
         self.train_data, self.heldout = build_datasets(config.data)
         self.stream = PromptStream.from_config(self.train_data, config.data)
         self.version = 0
+        os.makedirs(config.run_dir, exist_ok=True)
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
                                         seed=config.seed, timeline=self.timeline)
