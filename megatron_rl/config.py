@@ -246,6 +246,14 @@ def merge_overrides(data: dict[str, Any], overrides: Sequence[str], source: Sour
     return data
 
 
+def split_config_and_overrides(config: str | None, overrides: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Command lines may omit the recipe: `megatron-rl eval model.path=X` has an override where the
+    YAML path would be."""
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        return None, [config, *overrides]
+    return config, list(overrides)
+
+
 def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
     """Load a YAML recipe into `cls`, applying dotted `section.field=value` overrides on top."""
     source = Source()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.config import describe, dump_yaml, load_yaml
+from megatron_rl.config import describe, dump_yaml, load_yaml, split_config_and_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +18,5 @@ def run(args: argparse.Namespace) -> int:
     if args.describe:
         print("\n".join(describe(RunConfig)))
         return 0
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
-        config_path, overrides = None, [config_path, *overrides]
-    print(dump_yaml(load_yaml(RunConfig, config_path, overrides)), end="")
+    print(dump_yaml(load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))), end="")
     return 0

@@ -4,13 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_rl.config import load_yaml
-
-
-def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    if config and "=" in config and not config.endswith((".yaml", ".yml")):
-        return None, [config, *overrides]
-    return config, overrides
+from megatron_rl.config import load_yaml, split_config_and_overrides
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +17,7 @@ def run_train(args: argparse.Namespace) -> int:
     from megatron_rl.controller.loop import train
     from megatron_rl.run_config import RunConfig
 
-    config = load_yaml(RunConfig, *_split(args.config, list(args.overrides)))
+    config = load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))
     summary = train(config, resume=args.resume)
     print(json.dumps({"accuracy_before": summary.accuracy_before, "accuracy_after": summary.accuracy_after,
                       "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
@@ -46,7 +40,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.run_config import RunConfig
 
-    config = load_yaml(RunConfig, *_split(args.config, list(args.overrides)))
+    config = load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))
     model = load_pretrained(config.model.path)
     _, heldout = build_datasets(config.data)
     reward = Reward(config.reward)

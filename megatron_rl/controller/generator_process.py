@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_rl.models import ModelArch
-from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request
+from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request, wait_all
 from megatron_rl.rollout.native import NativeEngineConfig
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
@@ -256,7 +256,7 @@ class GeneratorProcess:
         return futures
 
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
-        return [f.result(timeout=timeout) for f in futures]
+        return wait_all(futures, timeout)
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
         return self.wait(self.submit(requests), timeout)

@@ -166,9 +166,6 @@ class RolloutProducer:
         return [prompt.prompt_id for prompt, *_ in self._in_flight]
 
 
-EvalMetric = Literal["greedy", "mean_at_k"]
-
-
 def evaluate(engine, tokenizer: ChatTokenizer, prompts: Sequence[Prompt], reward: Reward, *,
              max_new_tokens: int, samples: int = 1, temperature: float = 0.0, seed: int = 0,
              progress: bool = False) -> dict[str, float]:

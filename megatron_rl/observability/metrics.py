@@ -114,15 +114,8 @@ def write_plots(run_dir: str) -> list[str]:
         ax.plot([r["step"] for r in train], [r.get("rollout/accuracy", 0) for r in train], label="train accuracy", alpha=0.6)
         if evals:
             ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
-        ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend()
-        ax.set_title("reward and accuracy")
-        fig.tight_layout()
-        path = os.path.join(run_dir, "reward_accuracy.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, ax, "reward and accuracy", os.path.join(run_dir, "reward_accuracy.png")))
         phases = [k for k in ("perf/generate_time", "perf/reward_time", "perf/train_time", "perf/weight_sync_time",
                               "perf/checkpoint_time") if any(k in r for r in train)]
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -131,13 +124,18 @@ def write_plots(run_dir: str) -> list[str]:
             values = [r.get(key) or 0.0 for r in train]
             ax.bar([r["step"] for r in train], values, bottom=bottom, label=key.split("/")[1])
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xlabel("step")
         ax.set_ylabel("seconds")
-        ax.legend()
-        ax.set_title("step time breakdown")
-        fig.tight_layout()
-        path = os.path.join(run_dir, "step_time.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, ax, "step time breakdown", os.path.join(run_dir, "step_time.png")))
     return written
+
+
+def _save(fig, ax, title: str, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_request,
-                                        iter_named_tensors)
+                                        fan_out_samples, iter_named_tensors, wait_all)
 from megatron_rl.types import Completion
 
 
@@ -112,7 +112,7 @@ class HTTPEngine:
         return self._generate_batch([as_request(r, i) for i, r in enumerate(requests)])
 
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
-        return [f.result(timeout=timeout) for f in futures]
+        return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
         if isinstance(requests, GenerateRequest):
@@ -123,7 +123,7 @@ class HTTPEngine:
             samples = [Future() for _ in range(request.sampling.n)]
             futures.extend(samples)
             call = self._pool.submit(self._generate_batch, [request])
-            call.add_done_callback(lambda done, samples=samples: _fan_out(done, samples))
+            call.add_done_callback(lambda done, samples=samples: fan_out_samples(done, samples))
         return futures
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
@@ -185,16 +185,6 @@ class HTTPEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _fan_out(done: Future, samples: list[Future]) -> None:
-    error = done.exception()
-    if error is not None:
-        for f in samples:
-            f.set_exception(error)
-        return
-    for f, completion in zip(samples, done.result()):
-        f.set_result(completion)
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterable[dict[str, torch.Tensor]]:

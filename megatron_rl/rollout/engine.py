@@ -292,3 +292,20 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def wait_all(futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
+    """`RolloutEngine.wait` for engines whose futures are resolved by another thread or process."""
+    return [f.result(timeout=timeout) for f in futures]
+
+
+def fan_out_samples(call: Any, samples: list[Future]) -> None:
+    """Resolve the per-sample futures of one request from the future of its whole call (its result
+    is the request's list of completions, in sample order; an error fails every sample)."""
+    error = call.exception()
+    if error is not None:
+        for future in samples:
+            future.set_exception(error)
+        return
+    for future, completion in zip(samples, call.result()):
+        future.set_result(completion)

@@ -32,7 +32,8 @@ from typing import Any, Iterable, Sequence
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.client import completion_from_json
-from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLike, as_request, iter_named_tensors
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, as_request, fan_out_samples,
+                                        iter_named_tensors, wait_all)
 from megatron_rl.types import Completion
 
 
@@ -83,7 +84,7 @@ class SGLangEngine:
 
     # --- RolloutEngine --------------------------------------------------------------------------
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
-        return [f.result(timeout=timeout) for f in futures]
+        return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
         if isinstance(requests, GenerateRequest):
@@ -94,15 +95,7 @@ class SGLangEngine:
             samples = [Future() for _ in range(request.sampling.n)]
             futures.extend(samples)
             call = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
-
-            def fan_out(done: Any, samples: list[Future] = samples) -> None:
-                if done.exception() is not None:
-                    for f in samples:
-                        f.set_exception(done.exception())
-                else:
-                    for f, c in zip(samples, done.result()):
-                        f.set_result(c)
-            call.add_done_callback(fan_out)
+            call.add_done_callback(lambda done, samples=samples: fan_out_samples(done, samples))
         return futures
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
