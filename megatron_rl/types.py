@@ -74,6 +74,16 @@ class TrainBatch:
         return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
                              for f in dataclasses.fields(self)})
 
+    def trimmed(self) -> "TrainBatch":
+        """The columns up to the last one carrying a loss (later tokens cannot affect earlier
+        log-probs in a causal model); at least 2 columns."""
+        carrying = self.loss_mask.any(dim=0).nonzero()
+        width = max(int(carrying[-1]) + 1 if carrying.numel() else 0, 2)
+        if width >= self.seq_length:
+            return self
+        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[:, :width])
+                             for f in dataclasses.fields(self)})
+
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         for start in range(0, self.batch_size, micro_batch_size):
             yield self.select(slice(start, start + micro_batch_size))

@@ -107,6 +107,51 @@ def test_update_weights_equals_fresh_engine(tiny_arch):
         assert engine.version == 3
 
 
+def test_adopted_weight_arena_equals_fresh_engine_packed_or_not(tiny_arch):
+    """An engine switching to a buffer that already holds new weights (the double-buffered shared
+    memory path) generates exactly what a fresh engine does, before and after its lazy MKL re-pack."""
+    from megatron_rl.kernels.reshard import Bucket
+    from megatron_rl.rollout.native import weight_arena_layout
+
+    requests = [GenerateRequest(f"r{i}", prompt(i, 6 + i), SamplingParams(temperature=0, max_new_tokens=10))
+                for i in range(4)]
+    layout = weight_arena_layout(tiny_arch, torch.float32)
+    arena = torch.empty(layout.numel)
+    views = Bucket(layout, arena).unpack()
+    for name, tensor in tiny_state(tiny_arch, seed=1).items():
+        if name in views:
+            views[name].copy_(tensor)
+    config = NativeEngineConfig(max_batch_size=4, prepack_weights=True)
+    with NativeEngine(tiny_arch, tiny_state(tiny_arch, seed=0), config=config) as engine, \
+            NativeEngine(tiny_arch, None, weight_arena=arena.clone(), config=config) as fresh:
+        before = engine.generate(requests)
+        engine.adopt_weight_arena(arena, version=5)
+        assert engine.weights.arena.data_ptr() == arena.data_ptr()  # used in place, not copied
+        first = engine.generate(requests)   # packs a layer or two per step meanwhile
+        again = engine.generate(requests)   # fully re-packed by now
+        expected = fresh.generate(requests)
+        assert [c.output_ids for c in first] == [c.output_ids for c in again] == [c.output_ids for c in expected]
+        for got, want in zip(first, expected):  # packed and plain GEMMs round differently
+            assert torch.allclose(torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs), atol=1e-5)
+        assert [c.output_ids for c in first] != [c.output_ids for c in before]
+        assert all(c.weight_versions == [5] * len(c.output_ids) for c in first)
+        with pytest.raises(ValueError, match="flat"):
+            engine.adopt_weight_arena(torch.empty(3))
+
+
+def test_release_and_resume_memory_occupation(tiny_arch):
+    requests = [GenerateRequest("r", prompt(0, 6), SamplingParams(temperature=0, max_new_tokens=6))]
+    with make_engine(tiny_arch, seed=0) as engine:
+        first = engine.generate(requests)
+        released = engine.release_memory_occupation()
+        assert released["kv_cache_bytes"] > 0 and engine._k_cache is None
+        pending = engine.submit(requests)
+        time.sleep(0.2)
+        assert not pending[0].done()  # generation holds while the memory is released
+        engine.resume_memory_occupation()
+        assert engine.wait(pending)[0].output_ids == first[0].output_ids
+
+
 def test_update_while_paused_mid_response(tiny_arch):
     with make_engine(tiny_arch, max_seq_len=256) as engine:
         future = engine.submit([GenerateRequest("long", prompt(0, 5), SamplingParams(max_new_tokens=200, seed=0))])[0]

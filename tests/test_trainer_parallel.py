@@ -57,3 +57,20 @@ def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
         assert torch.allclose(torch.tensor(losses), torch.tensor(reference_losses), atol=1e-5, rtol=0), \
             f"TP={tp} PP={pp} world={world}: {losses} vs {reference_losses}"
         assert torch.allclose(logprobs, reference_logprobs, atol=1e-5), f"TP={tp} PP={pp} world={world}"
+
+
+def test_train_step_loss_equals_a_full_forward_of_the_padded_batch(tiny_arch):
+    """train_step computes log-probs only at loss positions and trims each micro-batch after its last
+    loss column; its loss must equal the same loss on compute_logprobs' untrimmed, full forward."""
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+
+    batch = _data(tiny_arch)
+    wide = TrainBatch(tokens=torch.cat([batch.tokens, batch.tokens[:, :9]], dim=1),  # 9 columns of padding
+                      loss_mask=torch.cat([batch.loss_mask, torch.zeros(batch.batch_size, 9)], dim=1))
+    assert wide.micro_batches(2).__next__().trimmed().seq_length == 12  # rows 0-1: last loss column 11
+    trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-2, vocab_divisible_by=1),
+                              hf_state=near_uniform_state(tiny_arch))
+    normalizer = wide.loss_mask.sum()
+    full = -(trainer.compute_logprobs(wide) * wide.loss_mask).sum() / normalizer
+    reported = trainer.train_step(wide, lambda lp, mb, ent: (-(lp * mb.loss_mask).sum() / normalizer, {}))
+    assert abs(reported["train/loss"] - float(full)) < 1e-5

@@ -32,7 +32,7 @@ def _sync_worker(rank, world_size, arch, state, batch):
             channel.push(version)  # verify mode: the engine's checksums must equal the shared buffer's
             expected = trainer.gather_hf_state(dst=0)
             if rank == 0:
-                views = channel.buffer.views()
+                views = channel.arena_views[1 - generator.staging_index]  # the arena the engine adopted
                 assert set(views) == set(expected), sorted(set(views) ^ set(expected))
                 mismatches.append([n for n in expected if not torch.equal(views[n], expected[n])])
                 assert generator.version == version

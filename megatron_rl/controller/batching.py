@@ -54,7 +54,8 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
     batch = None
     if kept:
         padded = -(-kept // micro_batch_size) * micro_batch_size
-        index = keep.nonzero().flatten()
+        # longest rows first: each micro-batch is trimmed to its own longest row (MegatronTrainer.train_step)
+        index = sorted(keep.nonzero().flatten().tolist(), key=lambda r: -lengths[r])
         pad_rows = padded - kept
 
         def take(t: torch.Tensor, fill: float) -> torch.Tensor:

@@ -5,15 +5,16 @@ its own, and the two run concurrently. The controller talks to it through two ch
 
 - requests / completions: typed records over a pair of multiprocessing queues (the loop sees only
   `submit() -> futures`, exactly like an in-process engine);
-- weights: a shared-memory weight channel (`weight_sync.shared_memory`). The HF-named tensors live
-  in flat per-dtype buckets in named shared memory; an update writes the trainer's tensors into
-  them (`stage_weights`, or each trainer rank writes its own shard through the reshard plan), then
-  `commit_weights` tells the generator the new version; the generator copies from the shared views
-  into its engine between two decode steps and acknowledges. With a checksum mode, both sides hash
-  every tensor and a mismatch fails loudly.
+- weights: a shared-memory weight channel (`weight_sync.shared_memory`), double-buffered. The engine
+  computes straight from a weight arena in named shared memory (`rollout.native.weight_arena_layout`:
+  HF-named tensors, each one contiguous region, fused matrices adjacent). An update writes the new
+  tensors into the *other* arena (`stage_weights`, or each trainer rank writes its own shard through
+  the reshard plan: `staging_index`), then `commit_weights` tells the generator to adopt that arena
+  as the new version between two decode steps: no copy on the engine side. With a checksum mode,
+  both sides hash every tensor and a mismatch fails loudly.
 
-A generator that dies is detected by the receiver thread: the process is restarted from the weights
-in shared memory (the latest version), and every request it had not finished is submitted again, so
+A generator that dies is detected by the receiver thread: the process is restarted from the active
+arena (the latest committed version), and every request it had not finished is submitted again, so
 no prompt is lost.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.models import ModelArch
 from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request, wait_all
-from megatron_rl.rollout.native import NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngineConfig, weight_arena_layout
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
 
@@ -48,14 +49,14 @@ class WeightMismatchError(RuntimeError):
     """A tensor's checksum differs between trainer and generator after a weight sync."""
 
 
-def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, config: NativeEngineConfig, tokenizer,
-            requests: mp.Queue, results: mp.Queue, threads: int) -> None:
+def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active: int, version: int,
+            config: NativeEngineConfig, tokenizer, requests: mp.Queue, results: mp.Queue, threads: int) -> None:
     torch.set_num_threads(threads)
     from megatron_rl.rollout.native import NativeEngine
 
     try:
-        shared = SharedBuckets.attach(weights).views()
-        engine = NativeEngine(arch, shared, tokenizer=tokenizer, version=version,
+        buffers = [SharedBuckets.attach(descriptor).buckets[0].buffer for descriptor in arenas]
+        engine = NativeEngine(arch, None, weight_arena=buffers[active], tokenizer=tokenizer, version=version,
                               config=dataclasses.replace(config, num_threads=threads))
     except BaseException:
         results.put(("fatal", traceback.format_exc()))
@@ -63,11 +64,11 @@ def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, con
     results.put(("ready", os.getpid()))
     # The engine computes on this process's main thread (run_forever); a second thread only moves
     # messages, so torch keeps one OpenMP pool and steps never wait for a hand-off.
-    threading.Thread(target=_serve_messages, args=(engine, shared, requests, results), daemon=True).start()
+    threading.Thread(target=_serve_messages, args=(engine, buffers, requests, results), daemon=True).start()
     engine.run_forever()
 
 
-def _serve_messages(engine, shared: dict[str, torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:
+def _serve_messages(engine, arenas: list[torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:
     def forward(sample_id: str, future: Future) -> None:
         try:
             results.put(("done", sample_id, future.result()))
@@ -89,10 +90,10 @@ def _serve_messages(engine, shared: dict[str, torch.Tensor], requests: mp.Queue,
             for sample_id, future in zip(ids, futures):
                 future.add_done_callback(lambda f, sid=sample_id: forward(sid, f))
         elif kind == "update":
-            _, new_version, verify = message
+            _, new_version, arena, verify = message
             try:
-                engine.update_weights(shared, new_version)
-                sums = {n: tensor_checksum(t) for n, t in engine.named_weights(shared).items()} if verify else None
+                engine.adopt_weight_arena(arenas[arena], new_version)
+                sums = {n: tensor_checksum(t) for n, t in engine.named_weights().items()} if verify else None
                 results.put(("updated", new_version, sums))
             except BaseException:
                 results.put(("fatal", traceback.format_exc()))
@@ -129,9 +130,12 @@ class GeneratorProcess:
         self.verify_weights = verify_weights
         self.start_timeout = start_timeout
         self._ctx = mp.get_context("spawn")
-        self._shared = SharedBuckets.create([(n, tuple(t.shape), t.dtype) for n, t in state.items()])
-        self._views = self._shared.views()
-        torch._foreach_copy_([self._views[n] for n in state], [t.detach() for t in state.values()])
+        layout = weight_arena_layout(arch, torch.bfloat16 if self.config.dtype == "bf16" else torch.float32)
+        self._arenas = [SharedBuckets.create(layouts=[layout]) for _ in range(2)]
+        self._active = 0  # the arena the engine computes from; the other one receives the next version
+        self._views = [arena.views() for arena in self._arenas]
+        self._stage(state)
+        self._active = 1
         self._version = 0
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # request id -> request and its per-sample futures
@@ -147,8 +151,8 @@ class GeneratorProcess:
         self._requests = self._ctx.Queue()
         self._results = self._ctx.Queue()
         self._process = self._ctx.Process(
-            target=_worker, args=(self.arch, self._shared.descriptor, self._version, self.config, self.tokenizer,
-                                  self._requests, self._results, self.threads), daemon=True)
+            target=_worker, args=(self.arch, self.shared_weights, self._active, self._version, self.config,
+                                  self.tokenizer, self._requests, self._results, self.threads), daemon=True)
         self._process.start()
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -262,31 +266,46 @@ class GeneratorProcess:
         return self.wait(self.submit(requests), timeout)
 
     @property
-    def shared_weights(self) -> SharedBucketsDescriptor:
-        """Where the engine reads weights from: trainer ranks attach and write their shards directly."""
-        return self._shared.descriptor
+    def shared_weights(self) -> tuple[SharedBucketsDescriptor, ...]:
+        """The two weight arenas (shared memory): trainer ranks attach them and write their shards
+        straight into the one at `staging_index`."""
+        return tuple(arena.descriptor for arena in self._arenas)
 
-    def stage_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the shared buffer (the generator keeps using its own copy)."""
-        items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        unknown = sorted(set(items) - set(self._views))
+    @property
+    def staging_index(self) -> int:
+        """The arena the next version is written to (the engine computes from the other one)."""
+        return 1 - self._active
+
+    def _stage(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        views = self._views[self.staging_index]
+        named_tensors = {n: t for n, t in named_tensors.items()  # what the engine derives or ignores
+                         if not n.endswith("rotary_emb.inv_freq") and not (n == "lm_head.weight" and self.arch.tie_word_embeddings)}
+        unknown = sorted(set(named_tensors) - set(views))
         if unknown:
             raise ValueError(f"update_weights: unknown tensor names {unknown[:3]}")
-        torch._foreach_copy_([self._views[n] for n in items], [t.detach() for t in items.values()])
+        if set(named_tensors) != set(views):  # a partial update starts from the current weights
+            torch._foreach_copy_(list(views.values()), list(self._views[self._active].values()))
+        torch._foreach_copy_([views[n] for n in named_tensors], [t.detach() for t in named_tensors.values()])
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the staging arena (the generator keeps computing from the other)."""
+        items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        self._stage(items)
         return len(items)
 
     def commit_weights(self, version: int | None = None,
                        expected: dict[str, torch.Tensor] | None = None) -> int:
-        """Have the generator load the shared buffer as `version` (between two decode steps: in-flight
+        """Have the generator adopt the staging arena as `version` (between two decode steps: in-flight
         sequences continue under the new version, recorded per token). With verification on, the
-        generator's checksums are compared with `expected` (default: the shared buffer's contents)."""
+        generator's checksums are compared with `expected` (default: the staging arena's contents)."""
         new_version = self._version + 1 if version is None else int(version)
-        send = lambda: self._requests.put(("update", new_version, self.verify_weights))  # noqa: E731
+        staged = self.staging_index
+        send = lambda: self._requests.put(("update", new_version, staged, self.verify_weights))  # noqa: E731
         send()
         _, applied, sums = self._reply("updated", resend=send)
-        self._version = applied
+        self._version, self._active = applied, staged
         if sums is not None:
-            reference = expected if expected is not None else self._views
+            reference = expected if expected is not None else self._views[staged]
             bad = [n for n, t in reference.items() if sums.get(n) != tensor_checksum(t)]
             if bad:
                 raise WeightMismatchError(f"weight sync to version {applied}: checksum mismatch on {len(bad)} "
@@ -340,7 +359,8 @@ class GeneratorProcess:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join()
-            self._shared.unlink()
+            for arena in self._arenas:
+                arena.unlink()
         self._receiver.join(timeout=2)
 
     def __enter__(self) -> "GeneratorProcess":

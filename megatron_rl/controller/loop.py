@@ -3,7 +3,7 @@
     groups  = rollouts.next_groups(version)          # generate n samples per prompt, score them
     batch   = build_step_batch(groups, ...)          # advantages, behaviour log-probs, staleness
     metrics = policy.train_step(batch, loss_fn)      # recompute log pi, loss, backward, optimizer step
-    engine.update_weights(policy weights, version)   # weight channel: trainer -> rollout engine
+    weights.push(version)                             # weight channel: trainer shards -> rollout engine
 
 `rollout.max_staleness` decides how far generation may run ahead of training; 0 is on-policy.
 """
@@ -32,6 +32,7 @@ from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import RunConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
+from megatron_rl.weight_sync.channel import make_weight_channel
 
 
 @dataclasses.dataclass
@@ -80,6 +81,7 @@ class Controller:
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
         del model
+        self.weights = make_weight_channel(self.policy, self.engine)
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = build_datasets(config.data)
         self.stream = PromptStream.from_config(self.train_data, config.data)
@@ -88,6 +90,26 @@ class Controller:
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
                                         seed=config.seed, timeline=self.timeline)
+        rollout = config.rollout
+        self.offload = rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
+        self._host = "cpu"
+        self._device = self.policy._device()
+        if self.offload:
+            self.policy.move_optimizer_state(self._host)
+
+    def _memory_to_trainer(self) -> dict[str, float]:
+        """Colocated offload: the idle engine's memory goes to the trainer for its step."""
+        released = self.engine.release_memory_occupation() or {}
+        moved = self.policy.move_optimizer_state(self._device)
+        held = self.policy.memory_bytes()
+        return {"memory/engine_kv_cache_released_bytes": float(released.get("kv_cache_bytes", 0)),
+                "memory/engine_weights_offloaded_bytes": float(released.get("weight_bytes", 0)),
+                "memory/trainer_optimizer_onloaded_bytes": float(moved),
+                **{f"memory/trainer_{k}_bytes": float(v) for k, v in held.items()}}
+
+    def _memory_to_engine(self) -> None:
+        self.policy.move_optimizer_state(self._host)
+        self.engine.resume_memory_occupation()
 
     def sync_weights(self) -> float:
         start = time.perf_counter()
@@ -95,7 +117,7 @@ class Controller:
             pause = self.config.rollout.weight_update == "pause"
             if pause:
                 self.engine.pause()
-            self.engine.update_weights(self.policy.export_hf_state(), self.version)
+            self.weights.push(self.version)
             if pause:
                 self.engine.flush_cache()
                 self.engine.resume()
@@ -122,10 +144,14 @@ class Controller:
                                 drop_uninformative=cfg.rollout.drop_uninformative_groups and cfg.algorithm.loss.kl_coef == 0
                                 and cfg.algorithm.loss.entropy_coef == 0)
         metrics = dict(step.metrics)
+        if self.offload:
+            metrics.update(self._memory_to_trainer())
         if step.batch is not None:
             normalizer = compute_normalizer(step.full_loss_mask, cfg.algorithm.loss)
             with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
                 metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
+        if self.offload:
+            self._memory_to_engine()
         trained = time.perf_counter()
         self.version += 1
         sync_time = self.sync_weights()

@@ -55,6 +55,10 @@ class RolloutConfig:
     update, and the KV cache is freed (when no response is in flight) before it resumes."""
     verify_weight_sync: bool = False
     """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
+    offload_idle: bool = True
+    """Colocated synchronous runs (max_staleness 0): while the trainer steps, the engine frees its KV
+    cache (and on a GPU moves its weights to host memory); while the engine generates, the trainer's
+    optimizer state waits in host memory (GPU). On CPU nothing moves, and the bytes are reported."""
     drop_uninformative_groups: bool = True
     """Skip the backward pass for groups whose advantages are all zero (every sample scored the same).
     Their gradient is exactly zero without a KL/entropy term, so this changes speed, not the update."""

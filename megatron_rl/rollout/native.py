@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import require
+from megatron_rl.kernels.reshard import Bucket, BucketEntry, BucketLayout
 from megatron_rl.models import ModelArch
 from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, SamplingParams,
                                         as_request, iter_named_tensors, validate_request)
@@ -83,8 +84,8 @@ class NativeEngineConfig:
     only prefixes computed with the current weights are shared. 0 disables sharing."""
     prepack_weights: bool = True
     """On CPU with MKL, also keep the weight matrices in MKL's packed GEMM layout for full decode
-    batches (max_batch_size rows): ~20% faster decoding for one more copy of the weights in memory.
-    Results are bit-identical to the unpacked F.linear path."""
+    batches (max_batch_size rows): faster decoding for one more copy of the weights in memory.
+    Results equal the unpacked F.linear path up to float rounding (~1e-7)."""
 
     def __post_init__(self) -> None:
         require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
@@ -103,34 +104,93 @@ class _Layer:
     __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
 
 
-class LlamaWeights:
-    """Fused inference layout of an HF Llama state dict; `load` copies HF-named tensors in place."""
+def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
+    """Where every HF-named tensor lives in the engine's flat weight buffer (its "arena").
 
-    def __init__(self, arch: ModelArch, device: torch.device, dtype: torch.dtype):
+    Matrices keep HF's [out, in] orientation, and the tensors the engine fuses are adjacent in HF's
+    row order (q_proj, k_proj, v_proj; gate_proj, up_proj), so the fused `qkv` and `gate_up` matrices
+    are plain views of the arena, and every HF-named tensor is one contiguous region of it. A weight
+    producer (a trainer rank, another process through shared memory) can therefore write HF tensors
+    straight into the buffer the engine computes from: no per-update copy or transpose in the engine.
+    """
+    h = arch.hidden_size
+    align = max(1, 256 // torch.empty((), dtype=dtype).element_size())
+    entries: list[BucketEntry] = []
+    numel = 0
+
+    def block(*tensors: tuple[str, tuple[int, ...]]) -> None:
+        nonlocal numel
+        numel = -(-numel // align) * align  # each block starts aligned; a block's tensors stay adjacent
+        for name, shape in tensors:
+            entries.append(BucketEntry(name, numel, shape))
+            numel += math.prod(shape)
+
+    block(("model.embed_tokens.weight", (arch.vocab_size, h)))
+    if not arch.tie_word_embeddings:
+        block(("lm_head.weight", (arch.vocab_size, h)))
+    block(("model.norm.weight", (h,)))
+    q, kv, f = arch.q_size, arch.kv_size, arch.ffn_hidden_size
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        block((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+              (p + "self_attn.v_proj.weight", (kv, h)))
+        block((p + "self_attn.o_proj.weight", (h, q)))
+        block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
+        block((p + "mlp.down_proj.weight", (h, f)))
+        block((p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)))
+    return BucketLayout(dtype, numel, tuple(entries))
+
+
+class LlamaWeights:
+    """The engine's weights: views into one flat arena laid out by `weight_arena_layout` (allocated
+    here, or a buffer the caller owns, e.g. shared memory a trainer writes into). `load` copies
+    HF-named tensors in place; an engine switches to a whole new arena by building a new LlamaWeights."""
+
+    def __init__(self, arch: ModelArch, device: torch.device, dtype: torch.dtype,
+                 arena: torch.Tensor | None = None):
         self.arch = arch
-        h, f = arch.hidden_size, arch.ffn_hidden_size
-        q, kv = arch.q_size, arch.kv_size
-        new = lambda *shape: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
-        self.embed = new(arch.vocab_size, h)
-        self.lm_head = self.embed if arch.tie_word_embeddings else new(arch.vocab_size, h)
-        self.norm = new(h)
+        self.layout = weight_arena_layout(arch, dtype)
+        if arena is None:
+            arena = torch.empty(self.layout.numel, device=device, dtype=dtype)
+        elif arena.dtype != dtype or arena.numel() != self.layout.numel or arena.dim() != 1:
+            raise ValueError(f"weight arena must be a flat {dtype} tensor of {self.layout.numel} elements, "
+                             f"got {arena.dtype} {tuple(arena.shape)}")
+        self.arena = arena
+        self._targets = t = Bucket(self.layout, arena).unpack()
+        if arch.tie_word_embeddings:
+            t["lm_head.weight"] = t["model.embed_tokens.weight"]  # checkpoints may carry the tied copy
+        offsets = {e.name: e.offset for e in self.layout.entries}
+
+        def fused(first: str, rows: int) -> torch.Tensor:
+            """rows of consecutive tensors starting at `first` (adjacent in the arena) as one matrix."""
+            start, cols = offsets[first], t[first].shape[1]
+            return arena[start:start + rows * cols].view(rows, cols)
+
+        q, kv, f = arch.q_size, arch.kv_size, arch.ffn_hidden_size
+        self.embed = t["model.embed_tokens.weight"]
+        self.lm_head = self.embed if arch.tie_word_embeddings else t["lm_head.weight"]
+        self.norm = t["model.norm.weight"]
         self.layers: list[_Layer] = []
-        for _ in range(arch.num_layers):
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
             layer = _Layer()
-            # stored transposed ([in, out], contiguous): x @ W is faster than F.linear for decode shapes
-            layer.qkv, layer.o = new(h, q + 2 * kv), new(q, h)
-            layer.gate_up, layer.down = new(h, 2 * f), new(f, h)
-            layer.ln1, layer.ln2 = new(h), new(h)
+            layer.qkv = fused(p + "self_attn.q_proj.weight", q + 2 * kv)      # [q + 2kv, h]
+            layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
+            layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)         # [2f, h]
+            layer.down = t[p + "mlp.down_proj.weight"]                      # [h, f]
+            layer.ln1, layer.ln2 = t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"]
             self.layers.append(layer)
-        self._targets = self._name_table()
         self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
                           for name in self._targets}
-        self.packed: list[tuple[torch.Tensor, ...]] | None = None
+        self.packed: list[tuple[torch.Tensor, ...] | None] | None = None
         self.packed_lm_head: torch.Tensor | None = None
         self.pack_rows = 0
+        self._pending_pack: set[int] = set()
 
-    def enable_packing(self, rows: int) -> bool:
-        """Keep MKL-packed copies for `rows`-row matmuls (CPU, fp32). False when unsupported."""
+    def enable_packing(self, rows: int, *, lazily: bool = False) -> bool:
+        """Keep MKL-packed copies for `rows`-row matmuls (CPU, fp32). False when unsupported. `lazily`:
+        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with the
+        plain path meanwhile), so adopting new weights does not wait for the repack."""
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
             return False
         try:
@@ -140,43 +200,33 @@ class LlamaWeights:
             return False
         self.pack_rows = rows
         self.packed = [None] * len(self.layers)  # type: ignore[list-item]
-        self.repack(set(range(-1, len(self.layers))))
+        self.packed_lm_head = None
+        self._pending_pack = set(range(-1, len(self.layers)))
+        if not lazily:
+            self.pack_pending()
         return True
+
+    def pack_pending(self, limit: int | None = None) -> bool:
+        """Pack up to `limit` (default: all) of the layers still waiting; True if any are left."""
+        if self.pack_rows:
+            todo = sorted(self._pending_pack)[:limit]
+            self._pending_pack.difference_update(todo)
+            self.repack(set(todo))
+        return bool(self._pending_pack)
 
     def repack(self, layers: set[int]) -> None:
         if not self.pack_rows:
             return
-        pack = lambda w_in_out: torch.ops.mkl._mkl_reorder_linear_weight(  # noqa: E731
-            w_in_out.t().contiguous(), self.pack_rows)
+        pack = lambda w_out_in: torch.ops.mkl._mkl_reorder_linear_weight(w_out_in, self.pack_rows)  # noqa: E731
         for i in sorted(layers):
             if i < 0:
-                self.packed_lm_head = torch.ops.mkl._mkl_reorder_linear_weight(self.lm_head, self.pack_rows)
+                self.packed_lm_head = pack(self.lm_head)
             else:
                 layer = self.layers[i]
                 self.packed[i] = (pack(layer.qkv), pack(layer.o), pack(layer.gate_up), pack(layer.down))
 
-    def _name_table(self) -> dict[str, torch.Tensor]:
-        a = self.arch
-        q, kv, f = a.q_size, a.kv_size, a.ffn_hidden_size
-        table = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
-                 "lm_head.weight": self.lm_head}
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            table.update({
-                p + "self_attn.q_proj.weight": layer.qkv[:, :q].t(),
-                p + "self_attn.k_proj.weight": layer.qkv[:, q:q + kv].t(),
-                p + "self_attn.v_proj.weight": layer.qkv[:, q + kv:].t(), p + "self_attn.o_proj.weight": layer.o.t(),
-                p + "mlp.gate_proj.weight": layer.gate_up[:, :f].t(), p + "mlp.up_proj.weight": layer.gate_up[:, f:].t(),
-                p + "mlp.down_proj.weight": layer.down.t(),
-                p + "input_layernorm.weight": layer.ln1, p + "post_attention_layernorm.weight": layer.ln2,
-            })
-        return table
-
     def required_names(self) -> set[str]:
-        names = set(self._targets)
-        if self.arch.tie_word_embeddings:
-            names.discard("lm_head.weight")
-        return names
+        return {e.name for e in self.layout.entries}
 
     def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name.endswith("rotary_emb.inv_freq"):
@@ -285,11 +335,11 @@ class LlamaModel:
         mkl_linear = torch.ops.mkl._mkl_linear if pad >= 0 else None
 
         def matmul(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-            if mkl_linear is None:
-                return torch.mm(h, weight)
+            if packed is None:  # not a nearly full step, or this layer is not packed (yet)
+                return F.linear(h, weight)
             if pad:
                 h = F.pad(h, (0, 0, 0, pad))
-            out = mkl_linear(h, packed, weight.t(), None, w.pack_rows)
+            out = mkl_linear(h, packed, weight, None, w.pack_rows)
             return out[:n] if pad else out
 
         x = F.embedding(tokens, w.embed)
@@ -311,7 +361,7 @@ class LlamaModel:
                 rows = torch.arange(length, device=tokens.device)[:, None] + start
                 causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
         for li, layer in enumerate(w.layers):
-            packed = w.packed[li] if w.packed is not None and mkl_linear is not None else (None,) * 4
+            packed = (w.packed[li] if w.packed is not None and mkl_linear is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
             qkv = matmul(h, layer.qkv, packed[0])
             qk = _rope(qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d), cos, sin)
@@ -522,9 +572,11 @@ class _Seq:
 class NativeEngine:
     """The native rollout engine (see the module docstring). Thread-safe; implements RolloutEngine."""
 
-    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | NamedTensors, *,
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | NamedTensors | None, *,
                  tokenizer: Any = None, config: NativeEngineConfig | None = None, version: int = 0,
-                 eos_token_ids: Sequence[int] | None = None):
+                 eos_token_ids: Sequence[int] | None = None, weight_arena: torch.Tensor | None = None):
+        """`state`: HF-named weights to copy in. Or `weight_arena`: a flat buffer laid out by
+        `weight_arena_layout` that already holds the weights, used in place (e.g. shared memory)."""
         self.config = config = config or NativeEngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -542,14 +594,17 @@ class NativeEngine:
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_token_id] if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.weights = LlamaWeights(arch, self.device, self.dtype)
-        self.weights.load(iter_named_tensors(state), strict=True)
+        if (state is None) == (weight_arena is None):
+            raise ValueError("NativeEngine needs exactly one of `state` (weights to copy) and `weight_arena`")
+        self._slots = config.max_batch_size
+        self.weights = LlamaWeights(arch, self.device, self.dtype, weight_arena)
+        if state is not None:
+            self.weights.load(iter_named_tensors(state), strict=True)
+        if config.prepack_weights:
+            self.weights.enable_packing(self._slots)
         self.model = LlamaModel(self.weights, self.max_seq_len)
         self._version = int(version)
         self._epoch = 0                                  # bumped by every weight load
-        self._slots = config.max_batch_size
-        if config.prepack_weights:
-            self.weights.enable_packing(self._slots)
         self._k_cache: torch.Tensor | None = None
         self._v_cache: torch.Tensor | None = None
         self._written: list[int] = [0] * self._slots     # per slot: positions [0, w) hold finite values
@@ -715,6 +770,55 @@ class NativeEngine:
         self.end_weight_update(version)
         return count
 
+    def adopt_weight_arena(self, arena: torch.Tensor, version: int | None = None) -> None:
+        """Switch to weights that already sit in `arena` (laid out by `weight_arena_layout`): no copy,
+        only MKL re-packing where enabled. The caller must not write `arena` while the engine uses it
+        (double-buffer: write the other arena, then adopt it)."""
+        weights = LlamaWeights(self.arch, self.device, self.dtype, arena)
+        if self.config.prepack_weights:
+            weights.enable_packing(self._slots, lazily=True)  # packed between the next steps
+        self.begin_weight_update()
+        try:
+            with self._model_lock:
+                with self._cv:
+                    self._epoch += 1
+                self.weights = self.model.w = weights
+        except BaseException:
+            self.end_weight_update(None)
+            raise
+        with self._cv:
+            self._stats["weight_updates"] += 1
+        self.end_weight_update(version)
+
+    def release_memory_occupation(self) -> dict[str, int]:
+        """Give up what an idle engine holds so a colocated trainer can use it (SGLang's
+        release_memory_occupation): the KV cache is freed, and on a GPU the weights move to host
+        memory. Generation holds until `resume_memory_occupation`. Returns the bytes released per kind."""
+        with self._cv:
+            if self._running or self._waiting:
+                raise RuntimeError("release_memory_occupation: requests are still running or waiting")
+            self._hold += 1
+        with self._model_lock:
+            kv_bytes = 0 if self._k_cache is None else 2 * self._k_cache.numel() * self._k_cache.element_size()
+            self._k_cache = self._v_cache = None
+            self._written = [0] * self._slots
+            weight_bytes = self.weights.arena.numel() * self.weights.arena.element_size()
+            if self.device.type == "cuda":
+                self._host_arena = self.weights.arena.to("cpu")
+                self.weights = self.model.w = None  # drops the device arena
+                torch.cuda.empty_cache()
+        return {"kv_cache_bytes": kv_bytes, "weight_bytes": weight_bytes if self.device.type == "cuda" else 0}
+
+    def resume_memory_occupation(self) -> None:
+        """Undo `release_memory_occupation` (weights back on the device, the KV cache re-allocated on use)."""
+        host = getattr(self, "_host_arena", None)
+        if host is not None:
+            self._host_arena = None
+            arena = host.to(self.device)
+            with self._model_lock:
+                self.weights = self.model.w = LlamaWeights(self.arch, self.device, self.dtype, arena)
+        self.end_weight_update(None)
+
     def flush_cache(self) -> bool:
         """Free the KV cache memory; refused (False) while requests are running or waiting."""
         with self._cv:
@@ -853,6 +957,8 @@ class NativeEngine:
                 plan = self._plan()
         self._resolve(finished)
         if plan is None:
+            with self._model_lock:
+                self.weights.pack_pending()  # idle: finish re-packing adopted weights now
             return bool(finished)
         with self._model_lock:
             with self._cv:
@@ -862,6 +968,7 @@ class NativeEngine:
             if not runnable:
                 return True
             try:
+                self.weights.pack_pending(limit=2)  # after an adopt: re-pack a little per step
                 tokens, logprobs = self._execute(plan)
                 error = None
             except Exception as exc:  # a bug or out-of-memory: fail this step's requests, keep serving

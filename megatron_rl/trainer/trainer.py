@@ -12,7 +12,9 @@ tokens or sequences divided by a normaliser the loss function computed over the 
 of micro-batches and its gradient averaging over data-parallel ranks, so the gradient is exactly that
 of the global loss, whatever the micro-batching and DP size. The reported `train/loss` is the
 global loss (the sum of the shares); the hook's other metrics are scalars averaged over micro-batches
-and data-parallel ranks.
+and data-parallel ranks. Only positions where `loss_mask` is non-zero are computed (0 elsewhere; the
+output layer and softmax are skipped on prompt and padding tokens), and without pipeline parallelism
+each micro-batch is trimmed after its last loss position (its rows are what the hook receives).
 """
 from __future__ import annotations
 
@@ -221,29 +223,74 @@ class MegatronTrainer:
                 shards[pp_rank][tp_rank] = state
         return megatron_to_hf(shards, self.layout)
 
+    # --- colocated offload ------------------------------------------------------------------------
+    def _optimizer_state(self) -> list[dict]:
+        wrappers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [state for w in wrappers for state in w.optimizer.state.values()]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by this rank: parameters, gradient buffers, optimizer states (and fp32 master
+        copies, which Megatron keeps as optimizer state when training in bf16)."""
+        size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+        params = list(self.model.parameters())
+        grads = [b.grad_data for b in getattr(self.model, "buffers", [])] or [p.main_grad for p in params
+                                                                              if getattr(p, "main_grad", None) is not None]
+        states = [t for state in self._optimizer_state() for t in state.values() if torch.is_tensor(t) and t.dim()]
+        return {"params": size(params), "grads": size(grads), "optimizer": size(states)}
+
+    def move_optimizer_state(self, device: str | torch.device) -> int:
+        """Move the optimizer's state tensors (Adam moments) to `device`, e.g. to host memory while a
+        colocated engine generates, and back before the next step. Returns the bytes moved."""
+        moved = 0
+        device = torch.device(device)
+        for state in self._optimizer_state():
+            for key, tensor in state.items():
+                if torch.is_tensor(tensor) and tensor.dim() and tensor.device != device:
+                    state[key] = tensor.to(device, non_blocking=True)
+                    moved += tensor.numel() * tensor.element_size()
+        if moved and device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return moved
+
     # --- forward ----------------------------------------------------------------------------------
     def _output_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() if self.arch.tie_word_embeddings else \
             self.gpt.output_layer.weight
 
-    def _token_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                        where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, S-1, H] final hidden states of tokens[:, :-1] -> token-aligned (log-probs, entropy), each
-        [b, S] float32, via the fused vocab-parallel kernel (padding rows of the vocabulary excluded)."""
+        [b, S] float32, via the fused vocab-parallel kernel (padding rows of the vocabulary excluded).
+        With `where` ([b, S]), only positions where it is non-zero are computed (0 elsewhere): the
+        output layer and softmax then cost nothing on prompt and padding tokens."""
         from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 
         weight = self._output_weight()
+        targets = tokens[:, 1:]
+        select = None
+        if where is not None:
+            select = where[:, 1:].to(hidden.device) != 0
+            hidden, targets = hidden[select], targets[select]
         logprobs, entropy = fused_logprobs_and_entropy(
-            hidden, weight, tokens[:, 1:], tp_group=self.pg.tp if self.tp_size > 1 else None,
+            hidden, weight, targets, tp_group=self.pg.tp if self.tp_size > 1 else None,
             vocab_start=self.tp_rank * weight.shape[0], vocab_size=self.arch.vocab_size)
+        if select is not None:
+            logprobs = logprobs.new_zeros(select.shape).masked_scatter(select, logprobs)
+            entropy = entropy.new_zeros(select.shape).masked_scatter(select, entropy)
         pad = logprobs.new_zeros(tokens.shape[0], 1)
         return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
 
-    def _run_schedule(self, batch: TrainBatch, on_hidden, forward_only: bool):
+    def _run_schedule(self, batch: TrainBatch, on_hidden, forward_only: bool, trim: bool = False):
         """Run Megatron's schedule; `on_hidden(hidden, tokens, micro_batch) -> (loss, outputs)` runs on
-        the last stage (hidden: final hidden states [b, S-1, H] of the micro-batch) for each micro-batch. Returns the per-micro-batch outputs (last stage only)."""
+        the last stage (hidden: final hidden states [b, S-1, H] of the micro-batch) for each
+        micro-batch. Returns the per-micro-batch outputs (last stage only). `trim`: drop each
+        micro-batch's columns after its last loss token (without pipeline parallelism)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro = list(batch.micro_batches(self.config.micro_batch_size))
+        if trim and self.pp_size == 1:  # (pipeline stages exchange activations of one fixed shape)
+            micro = [mb.trimmed() for mb in micro]
         seq = batch.seq_length - 1
         device = self._device()
 
@@ -251,7 +298,7 @@ class MegatronTrainer:
             mb: TrainBatch = next(data_iterator)
             tokens = mb.tokens.to(device)
             inputs = tokens[:, :-1]
-            positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(inputs)
+            positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             output = model(inputs, positions, None)
             return output, lambda hidden: on_hidden(hidden, tokens, mb)
 
@@ -330,7 +377,7 @@ class MegatronTrainer:
         scale = num_micro * self.dp_size
 
         def on_hidden(hidden, tokens, mb):
-            logprobs, entropy = self._token_logprobs(hidden, tokens)
+            logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_mask)
             loss, metrics = loss_fn(logprobs, mb, entropy)
             # Metrics are averaged over micro-batches and DP ranks; the loss is a share, so its total is
             # the sum: report it pre-multiplied by the number of shares.
@@ -341,7 +388,7 @@ class MegatronTrainer:
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(batch, on_hidden, forward_only=False)
+            outputs = self._run_schedule(batch, on_hidden, forward_only=False, trim=True)
             update_ok, grad_norm, _ = self.optimizer.step()
             if update_ok:
                 self.scheduler.step(increment=1)

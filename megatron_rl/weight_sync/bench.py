@@ -37,7 +37,7 @@ def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
         dist.barrier()
         if rank != 0:
             return None
-        views = list(channel.buffer.views().values())
+        views = list(channel.arena_views[0].values())
         copies = [torch.empty_like(t) for t in views]
         memcpy = []
         for _ in range(repeats + 1):

@@ -2,8 +2,9 @@
 
 Planned once from the two layouts (Megatron shards -> the engine's HF tensors, `kernels.reshard`);
 then every push has each trainer rank of data-parallel replica 0 write its own shard's slices
-straight into the engine's shared-memory buffer (no gather of the model on one rank), a barrier,
-and the owner rank commits the new version to the generator.
+straight into the generator's staging weight arena (shared memory the engine will compute from; no
+gather of the model on one rank, no copy in the engine), a barrier, and the owner rank commits the
+new version: the generator adopts that arena between two decode steps.
 """
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ import torch.distributed as dist
 
 from megatron_rl.kernels.reshard import EngineLayout, build_reshard_plan
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
+
+
+class InProcessWeightChannel:
+    """Trainer -> an engine in this process (colocated): the engine copies the trainer's HF-named
+    views into its own weights."""
+
+    def __init__(self, trainer, engine):
+        self.trainer = trainer
+        self.engine = engine
+
+    def push(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        self.engine.update_weights(self.trainer.export_hf_state(), version)
+        return {"perf/weight_sync_time": time.perf_counter() - start}
+
+
+def make_weight_channel(trainer, engine):
+    """The channel for `engine`: shared memory when it runs in its own process, else in-process."""
+    if getattr(engine, "shared_weights", None) is not None:
+        return SharedMemoryWeightChannel(trainer, engine)
+    return InProcessWeightChannel(trainer, engine)
 
 
 class SharedMemoryWeightChannel:
@@ -28,18 +50,20 @@ class SharedMemoryWeightChannel:
         self.group = group
         box = [generator.shared_weights if generator is not None else None]
         dist.broadcast_object_list(box, src=owner_rank, group=group)
-        self.buffer = SharedBuckets.attach(box[0])
+        self.arenas = [SharedBuckets.attach(descriptor) for descriptor in box[0]]
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
-        self.destinations = {0: self.buffer.views()}
+        self.arena_views = [arena.views() for arena in self.arenas]
         self.writes = trainer.pg.dp.rank() == 0  # one data-parallel replica holds every shard once
 
     def push(self, version: int) -> dict[str, float]:
         """Write every shard into the engine's buffer and commit `version`. Returns timings (owner)."""
         start = time.perf_counter()
+        staging = torch.tensor([self.generator.staging_index if self.generator is not None else 0])
+        dist.broadcast(staging, src=self.owner_rank, group=self.group)
         written = 0
         if self.writes:
             written = write_shard(self.plan, self.trainer.pp_rank, self.trainer.tp_rank,
-                                  self.trainer.shard_state(), self.destinations)
+                                  self.trainer.shard_state(), {0: self.arena_views[int(staging)]})
         total = torch.tensor([written], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)  # doubles as the barrier: every shard is written
         staged = time.perf_counter()

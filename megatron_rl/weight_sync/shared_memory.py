@@ -38,9 +38,10 @@ class SharedBuckets:
         self.buckets = [Bucket(layout, _map(path, layout)) for path, layout in zip(descriptor.paths, descriptor.layouts)]
 
     @classmethod
-    def create(cls, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *, bucket_bytes: int = 64 << 20,
-               directory: str | None = None) -> "SharedBuckets":
-        layouts = tuple(plan_buckets(list(specs), bucket_bytes))
+    def create(cls, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]] = (), *, bucket_bytes: int = 64 << 20,
+               layouts: Iterable[BucketLayout] | None = None, directory: str | None = None) -> "SharedBuckets":
+        """Buckets planned from `specs` (name, shape, dtype), or laid out exactly as `layouts` say."""
+        layouts = tuple(layouts) if layouts is not None else tuple(plan_buckets(list(specs), bucket_bytes))
         directory = directory or _SHM_DIR or os.path.join(os.path.expanduser("~"), ".cache", "megatron_rl_shm")
         os.makedirs(directory, exist_ok=True)
         token = uuid.uuid4().hex[:12]
