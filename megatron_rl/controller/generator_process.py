@@ -51,6 +51,7 @@ class WeightMismatchError(RuntimeError):
 def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, config: NativeEngineConfig, tokenizer,
             requests: mp.Queue, results: mp.Queue, threads: int) -> None:
     torch.set_num_threads(threads)
+    _exit_with_parent(weights)
     from megatron_rl.rollout.native import NativeEngine
 
     try:
@@ -65,6 +66,24 @@ def _worker(arch: ModelArch, weights: SharedBucketsDescriptor, version: int, con
     # messages, so torch keeps one OpenMP pool and steps never wait for a hand-off.
     threading.Thread(target=_serve_messages, args=(engine, shared, requests, results), daemon=True).start()
     engine.run_forever()
+
+
+def _exit_with_parent(weights: SharedBucketsDescriptor) -> None:
+    """If the controller dies without closing us (SIGKILL, OOM kill), exit too instead of lingering
+    as an orphan, and remove the shared-memory weight files it can no longer unlink."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        for path in weights.paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _serve_messages(engine, shared: dict[str, torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:
