@@ -23,7 +23,7 @@ from tqdm import tqdm
 from megatron_rl.algorithms import compute_normalizer, make_loss_fn
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
-from megatron_rl.config import to_dict
+from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.batching import build_step_batch
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
@@ -91,7 +91,7 @@ class Controller:
         torch.manual_seed(config.seed)
         model = load_pretrained(config.model.path)
         if model.tokenizer is None:
-            raise ValueError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
+            raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
