@@ -94,7 +94,8 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
     steps = 10
     extra = [f"steps={steps}", "rollout.max_staleness=2", "rollout.placement=disaggregated",
              "rollout.deterministic=true", "checkpoint.keep_last=2"]
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
 
     def launch(run_dir, log):
         return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", QUICKSTART,
@@ -151,18 +152,24 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
     assert any(not torch.equal(actual[n], previous[n]) for n in actual)  # the last step really trained
 
 
-def test_async_resume_restores_the_rollout_buffer(tmp_path, tiny_chat_model):
-    """Non-deterministic async run (generation 2 steps ahead, in-flight weight updates): the prompts
-    buffered at the checkpoint are trained on after resume, none skipped, none repeated, and their
-    samples keep the weight versions that generated them."""
-    extra = ["rollout.max_staleness=2", "rollout.placement=disaggregated", "steps=5"]
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_restores_the_rollout_buffer(tmp_path, tiny_chat_model, mode):
+    """Sync, and non-deterministic async (generation 2 steps ahead, in-flight weight updates): the
+    prompts buffered at the checkpoint are trained on after resume, none skipped, none repeated, and
+    their samples keep the weight versions that generated them."""
+    extra = ["rollout.max_staleness=2", "rollout.placement=disaggregated"] if mode == "async" else []
     run_dir = str(tmp_path / "run")
     train(_config(tiny_chat_model, run_dir, *extra, "steps=2"))
     manager = CheckpointManager(run_dir, CheckpointConfig())
     tensors, buffer = manager.load_tensors(manager.latest(), "rollouts")
-    assert len(buffer["groups"]) == 2 * 2  # steps 2 and 3 were admitted (max_staleness 2) before the save
-    assert {g["step"] for g in buffer["groups"]} == {2, 3}
-    assert tensors["weight_versions"].max() <= 2 and len(tensors["output_ids"]) == len(tensors["output_logprobs"])
+    if mode == "sync":
+        assert buffer["groups"] == [] and buffer["admitted_steps"] == 2
+    else:
+        assert len(buffer["groups"]) == 2 * 2  # steps 2 and 3 were admitted (max_staleness 2) before the save
+        assert {g["step"] for g in buffer["groups"]} == {2, 3}
+        assert tensors["weight_versions"].max() <= 2
+        assert len(tensors["output_ids"]) == len(tensors["output_logprobs"]) > 0
+    extra.append("steps=5")
     summary = train(_config(tiny_chat_model, run_dir, *extra), resume=True)
     assert summary.steps == 5
     ledger = _ledger(run_dir)
