@@ -1,18 +1,28 @@
 """Save and resume everything a run needs: model shards, optimizer and scheduler, RNG states, the data
-cursor, the step and weight version, and the controller's own state.
+cursor, the rollout buffer, the step and weight version, and the controller's own state.
 
 Layout of one checkpoint (`run_dir/checkpoints/step_00000010/`):
     model/                                        a Megatron checkpoint directory (`megatron-rl convert`
                                                   and `model.path` read it): one shard per trainer rank
     optimizer/rank_{global:05d}.pt                optimizer + LR scheduler state (tensors and plain data)
     rng/rank_{global:05d}.pt                      torch (and CUDA tracker) RNG states
+    {name}.safetensors                            extra tensor records, e.g. rollouts.safetensors: the
+                                                  rollout buffer (tokens, behaviour log-probs, per-token
+                                                  versions; its index as JSON in the file's metadata)
     state.json                                    step, version, data cursor, controller state
+    MANIFEST.json                                 every file's size and CRC32
     COMPLETE                                      written last: a directory without it is ignored
 
-Writes are atomic: everything goes into a temporary directory that is renamed into place, then the
-`latest` pointer is replaced with `os.replace`. A crash at any point leaves the previous checkpoint
-as the latest, whole. Loading never unpickles objects: safetensors for weights, `torch.load(...,
-weights_only=True)` for optimizer and RNG state, JSON for the rest.
+Writes are atomic: everything goes into a temporary directory (fsynced) that is renamed into place,
+then the `latest` pointer is replaced with `os.replace`; old checkpoints are renamed away before they
+are deleted. A crash or a failed write at any point leaves the previous checkpoint as the latest,
+whole. On load, each candidate is checked against its manifest and parsed; a corrupt or partial one
+is reported (naming the file and the problem) and the previous one is used; if every checkpoint is
+unusable, loading fails with the list of problems rather than silently starting over.
+
+Loading never unpickles objects: safetensors for tensors, `torch.load(..., weights_only=True)` for
+optimizer and RNG state (plain containers of tensors and numbers), JSON for the rest. A `.pt` file
+holding any other object is refused (reported as unusable, like a corrupt file).
 """
 from __future__ import annotations
 
@@ -20,10 +30,14 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
+import sys
+import zlib
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.checkpoints_tools.pretrained import shard_file, write_megatron_meta
@@ -31,6 +45,12 @@ from megatron_rl.config import ConfigError, require
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step_\d{8}$")
+
+
+class CheckpointError(ConfigError):
+    """No usable checkpoint, or one that cannot be read; the message names the file and the problem."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,6 +73,29 @@ def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _file_record(path: str) -> dict[str, int]:
+    """Size and CRC32 of a file; fsyncs it on the way (the data must be on disk before COMPLETE)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+        os.fsync(f.fileno())
+    return {"bytes": os.path.getsize(path), "crc32": crc}
+
+
 class CheckpointManager:
     """Atomic save / validated load of run checkpoints under `run_dir/checkpoints`."""
 
@@ -61,9 +104,15 @@ class CheckpointManager:
         self.config = config
 
     # --- save -------------------------------------------------------------------------------------
-    def save(self, step: int, trainer, state: dict[str, Any], tokenizer=None) -> str:
-        """Write checkpoint `step` (single-controller process: this rank holds the whole trainer world)."""
+    def save(self, step: int, trainer, state: dict[str, Any], tokenizer=None,
+             tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None = None) -> str:
+        """Write checkpoint `step` (single-controller process: this rank holds the whole trainer world).
+
+        `tensors` maps a record name to (named tensors, JSON-able metadata), saved as `name.safetensors`
+        and read back with `load_tensors`. On any failure the temporary directory is removed and the
+        exception propagates: the previous checkpoint stays the latest."""
         os.makedirs(self.root, exist_ok=True)
+        self._remove_leftovers()
         final = os.path.join(self.root, _step_name(step))
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -81,15 +130,31 @@ class CheckpointManager:
             torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
                         "step_count": trainer.step_count}, os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
             torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+            for name, (named, metadata) in (tensors or {}).items():
+                save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, f"{name}.safetensors"),
+                          metadata={"json": json.dumps(metadata)})
             payload = {"step": step, "python_random": _encode_python_random(), **state}
             with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
                 json.dump(payload, f, indent=2)
+            manifest = {}
+            for folder, _, files in os.walk(tmp):
+                for file in files:
+                    path = os.path.join(folder, file)
+                    manifest[os.path.relpath(path, tmp)] = _file_record(path)
+            with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
             with open(os.path.join(tmp, COMPLETE), "w") as f:
                 f.write("ok\n")
                 f.flush()
                 os.fsync(f.fileno())
-            shutil.rmtree(final, ignore_errors=True)
+            for folder, _, _ in os.walk(tmp):
+                _fsync_dir(folder)
+            if os.path.exists(final):  # a previous attempt at this step (e.g. before a crash): move aside
+                os.rename(final, final + ".old")
             os.rename(tmp, final)
+            _fsync_dir(self.root)
             self._point_latest_to(_step_name(step))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -104,22 +169,32 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
+        _fsync_dir(self.root)
+
+    def _remove_leftovers(self) -> None:
+        """Temporary and half-deleted directories a killed run left behind (never a complete checkpoint)."""
+        for name in os.listdir(self.root):
+            if name.startswith("step_") and name.endswith((".tmp", ".old")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def _prune(self) -> None:
         complete = self.complete_checkpoints()
         for name in complete[:-self.config.keep_last]:
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            doomed = os.path.join(self.root, name)
+            os.rename(doomed, doomed + ".old")  # no longer a candidate, even if deletion is interrupted
+            shutil.rmtree(doomed + ".old", ignore_errors=True)
 
     # --- load -------------------------------------------------------------------------------------
     def complete_checkpoints(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
-        names = [n for n in os.listdir(self.root) if n.startswith("step_") and not n.endswith(".tmp")
+        names = [n for n in os.listdir(self.root) if _STEP_DIR.match(n)
                  and os.path.isfile(os.path.join(self.root, n, COMPLETE))]
         return sorted(names)
 
     def latest(self) -> str | None:
-        """The newest complete checkpoint that validates; a corrupt one is reported and skipped."""
+        """The newest complete checkpoint that validates; a corrupt one is reported and skipped.
+        None when there is no complete checkpoint at all; CheckpointError when none is usable."""
         candidates = self.complete_checkpoints()
         pointer = os.path.join(self.root, LATEST)
         if os.path.isfile(pointer):
@@ -127,16 +202,37 @@ class CheckpointManager:
                 named = f.read().strip()
             if named in candidates:  # the pointer wins; newer complete ones can only come from a crash mid-prune
                 candidates = [c for c in candidates if c <= named]
+        problems = []
         for name in reversed(candidates):
             problem = self.validate(os.path.join(self.root, name))
             if problem is None:
                 return os.path.join(self.root, name)
-            print(f"checkpoint {name} is unusable ({problem}); falling back to the previous one")
+            problems.append(f"{name}: {problem}")
+            print(f"checkpoint {name} is unusable ({problem}); falling back to the previous one", file=sys.stderr)
+        if problems:
+            raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
         return None
 
     @staticmethod
     def validate(path: str) -> str | None:
+        """None if the checkpoint at `path` is whole and readable, else what is wrong (naming the file)."""
+        manifest_path = os.path.join(path, MANIFEST)
+        current = "state.json"
         try:
+            if os.path.isfile(manifest_path):
+                current = MANIFEST
+                with open(manifest_path, encoding="utf-8") as f:
+                    manifest = json.load(f)
+                for rel, record in manifest.items():
+                    current = rel
+                    full = os.path.join(path, rel)
+                    if not os.path.isfile(full):
+                        return f"{rel} is missing"
+                    if os.path.getsize(full) != record["bytes"]:
+                        return f"{rel} has {os.path.getsize(full)} bytes, the manifest says {record['bytes']} (truncated?)"
+                    if _file_record(full)["crc32"] != record["crc32"]:
+                        return f"{rel} does not match its checksum (corrupted on disk)"
+            current = "state.json"
             with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
                 json.load(f)
             for sub in ("model", "optimizer", "rng"):
@@ -144,11 +240,18 @@ class CheckpointManager:
                     return f"{sub}/ is empty"
             for shard in os.listdir(os.path.join(path, "model")):
                 if shard.startswith("mp_rank_"):
-                    load_file(os.path.join(path, "model", shard, "model.safetensors"))  # every tensor reads
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # safetensors raises its own error type on truncated files
-            return f"{type(exc).__name__}: {exc}"
+                    current = os.path.join("model", shard, "model.safetensors")
+                    load_file(os.path.join(path, current))  # every tensor reads
+            for sub in ("optimizer", "rng"):
+                for file in os.listdir(os.path.join(path, sub)):
+                    current = os.path.join(sub, file)
+                    _safe_torch_load(os.path.join(path, current))
+            for file in os.listdir(path):
+                if file.endswith(".safetensors"):
+                    current = file
+                    load_file(os.path.join(path, file))
+        except Exception as exc:  # json, OS, safetensors and unpickling errors all mean: unusable
+            return f"{current}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return None
 
     def load(self, path: str, trainer) -> dict[str, Any]:
@@ -156,18 +259,40 @@ class CheckpointManager:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         model_file = shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank)
         if not os.path.isfile(model_file):
-            raise ConfigError(f"{path}: no model shard for tp={trainer.tp_rank} pp={trainer.pp_rank} "
-                              "(was the checkpoint written with another parallel layout?)")
+            raise CheckpointError(f"{path}: no model shard for tp={trainer.tp_rank} pp={trainer.pp_rank} "
+                                  "(was the checkpoint written with another parallel layout?)")
         trainer.load_shard(load_file(model_file))
-        opt = torch.load(os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"), weights_only=True)
+        opt = _safe_torch_load(os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
         trainer.optimizer.load_state_dict(opt["optimizer"])
         trainer.scheduler.load_state_dict(opt["scheduler"])
         trainer.step_count = int(opt["step_count"])
-        _set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True))
+        _set_rng_state(_safe_torch_load(os.path.join(path, "rng", f"rank_{rank:05d}.pt")))
         with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
             state = json.load(f)
         random.setstate(_decode_python_random(state.pop("python_random")))
         return state
+
+    @staticmethod
+    def load_tensors(path: str, name: str) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """A record saved with `save(..., tensors={name: ...})`: (tensors, metadata), or None if absent."""
+        file = os.path.join(path, f"{name}.safetensors")
+        if not os.path.isfile(file):
+            return None
+        with safe_open(file, framework="pt") as f:
+            metadata = json.loads((f.metadata() or {}).get("json", "null"))
+        return load_file(file), metadata
+
+
+def _safe_torch_load(path: str) -> Any:
+    """torch.load restricted to tensors and plain containers; anything else is refused, by name."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"{path}: refused to load (it holds objects other than tensors and plain data, "
+                              f"and checkpoints are never unpickled): {first}") from None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -52,6 +52,7 @@ class WeightMismatchError(RuntimeError):
 def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active: int, version: int,
             config: NativeEngineConfig, tokenizer, requests: mp.Queue, results: mp.Queue, threads: int) -> None:
     torch.set_num_threads(threads)
+    _exit_with_parent(arenas)
     from megatron_rl.rollout.native import NativeEngine
 
     try:
@@ -66,6 +67,24 @@ def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active
     # messages, so torch keeps one OpenMP pool and steps never wait for a hand-off.
     threading.Thread(target=_serve_messages, args=(engine, buffers, requests, results), daemon=True).start()
     engine.run_forever()
+
+
+def _exit_with_parent(arenas: tuple[SharedBucketsDescriptor, ...]) -> None:
+    """If the controller dies without closing us (SIGKILL, OOM kill), exit too instead of lingering
+    as an orphan, and remove the shared-memory weight files it can no longer unlink."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        for path in (p for arena in arenas for p in arena.paths):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _serve_messages(engine, arenas: list[torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:

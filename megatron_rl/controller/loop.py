@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -22,11 +23,11 @@ from tqdm import tqdm
 from megatron_rl.algorithms import compute_normalizer, make_loss_fn
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
-from megatron_rl.config import to_dict
+from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.batching import build_step_batch
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
-from megatron_rl.observability.metrics import MetricsLogger, write_plots
+from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl, write_plots
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
@@ -51,8 +52,19 @@ class RunSummary:
     """Held-out prompts evaluated."""
     reward_errors: int
     """Samples whose reward function failed (skipped, counted)."""
+    nonfinite_steps: int
+    """Steps skipped because the loss or a gradient was NaN/Inf (weights untouched)."""
+    skipped_prompts: int
+    """Prompts skipped because they did not fit the engine's context (rollout.on_overlong_prompt=skip)."""
+    checkpoint_failures: int
+    """Checkpoint writes that failed during the run (the previous checkpoint stayed the latest)."""
     final_metrics: dict[str, Any]
     """The last step's metrics."""
+
+
+def engine_context(config: RunConfig, arch) -> int:
+    """Tokens (prompt + response) one engine sequence holds: engine.max_seq_len capped by the model."""
+    return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 
 def make_engine(config: RunConfig, model):
@@ -67,6 +79,10 @@ def make_engine(config: RunConfig, model):
     return NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
 
 
+class TrainingDivergedError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/Inf loss or gradient."""
+
+
 class Controller:
     """Owns the executors of a colocated run (trainer and engine share this process's cores)."""
 
@@ -76,7 +92,7 @@ class Controller:
         torch.manual_seed(config.seed)
         model = load_pretrained(config.model.path)
         if model.tokenizer is None:
-            raise ValueError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
+            raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
@@ -86,10 +102,12 @@ class Controller:
         self.train_data, self.heldout = build_datasets(config.data)
         self.stream = PromptStream.from_config(self.train_data, config.data)
         self.version = 0
+        self.last_prompt_ids: list[str] = []  # the prompts the last train_step consumed, in order
         os.makedirs(config.run_dir, exist_ok=True)
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
-                                        seed=config.seed, timeline=self.timeline)
+                                        seed=config.seed, timeline=self.timeline,
+                                        max_prompt_tokens=engine_context(config, self.policy.arch) - 1)
         rollout = config.rollout
         self.offload = rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
         self._host = "cpu"
@@ -114,6 +132,8 @@ class Controller:
     def sync_weights(self) -> float:
         start = time.perf_counter()
         with self.timeline.span("weight_sync", version=self.version):
+            if self.config.rollout.deterministic:  # responses in flight finish under the old weights
+                self.rollouts.drain()
             pause = self.config.rollout.weight_update == "pause"
             if pause:
                 self.engine.pause()
@@ -138,6 +158,7 @@ class Controller:
         reward_before = self.rollouts.reward_time
         with self.timeline.span("wait_for_rollouts", version=self.version):
             groups = self.rollouts.next_groups(self.version)
+        self.last_prompt_ids = [g.prompt.prompt_id for g in groups]
         generated = time.perf_counter()
         step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=self.version,
                                 micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.tokenizer.pad_token_id,
@@ -146,6 +167,7 @@ class Controller:
         metrics = dict(step.metrics)
         if self.offload:
             metrics.update(self._memory_to_trainer())
+        metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
         if step.batch is not None:
             normalizer = compute_normalizer(step.full_loss_mask, cfg.algorithm.loss)
             with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
@@ -170,28 +192,41 @@ class Controller:
 
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
-    """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json."""
+    """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json.
+
+    Besides metrics, `prompts.jsonl` records which prompts each step trained on (and which it skipped):
+    on resume it is cut back to the checkpoint's step like metrics.jsonl, so after any number of
+    crashes and resumes it lists every consumed prompt exactly once."""
     started = time.perf_counter()
     os.makedirs(config.run_dir, exist_ok=True)
     with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(to_dict(config), f, indent=2)
-    controller = Controller(config)
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
-    state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0}
+    latest = checkpoints.latest() if resume else None  # before the (slow) set-up: a bad checkpoint fails fast
+    controller = Controller(config)
+    state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0, "nonfinite_steps": 0,
+                             "nonfinite_in_a_row": 0, "skipped_prompts": 0, "checkpoint_failures": 0}
     start_step = 0
     if resume:
-        latest = checkpoints.latest()
         if latest is None:
             print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
         else:
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
             controller.stream.load_state_dict(saved["data"])
-            controller.rollouts.resume_at(start_step)
+            buffer = checkpoints.load_tensors(latest, "rollouts")
+            if buffer is not None:
+                controller.rollouts.load_state_dict(*buffer)
+            else:  # a checkpoint from before rollout buffers were saved
+                controller.rollouts.resume_at(start_step)
             state.update(saved["controller"])
             controller.sync_weights()
             print(f"resumed from {latest} at step {start_step} (version {controller.version})")
+    ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
+    truncate_jsonl(ledger_path, start_step)
+    truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
     logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
+    ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}
     try:
         if start_step == 0 and config.eval.before_training:
@@ -203,17 +238,42 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                         disable=config.logging.console_every > 0)
         for step in progress:
             metrics = controller.train_step()
-            state["reward_errors"] += int(metrics["rollout/reward_errors"])
             done = step + 1
+            state["reward_errors"] += int(metrics["rollout/reward_errors"])
+            state["skipped_prompts"] += int(metrics["rollout/skipped_prompts"])
+            nonfinite = bool(metrics.get("train/nonfinite", 0.0))
+            state["nonfinite_steps"] += int(nonfinite)
+            state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if nonfinite else 0
+            ledger.write(json.dumps({"step": done, "prompts": controller.last_prompt_ids,
+                                     "skipped": controller.rollouts.last_skipped}) + "\n")
+            ledger.flush()
+            if state["nonfinite_in_a_row"] >= config.trainer.max_nonfinite_steps_in_a_row:
+                logger.log(done, metrics)
+                raise TrainingDivergedError(
+                    f"step {done}: the loss or gradients were NaN/Inf in {state['nonfinite_in_a_row']} steps in a "
+                    f"row (trainer.max_nonfinite_steps_in_a_row={config.trainer.max_nonfinite_steps_in_a_row}); "
+                    f"those steps were skipped and the weights are those of the last finite step. Lower the "
+                    f"learning rate or check the loss; resume from {checkpoints.root}")
             if config.eval.every_steps and done % config.eval.every_steps == 0 and done < config.steps:
                 metrics.update(controller.evaluate())
             if (config.checkpoint.every_steps and done % config.checkpoint.every_steps == 0) or (
                     done == config.steps and config.checkpoint.save_at_end):
                 tick = time.perf_counter()
                 segment = state["wall_time_s"] + (tick - started)
-                checkpoints.save(done, controller.policy, {
-                    "version": controller.version, "data": controller.stream.state_dict(),
-                    "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer)
+                try:
+                    checkpoints.save(done, controller.policy, {
+                        "version": controller.version, "data": controller.stream.state_dict(),
+                        "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
+                        tensors={"rollouts": controller.rollouts.state_dict()})
+                except Exception as exc:
+                    # The previous checkpoint is intact; a transient failure (disk full, flaky mount)
+                    # should not end a long run, but the last checkpoint of the run must exist.
+                    if done == config.steps:
+                        raise
+                    state["checkpoint_failures"] += 1
+                    metrics["perf/checkpoint_failed"] = 1.0
+                    print(f"step {done}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
+                          f"checkpoint remains the latest, training continues", file=sys.stderr)
                 metrics["perf/checkpoint_time"] = time.perf_counter() - tick
             logger.log(done, metrics)
         after = {"eval/accuracy": None}
@@ -223,6 +283,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
                   + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))
     finally:
+        ledger.close()
         logger.close()
         controller.close()
     if config.logging.plots:
@@ -230,7 +291,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     summary = RunSummary(accuracy_before=state["accuracy_before"], accuracy_after=after["eval/accuracy"],
                          wall_time_s=state["wall_time_s"] + time.perf_counter() - started, steps=config.steps,
                          heldout_size=len(controller.heldout), reward_errors=state["reward_errors"],
-                         final_metrics=metrics)
+                         nonfinite_steps=state["nonfinite_steps"], skipped_prompts=state["skipped_prompts"],
+                         checkpoint_failures=state["checkpoint_failures"], final_metrics=metrics)
     with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(dataclasses.asdict(summary), f, indent=2)
     return summary

@@ -9,13 +9,16 @@ the trainer trains (LlamaRL's asynchronous off-policy mode, corrected by AIPO).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from concurrent.futures import Future
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
+
+import torch
 
 from megatron_rl.config import require
-from megatron_rl.data.sources import Prompt, PromptStream
+from megatron_rl.data.sources import DataError, Prompt, PromptStream
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rewards.registry import Reward, RewardResult
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
@@ -59,6 +62,18 @@ class RolloutConfig:
     """Colocated synchronous runs (max_staleness 0): while the trainer steps, the engine frees its KV
     cache (and on a GPU moves its weights to host memory); while the engine generates, the trainer's
     optimizer state waits in host memory (GPU). On CPU nothing moves, and the bytes are reported."""
+    deterministic: bool = False
+    """Make an asynchronous run reproducible bit for bit (slower): the groups of step s are generated
+    entirely by the weights of version max(0, s - max_staleness), because every in-flight response is
+    finished before the engine takes new weights, and each admission is one engine submission into an
+    idle engine (the same batches, so the same floating-point results) with per-request seeds. A run
+    killed and resumed from its checkpoints then ends with the weights of an uninterrupted run. The
+    trainer still overlaps with generation; what is lost is generation running on into the next
+    version while the weight sync waits."""
+    on_overlong_prompt: Literal["error", "skip"] = "error"
+    """A prompt whose rendered tokens do not fit the engine's context (engine.max_seq_len, or the
+    model's): error names the prompt, its source file and row; skip counts it (rollout/skipped_prompts)
+    and draws the next prompt in its place."""
     drop_uninformative_groups: bool = True
     """Skip the backward pass for groups whose advantages are all zero (every sample scored the same).
     Their gradient is exactly zero without a KL/entropy term, so this changes speed, not the update."""
@@ -104,11 +119,32 @@ class Group:
     """Seconds from submission to the last sample's completion."""
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A prompt group submitted to the engine and not yet handed to the trainer."""
+
+    index: int
+    """The prompt's index in the training data set (what a checkpoint records)."""
+    prompt: Prompt
+    """The prompt."""
+    step: int
+    """Training step that will consume it."""
+    submitted: float
+    """perf_counter() at submission."""
+    futures: list[Future] = dataclasses.field(default_factory=list)
+    """One future per sample (resolves to a Completion)."""
+
+
 class RolloutProducer:
-    """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups."""
+    """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups.
+
+    Its state (`state_dict`) is the rollout buffer: every admitted group not yet consumed, with its
+    samples' tokens, behaviour log-probs and per-token weight versions. Together with the prompt
+    cursor (which has already moved past those prompts) a checkpoint therefore loses no prompt and
+    repeats none: a resumed run trains on exactly the groups the interrupted one would have."""
 
     def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
-                 config: RolloutConfig, *, seed: int, timeline=None):
+                 config: RolloutConfig, *, seed: int, timeline=None, max_prompt_tokens: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
@@ -116,58 +152,176 @@ class RolloutProducer:
         self.config = config
         self.seed = seed
         self.timeline = timeline
-        self._in_flight: list[tuple[Prompt, list[Future], int, float]] = []
+        self.max_prompt_tokens = max_prompt_tokens  # longest prompt the engine's context admits
+        self._in_flight: list[_Pending] = []
+        self._skipped: dict[int, list[str]] = {}  # step -> ids of overlong prompts skipped while drawing it
         self._admitted_steps = 0  # training steps whose groups have been submitted
         self.reward_time = 0.0  # seconds spent scoring, cumulative
+        self.last_skipped: list[str] = []  # prompt ids skipped for the step next_groups returned last
+
+    def _draw(self, step: int) -> list[tuple[int, Prompt, list[int]]]:
+        """The step's prompts (index, prompt, token ids), overlong ones skipped or reported."""
+        drawn: list[tuple[int, Prompt, list[int]]] = []
+        while len(drawn) < self.config.prompts_per_step:
+            for index, prompt in self.stream.next_indexed(self.config.prompts_per_step - len(drawn)):
+                ids = self.tokenizer.encode_chat(prompt.messages)
+                if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                    if self.config.on_overlong_prompt == "error":
+                        raise DataError(
+                            f"{_where(prompt)}: prompt {prompt.prompt_id!r} has {len(ids)} tokens after the chat "
+                            f"template, more than the {self.max_prompt_tokens} the engine's context leaves for "
+                            f"a prompt (engine.max_seq_len); shorten it, raise engine.max_seq_len, or set "
+                            f"rollout.on_overlong_prompt=skip")
+                    self._skipped.setdefault(step, []).append(prompt.prompt_id)
+                    continue
+                drawn.append((index, prompt, ids))
+        return drawn
 
     def _admit(self, trainer_version: int) -> None:
         """Submit groups for every step s whose consumption version s stays within the bound.
 
         Step s (0-based) is consumed by the trainer at version s; its groups may be generated by
-        weights of version >= s - max_staleness, and the engine holds `trainer_version` now."""
+        weights of version >= s - max_staleness, and the engine holds `trainer_version` now. All
+        groups admitted together go to the engine in one submission (one scheduling decision, so
+        deterministic mode sees the same batches on every run)."""
+        requests, pending = [], []
         while self._admitted_steps <= trainer_version + self.config.max_staleness:
             step = self._admitted_steps
-            for index, prompt in enumerate(self.stream.next(self.config.prompts_per_step)):
-                ids = self.tokenizer.encode_chat(prompt.messages)
+            for slot, (index, prompt, ids) in enumerate(self._draw(step)):
                 # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
-                seed = (self.seed * 1_000_003 + step * 1009 + index) % (2 ** 31)
-                request = GenerateRequest(request_id=f"s{step}-p{index}-{prompt.prompt_id}", prompt_ids=ids,
-                                          sampling=self.config.sampling(seed), group_id=prompt.prompt_id)
-                futures = self.engine.submit([request])
-                for future in futures:  # completion times, for the timeline's generation track
-                    future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
-                self._in_flight.append((prompt, futures, step, time.perf_counter()))
+                seed = (self.seed * 1_000_003 + step * 1009 + slot) % (2 ** 31)
+                requests.append(GenerateRequest(request_id=f"s{step}-p{slot}-{prompt.prompt_id}", prompt_ids=ids,
+                                                sampling=self.config.sampling(seed), group_id=prompt.prompt_id))
+                pending.append(_Pending(index, prompt, step, time.perf_counter()))
             self._admitted_steps += 1
+        if not requests:
+            return
+        futures = self.engine.submit(requests)
+        for future in futures:  # completion times, for the timeline's generation track
+            future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
+        n = self.config.samples_per_prompt
+        for i, group in enumerate(pending):
+            group.futures = futures[i * n:(i + 1) * n]
+        self._in_flight.extend(pending)
 
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
         self._admit(trainer_version)
         count = self.config.prompts_per_step
         batch, self._in_flight = self._in_flight[:count], self._in_flight[count:]
+        self.last_skipped = self._skipped.pop(batch[0].step, []) if batch else []
         groups = []
-        for prompt, futures, step, submitted in batch:
-            completions = self.engine.wait(futures)
-            elapsed = time.perf_counter() - submitted
+        for pending in batch:
+            completions = self.engine.wait(pending.futures)
+            elapsed = time.perf_counter() - pending.submitted
             if self.timeline is not None:
-                finished = max(getattr(f, "finished_at", time.perf_counter()) for f in futures)
-                self.timeline.add(f"generate {prompt.prompt_id}", submitted, finished, category="generate",
-                                  step=step, versions=sorted({c.weight_version for c in completions}))
+                finished = max(getattr(f, "finished_at", time.perf_counter()) for f in pending.futures)
+                self.timeline.add(f"generate {pending.prompt.prompt_id}", pending.submitted, finished,
+                                  category="generate", step=pending.step,
+                                  versions=sorted({c.weight_version for c in completions}))
             texts = [self.tokenizer.decode(c.output_ids) for c in completions]
             scored_from = time.perf_counter()
-            rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+            rewards = self.reward.score_batch(texts, [pending.prompt] * len(texts))
             self.reward_time += time.perf_counter() - scored_from
             samples = [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
-            groups.append(Group(prompt, samples, step, elapsed))
+            groups.append(Group(pending.prompt, samples, pending.step, elapsed))
         return groups
 
+    def drain(self) -> None:
+        """Block until every submitted sample has finished (under the weights the engine holds now)."""
+        futures = [f for pending in self._in_flight for f in pending.futures]
+        try:
+            self.engine.wait(futures)
+        except Exception:  # a failed sample surfaces when its step is consumed; here only wait
+            concurrent.futures.wait(futures)
+
     def resume_at(self, step: int) -> None:
-        """Continue a restored run: the next groups admitted belong to training step `step`."""
+        """Continue a restored run with an empty buffer: the next groups admitted belong to step `step`."""
         if self._in_flight:
             raise RuntimeError("resume_at() needs an idle producer")
         self._admitted_steps = step
 
     def pending_prompt_ids(self) -> list[str]:
-        return [prompt.prompt_id for prompt, *_ in self._in_flight]
+        return [pending.prompt.prompt_id for pending in self._in_flight]
+
+    # --- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The rollout buffer as (tensors, JSON-able metadata) for a checkpoint.
+
+        Responses still being generated are finished first (under the engine's current weights, as
+        they would have been), so the saved buffer holds whole samples with their per-token versions;
+        a resumed run consumes them exactly as the interrupted run would have."""
+        self.drain()
+        columns: dict[str, list] = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "weight_versions": []}
+        groups = []
+        for pending in self._in_flight:
+            samples = []
+            for future in pending.futures:
+                if future.exception() is not None:
+                    samples.append({"error": f"{type(future.exception()).__name__}: {future.exception()}"})
+                    continue
+                completion: Completion = future.result()
+                for name, column in columns.items():
+                    column.extend(getattr(completion, name))
+                samples.append({"request_id": completion.request_id, "finish_reason": completion.finish_reason,
+                                "group_id": completion.group_id, "prompt_len": len(completion.prompt_ids),
+                                "output_len": len(completion.output_ids)})
+            groups.append({"index": pending.index, "prompt_id": pending.prompt.prompt_id, "step": pending.step,
+                           "samples": samples})
+        tensors = {"prompt_ids": torch.tensor(columns["prompt_ids"], dtype=torch.int64),
+                   "output_ids": torch.tensor(columns["output_ids"], dtype=torch.int64),
+                   "output_logprobs": torch.tensor(columns["output_logprobs"], dtype=torch.float64),
+                   "weight_versions": torch.tensor(columns["weight_versions"], dtype=torch.int64)}
+        metadata = {"admitted_steps": self._admitted_steps, "groups": groups,
+                    "skipped": {str(step): ids for step, ids in self._skipped.items()}}
+        return tensors, metadata
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+        """Restore a buffer saved by `state_dict` (the producer must be idle; the prompt cursor is
+        restored separately and already points past these prompts)."""
+        if self._in_flight:
+            raise RuntimeError("load_state_dict() needs an idle producer")
+        dataset = self.stream.dataset
+        offsets = dict.fromkeys(tensors, 0)
+
+        def take(name: str, count: int) -> list:
+            start = offsets[name]
+            offsets[name] = start + count
+            return tensors[name][start:start + count].tolist()
+
+        restored = []
+        for group in metadata["groups"]:
+            index = int(group["index"])
+            if not 0 <= index < len(dataset) or dataset[index].prompt_id != group["prompt_id"]:
+                raise DataError(f"checkpoint rollout buffer: prompt {group['prompt_id']!r} (data set index {index}) "
+                                f"is not in the training data any more (the data or its config changed)")
+            pending = _Pending(index, dataset[index], int(group["step"]), time.perf_counter())
+            for sample in group["samples"]:
+                future: Future = Future()
+                if "error" in sample:
+                    future.set_exception(RuntimeError(sample["error"]))
+                else:
+                    p, n = int(sample["prompt_len"]), int(sample["output_len"])
+                    future.set_result(Completion(
+                        request_id=sample["request_id"], prompt_ids=take("prompt_ids", p),
+                        output_ids=take("output_ids", n), output_logprobs=take("output_logprobs", n),
+                        weight_versions=take("weight_versions", n), finish_reason=sample["finish_reason"],
+                        group_id=sample["group_id"]))
+                pending.futures.append(future)
+            restored.append(pending)
+        self._in_flight = restored
+        self._skipped = {int(step): list(ids) for step, ids in metadata.get("skipped", {}).items()}
+        self._admitted_steps = int(metadata["admitted_steps"])
+
+
+def _where(prompt: Prompt) -> str:
+    """'file:row' for prompts read from files, the task for generated ones."""
+    meta = prompt.metadata or {}
+    if meta.get("source"):
+        return f"{meta['source']}: row {meta.get('row')}"
+    if "reasoning_gym" in meta:
+        return f"reasoning-gym {meta['reasoning_gym'].get('task')}"
+    return "prompt"
 
 
 def evaluate(engine, tokenizer: ChatTokenizer, prompts: Sequence[Prompt], reward: Reward, *,

@@ -468,7 +468,11 @@ class PromptStream:
         return cls(dataset, seed=config.shuffle_seed, shuffle=config.shuffle)
 
     def next(self, count: int) -> list[Prompt]:
-        return [self.dataset[i] for i in self.cursor.take(count)]
+        return [prompt for _, prompt in self.next_indexed(count)]
+
+    def next_indexed(self, count: int) -> list[tuple[int, Prompt]]:
+        """The next `count` prompts with their indices in the data set (what a checkpoint records)."""
+        return [(i, self.dataset[i]) for i in self.cursor.take(count)]
 
     @property
     def epoch(self) -> int:

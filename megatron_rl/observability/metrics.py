@@ -139,3 +139,24 @@ def _save(fig, ax, title: str, path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Keep only the records of steps <= `last_step` (a resumed run rewrites the steps after its
+    checkpoint); a torn last line from a killed process is dropped too. Atomic: temp file + rename."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= last_step:
+                kept.append(json.dumps(record) + "\n")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

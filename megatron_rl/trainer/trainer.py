@@ -83,6 +83,9 @@ class TrainerConfig:
     """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
     seed: int = 1234
     """Seed for initialisation (and Megatron's model-parallel RNG tracker)."""
+    max_nonfinite_steps_in_a_row: int = 3
+    """A step whose loss or gradients hold NaN/Inf is skipped (weights and optimizer state untouched,
+    counted as train/nonfinite); the run stops with an error after this many such steps in a row."""
 
     def __post_init__(self) -> None:
         require(self.lr >= 0, "lr", "must be >= 0")
@@ -92,6 +95,7 @@ class TrainerConfig:
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
+        require(self.max_nonfinite_steps_in_a_row >= 1, "max_nonfinite_steps_in_a_row", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")
 
@@ -389,7 +393,10 @@ class MegatronTrainer:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             outputs = self._run_schedule(batch, on_hidden, forward_only=False, trim=True)
-            update_ok, grad_norm, _ = self.optimizer.step()
+            finite = self._loss_and_grads_finite(outputs)
+            # A NaN/Inf loss or gradient would poison the weights and Adam's moments for good: skip
+            # the update (weights, optimizer state and LR schedule untouched) and report it.
+            update_ok, grad_norm, _ = self.optimizer.step() if finite else (False, math.nan, None)
             if update_ok:
                 self.scheduler.step(increment=1)
                 self.step_count += 1
@@ -397,8 +404,24 @@ class MegatronTrainer:
         metrics.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/update_skipped": float(not update_ok),
+                        "train/nonfinite": float(not finite),
                         "perf/train_step_time": time.perf_counter() - start})
         return metrics
+
+    def _loss_and_grads_finite(self, outputs: list[dict[str, torch.Tensor]]) -> bool:
+        """Whether every micro-batch loss (last stage) and every gradient (all ranks) is finite; the
+        verdict is agreed over the TP, PP and DP groups so that every rank skips or steps together."""
+        bad = torch.zeros((), dtype=torch.float32, device=self._device())
+        if self.is_last_stage and any(not torch.isfinite(o["loss"]).all() for o in outputs):
+            bad.fill_(1.0)
+        grads = [g for g in (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+                             for p in self.model.parameters()) if g is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+            bad.fill_(1.0)
+        for group, size in ((self.pg.tp, self.tp_size), (self.pg.pp, self.pp_size), (self.pg.dp, self.dp_size)):
+            if size > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        return not bool(bad.item())
 
     def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         names = sorted(outputs[0]) if outputs else []
