@@ -74,15 +74,20 @@ class TrainBatch:
         return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
                              for f in dataclasses.fields(self)})
 
+    def loss_positions(self) -> torch.Tensor:
+        """[B, S] bool: the positions whose log-probs a loss reads; the trainer computes only these.
+        A batch type whose loss also reads other positions (e.g. a scored reference answer) extends it."""
+        return self.loss_mask != 0
+
     def trimmed(self) -> "TrainBatch":
-        """The columns up to the last one carrying a loss (later tokens cannot affect earlier
-        log-probs in a causal model); at least 2 columns."""
-        carrying = self.loss_mask.any(dim=0).nonzero()
+        """The columns up to the last loss position (later tokens cannot affect earlier log-probs in a
+        causal model); at least 2 columns. Keeps the batch's type and its non-tensor fields."""
+        carrying = self.loss_positions().any(dim=0).nonzero()
         width = max(int(carrying[-1]) + 1 if carrying.numel() else 0, 2)
         if width >= self.seq_length:
             return self
-        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[:, :width])
-                             for f in dataclasses.fields(self)})
+        take = lambda value: value[:, :width] if isinstance(value, torch.Tensor) else value  # noqa: E731
+        return type(self)(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         for start in range(0, self.batch_size, micro_batch_size):

@@ -12,9 +12,10 @@ tokens or sequences divided by a normaliser the loss function computed over the 
 of micro-batches and its gradient averaging over data-parallel ranks, so the gradient is exactly that
 of the global loss, whatever the micro-batching and DP size. The reported `train/loss` is the
 global loss (the sum of the shares); the hook's other metrics are scalars averaged over micro-batches
-and data-parallel ranks. Only positions where `loss_mask` is non-zero are computed (0 elsewhere; the
-output layer and softmax are skipped on prompt and padding tokens), and without pipeline parallelism
-each micro-batch is trimmed after its last loss position (its rows are what the hook receives).
+and data-parallel ranks. Only the batch's `loss_positions()` (by default where `loss_mask` is non-zero)
+are computed, 0 elsewhere: the output layer and softmax are skipped on prompt and padding tokens. Without
+pipeline parallelism each micro-batch is trimmed after its last loss position (the trimmed micro-batch
+is what the hook receives).
 """
 from __future__ import annotations
 
@@ -381,7 +382,7 @@ class MegatronTrainer:
         scale = num_micro * self.dp_size
 
         def on_hidden(hidden, tokens, mb):
-            logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_mask)
+            logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_positions())
             loss, metrics = loss_fn(logprobs, mb, entropy)
             # Metrics are averaged over micro-batches and DP ranks; the loss is a share, so its total is
             # the sum: report it pre-multiplied by the number of shares.
