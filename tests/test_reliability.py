@@ -129,6 +129,7 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
             while any(_alive(pid) for pid in generators) and time.monotonic() < until:
                 time.sleep(0.1)
             assert not any(_alive(pid) for pid in generators), "orphaned generator process"
+    print(f"SIGKILLed after steps {kills}")
     assert len(kills) >= 3, kills
     with open(tmp_path / "final.log", "w") as log:
         assert launch(run_dir, log).wait(timeout=300) == 0, open(tmp_path / "final.log").read()[-3000:]
