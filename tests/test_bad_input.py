@@ -265,3 +265,23 @@ def test_http_server_binds_loopback_by_default(tiny_arch):
         server.httpd.server_close()
     finally:
         engine.close()
+
+
+def test_every_row_of_the_bad_input_catalogue_names_existing_tests():
+    import ast
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = [line for line in open(os.path.join(root, "docs", "bad_input.md")) if line.startswith("| ")
+            and not line.startswith(("| Input", "| Fault", "|---"))]
+    assert len(rows) >= 30
+    defined: dict[str, set[str]] = {}
+    for row in rows:
+        named = re.findall(r"`(tests/\w+\.py)::(\w+)`", row.rsplit("|", 2)[1])
+        assert named, f"catalogue row without a test: {row.strip()}"
+        for file, test in named:
+            if file not in defined:
+                tree = ast.parse(open(os.path.join(root, file)).read())
+                defined[file] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert test in defined[file], f"{file}::{test} (named in docs/bad_input.md) does not exist"

@@ -129,6 +129,7 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
             while any(_alive(pid) for pid in generators) and time.monotonic() < until:
                 time.sleep(0.1)
             assert not any(_alive(pid) for pid in generators), "orphaned generator process"
+    print(f"SIGKILLed after steps {kills}")
     assert len(kills) >= 3, kills
     with open(tmp_path / "final.log", "w") as log:
         assert launch(run_dir, log).wait(timeout=300) == 0, open(tmp_path / "final.log").read()[-3000:]
@@ -260,6 +261,35 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_untouched(tiny_trainer, ki
     metrics = tiny_trainer.train_step(batch, _loss("finite"))  # and training goes on normally
     assert metrics["train/nonfinite"] == 0.0
     assert any(not torch.equal(t, weights[n]) for n, t in tiny_trainer.shard_state().items())
+
+
+def _dp_nonfinite_worker(rank, world_size, arch, state):
+    from megatron_rl.trainer.parallel import ParallelConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.types import TrainBatch
+
+    torch.set_num_threads(1)
+    trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(), micro_batch_size=2, lr=1e-2,
+                                                  vocab_divisible_by=1), hf_state=state)
+    assert trainer.dp_size == 2
+    tokens = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(rank))
+    mask = torch.zeros(2, 10)
+    mask[:, 4:] = 1.0
+    batch = TrainBatch(tokens=tokens, loss_mask=mask)
+    before = {k: v.clone() for k, v in trainer.shard_state().items()}
+    skipped = trainer.train_step(batch, _loss("nan_loss" if rank == 0 else "finite"))  # poisoned on one rank only
+    unchanged = all(torch.equal(v, before[k]) for k, v in trainer.shard_state().items())
+    stepped = trainer.train_step(batch, _loss("finite"))
+    changed = any(not torch.equal(v, before[k]) for k, v in trainer.shard_state().items())
+    return skipped["train/nonfinite"], unchanged, stepped["train/nonfinite"], changed
+
+
+def test_nonfinite_verdict_is_agreed_by_every_data_parallel_rank(tiny_arch):
+    from megatron_rl.controller.launch import run_distributed
+    from tests.helpers import near_uniform_state
+
+    results = run_distributed(_dp_nonfinite_worker, 2, tiny_arch, near_uniform_state(tiny_arch))
+    assert results == [(1.0, True, 0.0, True)] * 2
 
 
 def _poison_losses(monkeypatch, bad_calls):
