@@ -24,6 +24,7 @@ from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import to_dict
 from megatron_rl.controller.batching import build_step_batch
+from megatron_rl.controller.curriculum import build_selector
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.observability.metrics import MetricsLogger, write_plots
@@ -79,6 +80,8 @@ class Controller:
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
+        self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
+                                       policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
         del model
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = build_datasets(config.data)
@@ -87,7 +90,8 @@ class Controller:
         os.makedirs(config.run_dir, exist_ok=True)
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
-                                        seed=config.seed, timeline=self.timeline)
+                                        seed=config.seed, timeline=self.timeline, selector=self.selector)
+        self.selection_metrics = self.selector.prepare(self.rollouts)
 
     def sync_weights(self) -> float:
         start = time.perf_counter()
@@ -127,15 +131,20 @@ class Controller:
             with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
                 metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
         trained = time.perf_counter()
+        metrics.update(self.selector.observe(groups, step=self.version))
+        observed = time.perf_counter()
         self.version += 1
         sync_time = self.sync_weights()
         elapsed = time.perf_counter() - start
         reward_time = self.rollouts.reward_time - reward_before
         metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
-                        "perf/train_time": trained - generated,
+                        "perf/train_time": trained - generated, "perf/curriculum_time": observed - trained,
+                        "rollout/generated_samples_total": float(self.rollouts.generated_samples),
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
                         "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
+        metrics.update(self.selection_metrics)  # the curriculum's one-off preparation, logged with step 1
+        self.selection_metrics = {}
         return metrics
 
     def close(self) -> None:

@@ -104,7 +104,7 @@ class RolloutProducer:
     """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups."""
 
     def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
-                 config: RolloutConfig, *, seed: int, timeline=None):
+                 config: RolloutConfig, *, seed: int, timeline=None, selector=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
@@ -115,6 +115,10 @@ class RolloutProducer:
         self._in_flight: list[tuple[Prompt, list[Future], int, float]] = []
         self._admitted_steps = 0  # training steps whose groups have been submitted
         self.reward_time = 0.0  # seconds spent scoring, cumulative
+        self.generated_samples = 0  # responses generated, cumulative (discarded ones included)
+        # The curriculum hook (controller/curriculum.py): which prompts a step generates
+        # (`draw(stream, count, step)`) and which scored groups it trains on (`keep_groups`).
+        self.selector = selector
 
     def _admit(self, trainer_version: int) -> None:
         """Submit groups for every step s whose consumption version s stays within the bound.
@@ -123,7 +127,9 @@ class RolloutProducer:
         weights of version >= s - max_staleness, and the engine holds `trainer_version` now."""
         while self._admitted_steps <= trainer_version + self.config.max_staleness:
             step = self._admitted_steps
-            for index, prompt in enumerate(self.stream.next(self.config.prompts_per_step)):
+            count = self.config.prompts_per_step
+            prompts = self.selector.draw(self.stream, count, step) if self.selector else self.stream.next(count)
+            for index, prompt in enumerate(prompts):
                 ids = self.tokenizer.encode_chat(prompt.messages)
                 # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
                 seed = (self.seed * 1_000_003 + step * 1009 + index) % (2 ** 31)
@@ -138,8 +144,9 @@ class RolloutProducer:
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
         self._admit(trainer_version)
-        count = self.config.prompts_per_step
-        batch, self._in_flight = self._in_flight[:count], self._in_flight[count:]
+        step_of_next = self._in_flight[0][2]
+        batch = [entry for entry in self._in_flight if entry[2] == step_of_next]
+        self._in_flight = self._in_flight[len(batch):]
         groups = []
         for prompt, futures, step, submitted in batch:
             completions = self.engine.wait(futures)
@@ -148,12 +155,34 @@ class RolloutProducer:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in futures)
                 self.timeline.add(f"generate {prompt.prompt_id}", submitted, finished, category="generate",
                                   step=step, versions=sorted({c.weight_version for c in completions}))
-            texts = [self.tokenizer.decode(c.output_ids) for c in completions]
-            scored_from = time.perf_counter()
-            rewards = self.reward.score_batch(texts, [prompt] * len(texts))
-            self.reward_time += time.perf_counter() - scored_from
-            samples = [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
-            groups.append(Group(prompt, samples, step, elapsed))
+            groups.append(Group(prompt, self._score(prompt, completions), step, elapsed))
+        if self.selector:
+            groups = self.selector.keep_groups(groups, self.config.prompts_per_step)
+        return groups
+
+    def _score(self, prompt: Prompt, completions: list[Completion]) -> list[Sample]:
+        self.generated_samples += len(completions)
+        texts = [self.tokenizer.decode(c.output_ids) for c in completions]
+        scored_from = time.perf_counter()
+        rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+        self.reward_time += time.perf_counter() - scored_from
+        return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
+
+    def rollout(self, prompts: Sequence[Prompt], *, tag: str, seed: int) -> list[Group]:
+        """Generate and score `prompts` now with the engine's current weights, outside the training
+        stream (pre-filtering, benchmarks). Samples like training does (rollout config, n per prompt)."""
+        version = self.engine.version
+        futures = []
+        for index, prompt in enumerate(prompts):
+            request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
+                                      prompt_ids=self.tokenizer.encode_chat(prompt.messages),
+                                      sampling=self.config.sampling((seed * 1009 + index) % (2 ** 31)),
+                                      group_id=prompt.prompt_id)
+            futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
+        groups = []
+        for prompt, group_futures, submitted in futures:
+            completions = self.engine.wait(group_futures)
+            groups.append(Group(prompt, self._score(prompt, completions), version, time.perf_counter() - submitted))
         return groups
 
     def resume_at(self, step: int) -> None:
