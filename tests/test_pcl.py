@@ -169,6 +169,20 @@ def test_pcl_selects_candidates_trains_the_value_model_and_counts_samples(tmp_pa
     assert steps[1]["curriculum/candidate_value_std"] > 0  # V was updated after step 1
 
 
+def test_pcl_in_the_asynchronous_loop_selects_with_a_value_model_one_more_step_behind(tmp_path, tiny_chat_model):
+    from megatron_rl.controller.loop import train
+
+    run_dir = str(tmp_path / "pcl_async")
+    train(_config(tiny_chat_model, run_dir, "steps=3", "curriculum.kind=pcl", "rollout.max_staleness=1",
+                  "curriculum.value.trainer.micro_batch_size=4", "eval.after_training=false"))
+    steps = _steps(run_dir)
+    # Steps 1 and 2 are admitted before any update of V (generation runs one step ahead); step 3's
+    # prompts are chosen by V after step 1's update.
+    assert [r["curriculum/candidate_value_std"] == 0 for r in steps] == [True, True, False]
+    assert [r["rollout/generated_samples_total"] for r in steps] == [8, 16, 24]
+    assert max(r["rollout/staleness_max"] for r in steps) == 1
+
+
 @pytest.mark.parametrize("kind", ["dynamic_sampling", "prefilter"])
 def test_baseline_selectors_generate_what_they_promise(tmp_path, tiny_chat_model, kind):
     from megatron_rl.controller.loop import train
