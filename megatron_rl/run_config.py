@@ -10,6 +10,7 @@ import dataclasses
 from megatron_rl.algorithms import AdvantageConfig, LossConfig
 from megatron_rl.checkpoint.manager import CheckpointConfig
 from megatron_rl.config import require
+from megatron_rl.controller.curriculum import CurriculumConfig
 from megatron_rl.controller.rollouts import RolloutConfig
 from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
@@ -72,6 +73,8 @@ class RunConfig:
     """Sampling for training and the staleness bound (0: synchronous)."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     """Advantages and policy loss."""
+    curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
+    """Which prompts each step generates (none, prefilter, dynamic_sampling, or PCL's value model)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Training prompts and the held-out split."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)

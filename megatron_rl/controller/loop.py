@@ -25,6 +25,7 @@ from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.batching import build_step_batch
+from megatron_rl.controller.curriculum import build_selector
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl, write_plots
@@ -96,6 +97,8 @@ class Controller:
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
+        self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
+                                       policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
         del model
         self.weights = make_weight_channel(self.policy, self.engine)
         self.reward = Reward(config.reward)
@@ -107,7 +110,9 @@ class Controller:
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
                                         seed=config.seed, timeline=self.timeline,
-                                        max_prompt_tokens=engine_context(config, self.policy.arch) - 1)
+                                        max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
+                                        selector=self.selector)
+        self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
         self.offload = rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
         self._host = "cpu"
@@ -175,15 +180,20 @@ class Controller:
         if self.offload:
             self._memory_to_engine()
         trained = time.perf_counter()
+        metrics.update(self.selector.observe(groups, step=self.version))
+        observed = time.perf_counter()
         self.version += 1
         sync_time = self.sync_weights()
         elapsed = time.perf_counter() - start
         reward_time = self.rollouts.reward_time - reward_before
         metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
-                        "perf/train_time": trained - generated,
+                        "perf/train_time": trained - generated, "perf/curriculum_time": observed - trained,
+                        "rollout/generated_samples_total": float(self.rollouts.generated_samples),
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
                         "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
+        metrics.update(self.selection_metrics)  # the curriculum's one-off preparation, logged with step 1
+        self.selection_metrics = {}
         return metrics
 
     def close(self) -> None:

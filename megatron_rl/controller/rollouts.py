@@ -144,7 +144,8 @@ class RolloutProducer:
     repeats none: a resumed run trains on exactly the groups the interrupted one would have."""
 
     def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
-                 config: RolloutConfig, *, seed: int, timeline=None, max_prompt_tokens: int | None = None):
+                 config: RolloutConfig, *, seed: int, timeline=None, max_prompt_tokens: int | None = None,
+                 selector=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
@@ -158,12 +159,22 @@ class RolloutProducer:
         self._admitted_steps = 0  # training steps whose groups have been submitted
         self.reward_time = 0.0  # seconds spent scoring, cumulative
         self.last_skipped: list[str] = []  # prompt ids skipped for the step next_groups returned last
+        self.generated_samples = 0  # responses generated, cumulative (discarded ones included)
+        # The curriculum hook (controller/curriculum.py): which prompts a step generates
+        # (`draw(stream, count, step)` -> (data set index, prompt) pairs) and which scored groups it
+        # trains on (`keep_groups`).
+        self.selector = selector
 
     def _draw(self, step: int) -> list[tuple[int, Prompt, list[int]]]:
-        """The step's prompts (index, prompt, token ids), overlong ones skipped or reported."""
+        """The step's prompts (index, prompt, token ids), overlong ones skipped or reported. Without a
+        selector, skipped prompts are replaced from the stream; a selector's pick is taken as it is."""
+        count = self.config.prompts_per_step
         drawn: list[tuple[int, Prompt, list[int]]] = []
-        while len(drawn) < self.config.prompts_per_step:
-            for index, prompt in self.stream.next_indexed(self.config.prompts_per_step - len(drawn)):
+        while not drawn or (self.selector is None and len(drawn) < count):
+            wanted = count - len(drawn)
+            candidates = (self.selector.draw(self.stream, wanted, step) if self.selector is not None
+                          else self.stream.next_indexed(wanted))
+            for index, prompt in candidates:
                 ids = self.tokenizer.encode_chat(prompt.messages)
                 if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                     if self.config.on_overlong_prompt == "error":
@@ -207,9 +218,10 @@ class RolloutProducer:
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
         self._admit(trainer_version)
-        count = self.config.prompts_per_step
-        batch, self._in_flight = self._in_flight[:count], self._in_flight[count:]
-        self.last_skipped = self._skipped.pop(batch[0].step, []) if batch else []
+        step = self._in_flight[0].step
+        batch = [pending for pending in self._in_flight if pending.step == step]
+        self._in_flight = self._in_flight[len(batch):]
+        self.last_skipped = self._skipped.pop(step, [])
         groups = []
         for pending in batch:
             completions = self.engine.wait(pending.futures)
@@ -219,12 +231,34 @@ class RolloutProducer:
                 self.timeline.add(f"generate {pending.prompt.prompt_id}", pending.submitted, finished,
                                   category="generate", step=pending.step,
                                   versions=sorted({c.weight_version for c in completions}))
-            texts = [self.tokenizer.decode(c.output_ids) for c in completions]
-            scored_from = time.perf_counter()
-            rewards = self.reward.score_batch(texts, [pending.prompt] * len(texts))
-            self.reward_time += time.perf_counter() - scored_from
-            samples = [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
-            groups.append(Group(pending.prompt, samples, pending.step, elapsed))
+            groups.append(Group(pending.prompt, self._score(pending.prompt, completions), pending.step, elapsed))
+        if self.selector is not None:
+            groups = self.selector.keep_groups(groups, self.config.prompts_per_step)
+        return groups
+
+    def _score(self, prompt: Prompt, completions: list[Completion]) -> list[Sample]:
+        self.generated_samples += len(completions)
+        texts = [self.tokenizer.decode(c.output_ids) for c in completions]
+        scored_from = time.perf_counter()
+        rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+        self.reward_time += time.perf_counter() - scored_from
+        return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
+
+    def rollout(self, prompts: Sequence[Prompt], *, tag: str, seed: int) -> list[Group]:
+        """Generate and score `prompts` now with the engine's current weights, outside the training
+        stream (pre-filtering, benchmarks). Samples like training does (rollout config, n per prompt)."""
+        version = self.engine.version
+        futures = []
+        for index, prompt in enumerate(prompts):
+            request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
+                                      prompt_ids=self.tokenizer.encode_chat(prompt.messages),
+                                      sampling=self.config.sampling((seed * 1009 + index) % (2 ** 31)),
+                                      group_id=prompt.prompt_id)
+            futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
+        groups = []
+        for prompt, group_futures, submitted in futures:
+            completions = self.engine.wait(group_futures)
+            groups.append(Group(prompt, self._score(prompt, completions), version, time.perf_counter() - submitted))
         return groups
 
     def drain(self) -> None:

@@ -62,8 +62,9 @@ class Prompt:
 class SourceConfig:
     """Where prompts come from: a reasoning-gym generator or a JSONL / parquet file."""
 
-    kind: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
-    """reasoning_gym: a seeded procedural generator; jsonl / parquet: a file at `path`."""
+    kind: Literal["reasoning_gym", "jsonl", "parquet", "mixture"] = "reasoning_gym"
+    """reasoning_gym: a seeded procedural generator; jsonl / parquet: a file at `path`; mixture: the
+    reasoning_gym sources listed in `components`, interleaved (e.g. tasks of different difficulty)."""
     path: str | None = None
     """jsonl / parquet: the file."""
     prompt_field: str = "prompt"
@@ -92,8 +93,15 @@ class SourceConfig:
     """reasoning_gym: how many questions to generate (before de-duplication)."""
     seed: int = 1
     """reasoning_gym: generator seed."""
+    components: list["SourceConfig"] = dataclasses.field(default_factory=list)
+    """mixture: the reasoning_gym sources to mix, each with its own task, task_config, size and seed
+    (a held-out set takes an equal share of heldout_size from each)."""
 
     def __post_init__(self) -> None:
+        if self.kind == "mixture":
+            require(bool(self.components), "components", "a mixture source needs at least one component")
+            require(all(c.kind == "reasoning_gym" for c in self.components), "components",
+                    "mixture components must be reasoning_gym sources")
         if self.kind in ("jsonl", "parquet"):
             require(bool(self.path), "path", f"a {self.kind} source needs a path")
         require(self.size >= 1, "size", "must be >= 1")
@@ -104,6 +112,8 @@ class SourceConfig:
     def name(self) -> str:
         if self.kind == "reasoning_gym":
             return f"rg_{self.task}"
+        if self.kind == "mixture":
+            return "rg_mixture"
         return os.path.splitext(os.path.basename(self.path or "data"))[0]
 
 
@@ -327,6 +337,8 @@ def generate_reasoning_gym(cfg: SourceConfig, *, size: int | None = None, seed: 
     many distinct questions not in `exclude` exist; otherwise generate `size` and de-duplicate."""
     from megatron_rl.data.reasoning_gym_tasks import create_task_dataset
 
+    if cfg.kind == "mixture":
+        return _generate_mixture(cfg, seed=seed, unique=unique, exclude=exclude)
     size = cfg.size if size is None else size
     seed = cfg.seed if seed is None else seed
     budget = size if unique is None else max(size, 50 * unique)
@@ -353,25 +365,46 @@ def generate_reasoning_gym(cfg: SourceConfig, *, size: int | None = None, seed: 
     return PromptDataset(cfg.name, prompts, stats)
 
 
+def _generate_mixture(cfg: SourceConfig, *, seed: int | None, unique: int | None,
+                      exclude: set[str]) -> PromptDataset:
+    """Each component generated on its own (with `seed` and an equal share of `unique` when given),
+    interleaved round-robin and de-duplicated across components."""
+    parts = []
+    for i, component in enumerate(cfg.components):
+        share = None if unique is None else unique // len(cfg.components) + (i < unique % len(cfg.components))
+        parts.append(generate_reasoning_gym(component, seed=seed, unique=share, exclude=exclude).prompts)
+    seen: set[str] = set()
+    prompts, dup = [], 0
+    for i in range(max(len(p) for p in parts)):
+        for part in parts:
+            if i < len(part):
+                key = normalize_question(part[i].question)
+                dup += key in seen
+                if key not in seen:
+                    seen.add(key)
+                    prompts.append(part[i])
+    return PromptDataset(cfg.name, prompts, {"rows_read": sum(map(len, parts)), "duplicates_dropped": dup})
+
+
 def build_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset]:
     """(train, heldout): each de-duplicated by question text, and no training question in heldout."""
     train_cfg = config.train
     if config.heldout is not None:
-        if config.heldout.kind == "reasoning_gym":
+        if config.heldout.kind in ("reasoning_gym", "mixture"):
             heldout = generate_reasoning_gym(config.heldout, unique=config.heldout_size or None)
         else:
             raw = load_file_source(config.heldout)
             kept, dup, _ = _dedup(raw.prompts, limit=config.heldout_size or None)
             heldout = PromptDataset(raw.name, kept, {**raw.stats, "duplicates_dropped": dup})
         exclude = heldout.questions()
-        if train_cfg.kind == "reasoning_gym":
+        if train_cfg.kind in ("reasoning_gym", "mixture"):
             train = generate_reasoning_gym(train_cfg, exclude=exclude)
         else:
             raw = load_file_source(train_cfg)
             kept, dup, excl = _dedup(raw.prompts, exclude)
             train = PromptDataset(raw.name, kept,
                                   {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": excl})
-    elif train_cfg.kind == "reasoning_gym":
+    elif train_cfg.kind in ("reasoning_gym", "mixture"):
         if config.heldout_size:
             heldout = generate_reasoning_gym(train_cfg, seed=config.heldout_seed, unique=config.heldout_size)
             heldout.name = f"{train_cfg.name}_heldout"

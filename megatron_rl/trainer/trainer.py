@@ -148,6 +148,7 @@ class MegatronTrainer:
             model.output_layer.forward = _hidden_states_head
         if hf_state is not None:
             self.load_hf_state(hf_state)
+        model = self._network(model)
         if self.params_dtype != torch.float32:
             model = Float16Module(self.tf_config, model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -159,8 +160,8 @@ class MegatronTrainer:
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=self.params_dtype == torch.bfloat16, fp16=False,
             params_dtype=self.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False,
-                                                pg_collection=self.pg)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=self._param_group_overrides(opt_config),
+                                                use_gloo_process_groups=False, pg_collection=self.pg)
         decay_steps = max(cfg.lr_decay_steps, cfg.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr,
@@ -168,6 +169,16 @@ class MegatronTrainer:
             lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.lr_decay_style,
             start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps,
             wd_incr_style="constant")
+
+    def _network(self, gpt):
+        """The module DDP wraps and trains: the GPTModel itself. Subclasses wrap it to add parameters
+        (e.g. the value model's scalar head) that the optimizer and gradient buffers must include."""
+        return gpt
+
+    def _param_group_overrides(self, opt_config):
+        """Megatron optimizer param-group overrides (None: Megatron's standard ones). Subclasses give
+        added parameters their own learning rate."""
+        return None
 
     @property
     def is_first_stage(self) -> bool:
@@ -375,6 +386,17 @@ class MegatronTrainer:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows). Returns averaged metrics on every rank."""
+        def head_loss(hidden, tokens, mb):
+            logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_positions())
+            return loss_fn(logprobs, mb, entropy)
+
+        return self.train_step_on_hidden(batch, head_loss, trim=True)
+
+    def train_step_on_hidden(self, batch: TrainBatch, head_loss, *, trim: bool = False) -> dict[str, float]:
+        """One optimizer step where `head_loss(hidden [b, S-1, H], tokens [b, S], micro_batch) ->
+        (loss share, metrics)` turns a micro-batch's final hidden states into its share of the global
+        loss (the contract of the loss hook in the module docstring). `trim`: micro-batches end at
+        their last `loss_positions()` column."""
         self._check_batch(batch)
         num_micro = batch.batch_size // self.config.micro_batch_size
         # Megatron divides each micro-batch loss by their count and averages gradients over DP; the
@@ -382,8 +404,7 @@ class MegatronTrainer:
         scale = num_micro * self.dp_size
 
         def on_hidden(hidden, tokens, mb):
-            logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_positions())
-            loss, metrics = loss_fn(logprobs, mb, entropy)
+            loss, metrics = head_loss(hidden, tokens, mb)
             # Metrics are averaged over micro-batches and DP ranks; the loss is a share, so its total is
             # the sum: report it pre-multiplied by the number of shares.
             reported = {"loss": loss.detach() * scale, **{k: v.detach() for k, v in metrics.items()}}
@@ -393,7 +414,7 @@ class MegatronTrainer:
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(batch, on_hidden, forward_only=False, trim=True)
+            outputs = self._run_schedule(batch, on_hidden, forward_only=False, trim=trim)
             finite = self._loss_and_grads_finite(outputs)
             # A NaN/Inf loss or gradient would poison the weights and Adam's moments for good: skip
             # the update (weights, optimizer state and LR schedule untouched) and report it.

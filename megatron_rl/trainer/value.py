@@ -1,0 +1,180 @@
+"""PCL's value model V(x): a Megatron GPTModel whose final hidden state at the last prompt token goes
+through a scalar head, trained by regression on the policy's own rollouts (Gao, Kim, Sun et al. 2025,
+arXiv 2510.01135; loss in `megatron_rl.algorithms.pcl.value_loss`).
+
+    value = ValueTrainer(arch, ValueModelConfig(), hf_state=policy_state, pg_collection=policy.pg)
+    v = value.predict([prompt_ids, ...])                    # [N] predicted mean reward, one forward pass
+    metrics = value.update([prompt_ids, ...], targets)      # one optimizer step on (V - target)^2
+
+It is a `MegatronTrainer` (same model building, DDP, optimizer, schedules, TP/PP) whose network is the
+GPTModel plus a `value_head` Linear(hidden, 1) on the last pipeline stage. Head choice: a sigmoid, so V
+lies in (0, 1) like the 0/1 (or partial-credit) rewards it predicts; `head: linear` for unbounded
+rewards. The head starts at weight 0 and bias 0 (every prompt predicted 0.5, the target difficulty)
+and has its own learning rate: with Adam, a 1e-5 step on one bias moves the prediction by ~1e-5, far
+too slow to follow a policy that changes every step.
+
+Prompt batches reuse `TrainBatch`: row b is the prompt's tokens followed by one pad token, and
+loss_mask[b, P_b] = 1 marks the position after the prompt; the value is read from the hidden state
+that predicts that position, i.e. the state after the last prompt token (the model's input is
+tokens[:, :-1], so the extra pad keeps the last prompt token inside it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from megatron_rl.algorithms.pcl import value_loss
+from megatron_rl.config import require
+from megatron_rl.models import ModelArch
+from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+from megatron_rl.types import TrainBatch
+
+
+@dataclasses.dataclass(kw_only=True)
+class ValueModelConfig:
+    """PCL's value model: its initial weights, size, head and optimizer."""
+
+    init_from: str = "policy"
+    """'policy': a copy of the policy's starting weights; otherwise a model path (any form `model.path`
+    accepts) with the policy's tokenizer and vocabulary."""
+    num_layers: int = 0
+    """Keep only the first N transformer layers of the initial weights (0: all): a smaller, cheaper
+    value model built from the same network."""
+    head: Literal["sigmoid", "linear"] = "sigmoid"
+    """sigmoid: V in (0, 1), for rewards in [0, 1]; linear: unbounded V."""
+    head_lr: float = 1e-4
+    """Adam learning rate of the scalar head (the backbone uses trainer.lr)."""
+    updates_per_step: int = 1
+    """Optimizer steps of V on each training step's groups (the paper: 1)."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8))
+    """Backbone optimizer, precision and micro-batching. The value model runs on the policy trainer's
+    ranks with the policy's process groups, so `trainer.parallel` is not used."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.init_from.strip()), "init_from", "must be 'policy' or a model path")
+        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0: all layers)")
+        require(self.head_lr >= 0, "head_lr", "must be >= 0")
+        require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
+
+
+def truncate_layers(arch: ModelArch, state: dict[str, torch.Tensor], num_layers: int,
+                    ) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """The first `num_layers` blocks of an HF-named Llama state (embeddings and final norm kept)."""
+    if num_layers == 0 or num_layers == arch.num_layers:
+        return arch, state
+    if num_layers > arch.num_layers:
+        raise ValueError(f"value.num_layers={num_layers} exceeds the model's {arch.num_layers} layers")
+    kept = {}
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= num_layers:
+                continue
+        kept[name] = tensor
+    return dataclasses.replace(arch, num_layers=num_layers), kept
+
+
+class ValueNetwork(torch.nn.Module):
+    """GPTModel (returning final hidden states) plus the scalar `value_head` on the last stage."""
+
+    def __init__(self, gpt, hidden_size: int, with_head: bool):
+        super().__init__()
+        self.gpt = gpt
+        self.config = gpt.config
+        self.model_type = gpt.model_type  # Megatron's schedules read these from the wrapped module
+        self.value_head = None
+        if with_head:
+            self.value_head = torch.nn.Linear(hidden_size, 1, dtype=gpt.config.params_dtype)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.gpt.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids, position_ids, attention_mask, **kwargs):
+        return self.gpt(input_ids, position_ids, attention_mask, **kwargs)
+
+
+class ValueTrainer(MegatronTrainer):
+    """V(x) on the policy trainer's ranks: `predict` prompts, `update` on observed mean rewards."""
+
+    def __init__(self, arch: ModelArch, config: ValueModelConfig, *, hf_state: dict[str, torch.Tensor],
+                 pg_collection=None):
+        self.value_config = config
+        arch, hf_state = truncate_layers(arch, hf_state, config.num_layers)
+        super().__init__(arch, config.trainer, pg_collection=pg_collection, hf_state=hf_state)
+
+    def _network(self, gpt):
+        self.network = ValueNetwork(gpt, self.arch.hidden_size, with_head=self.is_last_stage)
+        return self.network
+
+    def _param_group_overrides(self, opt_config):
+        from megatron.core.optimizer import get_standard_config_overrides
+        from megatron.core.optimizer.optimizer_config import ParamKey
+        from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+        lr = self.value_config.head_lr
+        overrides = dict(get_standard_config_overrides(config=opt_config) or {})
+        overrides[ParamKey(name="*value_head*")] = ParamGroupOverride(max_lr=lr, min_lr=lr)
+        return overrides
+
+    # --- batches ----------------------------------------------------------------------------------
+    def prompt_batch(self, prompts: list[list[int]], targets: torch.Tensor | None = None,
+                     pad_token_id: int = 0) -> TrainBatch:
+        """Prompts -> TrainBatch (module docstring); `targets` go to advantages[b, P_b]. Rows are padded
+        to a multiple of the micro-batch size with zero-mask rows (they never enter the loss)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("the value model needs non-empty prompts")
+        micro = self.config.micro_batch_size
+        rows = -(-len(prompts) // micro) * micro
+        width = max(len(p) for p in prompts) + 1
+        tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, width)
+        values = torch.zeros(rows, width)
+        for b, ids in enumerate(prompts):
+            tokens[b, :len(ids)] = torch.tensor(ids)
+            mask[b, len(ids)] = 1.0
+            if targets is not None:
+                values[b, len(ids)] = float(targets[b])
+        return TrainBatch(tokens=tokens, loss_mask=mask, advantages=values if targets is not None else None)
+
+    def _values(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[b] V at each row's marked position (hidden[b, P_b - 1]: the state after the prompt)."""
+        position = (mask.to(hidden.device).argmax(dim=-1) - 1).clamp(min=0)
+        state = hidden[torch.arange(hidden.shape[0], device=hidden.device), position]
+        logit = self.network.value_head(state.to(self.network.value_head.weight.dtype)).squeeze(-1).float()
+        return torch.sigmoid(logit) if self.value_config.head == "sigmoid" else logit
+
+    # --- executor operations ----------------------------------------------------------------------
+    @torch.no_grad()
+    def predict(self, prompts: list[list[int]], pad_token_id: int = 0) -> torch.Tensor:
+        """[N] float32 V(x) of each prompt (CPU, on every rank of this replica), one forward pass."""
+        from megatron_rl.trainer import cpu_compat
+
+        batch = self.prompt_batch(prompts, pad_token_id=pad_token_id)
+
+        def on_hidden(hidden, tokens, mb):
+            return hidden.new_zeros(()), {"values": self._values(hidden, mb.loss_mask)}
+
+        with cpu_compat.redirect_cuda_to_cpu():
+            result = self._forward_only(batch, on_hidden, "values")
+            return self._broadcast_from_last_stage(result, (batch.batch_size,), torch.float32)[:len(prompts)]
+
+    def update(self, prompts: list[list[int]], targets: torch.Tensor, pad_token_id: int = 0) -> dict[str, float]:
+        """`updates_per_step` optimizer steps of sum_i (V(x_i) - target_i)^2 / N over these prompts.
+        Metrics: value/loss (of the last step, before its update), value/grad_norm, value/update_time."""
+        batch = self.prompt_batch(prompts, targets, pad_token_id=pad_token_id)
+        count = len(prompts)
+
+        def head_loss(hidden, tokens, mb):
+            rows = mb.loss_mask.sum(-1) > 0  # padding rows added to fill a micro-batch carry no target
+            predicted = self._values(hidden, mb.loss_mask)[rows.to(hidden.device)]
+            target = (mb.advantages * mb.loss_mask).sum(-1).to(hidden.device)[rows.to(hidden.device)]
+            return value_loss(predicted, target, normalizer=count), {}
+
+        metrics: dict[str, float] = {}
+        for _ in range(self.value_config.updates_per_step):
+            metrics = self.train_step_on_hidden(batch, head_loss)
+        return {"value/loss": metrics["train/loss"], "value/grad_norm": metrics["train/grad_norm"],
+                "value/update_time": metrics["perf/train_step_time"]}

@@ -1,0 +1,220 @@
+"""PCL: selection at intermediate difficulty, the value loss, the value model, and the curriculum hook in
+the RL loop (none / prefilter / dynamic_sampling / pcl) on a tiny model."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.pcl import (explained_variance, has_mixed_rewards, select_closest_to_target,
+                                        value_loss, value_targets)
+
+
+# --- selection ----------------------------------------------------------------------------------------------
+
+def _brute_force_selection(values, count, target):
+    """Reference: among all subsets of size `count`, the one with the smallest sorted distance vector
+    (lexicographically), ties between equal distance vectors broken by the earliest positions."""
+    best = None
+    for subset in itertools.combinations(range(len(values)), count):
+        key = (sorted(abs(values[i] - target) for i in subset), list(subset))
+        # A valid "m closest" set: no excluded candidate strictly closer than an included one.
+        excluded = [i for i in range(len(values)) if i not in subset]
+        if excluded and min(abs(values[i] - target) for i in excluded) < max(abs(values[i] - target) for i in subset):
+            continue
+        if best is None or key[1] < best[1]:
+            best = key
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_selection_is_exactly_the_m_closest_with_earliest_ties(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    # Values on a coarse grid so that ties (equal distance, on both sides of tau) are frequent.
+    values = [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0, 0.125, 0.875]) for _ in range(n)]
+    count = rng.randint(1, n)
+    chosen = select_closest_to_target(values, count, 0.5)
+    assert chosen == _brute_force_selection(values, count, 0.5)
+    assert len(chosen) == count and chosen == sorted(set(chosen))
+
+
+def test_selection_ties_are_broken_by_candidate_order_and_deterministic():
+    values = [0.75, 0.25, 0.5, 0.25, 0.75, 1.0]
+    # |v - 0.5| = .25 .25 0 .25 .25 .5: the exact 0.5 first, then the earliest of the equal ones.
+    assert select_closest_to_target(values, 3, 0.5) == [0, 1, 2]
+    assert select_closest_to_target(list(reversed(values)), 3, 0.5) == [1, 2, 3]
+    assert all(select_closest_to_target(values, 3, 0.5) == [0, 1, 2] for _ in range(5))
+    assert select_closest_to_target(values, 10, 0.5) == list(range(6))
+    assert select_closest_to_target(torch.tensor([0.9, 0.1, 0.6]), 1, 0.2) == [1]
+
+
+# --- value loss and targets -------------------------------------------------------------------------------
+
+def test_value_targets_are_the_mean_reward_of_each_prompts_samples():
+    torch.testing.assert_close(value_targets([[1, 0, 0, 1], [0, 0], [1]]), torch.tensor([0.5, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="at least one"):
+        value_targets([[1.0], []])
+
+
+def test_value_loss_matches_the_papers_sum_of_squares_and_its_gradient():
+    torch.manual_seed(0)
+    predictions = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    targets = torch.rand(7, dtype=torch.float64)
+    loss = value_loss(predictions, targets)
+    reference = sum((float(p) - float(t)) ** 2 for p, t in zip(predictions, targets)) / 7
+    assert abs(float(loss) - reference) < 1e-12
+    loss.backward()
+    torch.testing.assert_close(predictions.grad, 2 * (predictions.detach() - targets).float() / 7,
+                               check_dtype=False)
+
+
+def test_value_loss_shares_of_micro_batches_sum_to_the_global_loss():
+    predictions, targets = torch.rand(10), torch.rand(10)
+    shares = sum(value_loss(predictions[i:i + 3], targets[i:i + 3], normalizer=10) for i in range(0, 10, 3))
+    torch.testing.assert_close(shares, value_loss(predictions, targets))
+    with pytest.raises(ValueError, match="shape"):
+        value_loss(torch.zeros(3), torch.zeros(4))
+
+
+def test_explained_variance_and_mixed_rewards():
+    observed = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    assert explained_variance(observed, observed) == 1.0
+    assert abs(explained_variance(torch.full((4,), float(observed.mean())), observed)) < 1e-12
+    assert explained_variance(1 - observed, observed) < 0
+    assert explained_variance([0.3, 0.4], [1.0, 1.0]) != explained_variance([0.3, 0.4], [1.0, 1.0])  # NaN
+    assert has_mixed_rewards([0, 1, 0]) and not has_mixed_rewards([1, 1]) and not has_mixed_rewards([0.5])
+
+
+# --- the value model --------------------------------------------------------------------------------------
+
+def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
+    from megatron_rl.trainer.trainer import TrainerConfig
+    from megatron_rl.trainer.value import ValueModelConfig, ValueTrainer
+    from tests.helpers import near_uniform_state
+
+    config = ValueModelConfig(trainer=TrainerConfig(lr=1e-3, micro_batch_size=4), head_lr=1e-2)
+    value = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [3, 3, 3], [5]]
+    torch.testing.assert_close(value.predict(prompts), torch.full((6,), 0.5))  # zero-initialised head
+    # Padding after the prompt must not change V (the state after the last prompt token is read).
+    with torch.no_grad():
+        value.network.value_head.weight.normal_()
+    alone = value.predict([prompts[2]])
+    together = value.predict(prompts)
+    torch.testing.assert_close(alone, together[2:3], atol=1e-5, rtol=0)
+    with torch.no_grad():  # a random head saturates the sigmoid; fit from a small one
+        value.network.value_head.weight.mul_(1e-3)
+    together = value.predict(prompts)
+    # The reported loss is the mean squared error of the predictions made before the update.
+    targets = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.1, 0.9])
+    first = value.update(prompts, targets)["value/loss"]
+    expected = float(((together - targets) ** 2).mean())
+    assert abs(first - expected) < 1e-5
+    for _ in range(40):
+        last = value.update(prompts, targets)["value/loss"]
+    assert last < 0.1 * first
+    assert float((value.predict(prompts) - targets).abs().max()) < 0.1
+
+
+def test_truncated_value_model_keeps_the_first_layers(tiny_arch):
+    from megatron_rl.trainer.value import truncate_layers
+    from tests.helpers import near_uniform_state
+
+    state = near_uniform_state(tiny_arch)
+    arch, kept = truncate_layers(tiny_arch, state, 1)
+    assert arch.num_layers == 1
+    assert not any(k.startswith("model.layers.1.") for k in kept) and "model.norm.weight" in kept
+    with pytest.raises(ValueError, match="exceeds"):
+        truncate_layers(tiny_arch, state, tiny_arch.num_layers + 1)
+
+
+# --- the curriculum in the loop ---------------------------------------------------------------------------
+
+def _config(model_path, run_dir, *extra):
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+
+    quickstart = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "quickstart.yaml")
+    return load_yaml(RunConfig, quickstart, [
+        f"model.path={model_path}", f"run_dir={run_dir}", "steps=2", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6", "trainer.micro_batch_size=4",
+        "data.train.size=64", "data.heldout_size=2", "eval.max_new_tokens=4", "eval.before_training=false",
+        "engine.max_batch_size=32", "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
+        "logging.wandb=disabled", "logging.plots=false", "reward.name=tests.test_loop:vowel_fraction", *extra])
+
+
+def _steps(run_dir):
+    return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward_mean" in r]
+
+
+def test_pcl_selects_candidates_trains_the_value_model_and_counts_samples(tmp_path, tiny_chat_model):
+    from megatron_rl.controller.loop import train
+
+    run_dir = str(tmp_path / "pcl")
+    train(_config(tiny_chat_model, run_dir, "curriculum.kind=pcl",
+                  "curriculum.value.trainer.micro_batch_size=4"))
+    steps = _steps(run_dir)
+    assert len(steps) == 2
+    for i, record in enumerate(steps):
+        assert record["rollout/generated_samples_total"] == (i + 1) * 2 * 4  # only the m selected are generated
+        for key in ("curriculum/value_explained_variance", "curriculum/predicted_reward_mean", "value/loss",
+                    "curriculum/select_time", "rollout/effective_ratio"):
+            assert key in record, key
+    assert steps[0]["curriculum/predicted_reward_mean"] == pytest.approx(0.5)  # untrained head
+    assert steps[1]["curriculum/candidate_value_std"] > 0  # V was updated after step 1
+
+
+def test_pcl_in_the_asynchronous_loop_selects_with_a_value_model_one_more_step_behind(tmp_path, tiny_chat_model):
+    from megatron_rl.controller.loop import train
+
+    run_dir = str(tmp_path / "pcl_async")
+    train(_config(tiny_chat_model, run_dir, "steps=3", "curriculum.kind=pcl", "rollout.max_staleness=1",
+                  "curriculum.value.trainer.micro_batch_size=4", "eval.after_training=false"))
+    steps = _steps(run_dir)
+    # Steps 1 and 2 are admitted before any update of V (generation runs one step ahead); step 3's
+    # prompts are chosen by V after step 1's update.
+    assert [r["curriculum/candidate_value_std"] == 0 for r in steps] == [True, True, False]
+    assert [r["rollout/generated_samples_total"] for r in steps] == [8, 16, 24]
+    assert max(r["rollout/staleness_max"] for r in steps) == 1
+
+
+@pytest.mark.parametrize("kind", ["dynamic_sampling", "prefilter"])
+def test_baseline_selectors_generate_what_they_promise(tmp_path, tiny_chat_model, kind):
+    from megatron_rl.controller.loop import train
+
+    run_dir = str(tmp_path / kind)
+    train(_config(tiny_chat_model, run_dir, f"curriculum.kind={kind}", "curriculum.prefilter_pool=6",
+                  "eval.after_training=false"))
+    steps = _steps(run_dir)
+    if kind == "dynamic_sampling":
+        # k*m = 8 candidates rolled out per step; vowel fractions of random text are always mixed.
+        assert [r["rollout/generated_samples_total"] for r in steps] == [32, 64]
+        assert all(r["curriculum/candidates"] == 8 and r["curriculum/mixed_candidates"] == 8 for r in steps)
+        assert all(r["rollout/trained_samples"] == 8 for r in steps)  # m groups kept
+    else:
+        # The pool is rolled out once before training, then m groups a step.
+        assert [r["rollout/generated_samples_total"] for r in steps] == [6 * 4 + 8, 6 * 4 + 16]
+        assert steps[0]["curriculum/prefilter_pool"] == 6
+
+
+def test_mixture_source_interleaves_components_and_splits_the_heldout_set():
+    from megatron_rl.data.sources import DataConfig, SourceConfig, build_datasets, normalize_question
+
+    easy = SourceConfig(task="chain_sum", size=40, seed=1,
+                        task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    hard = SourceConfig(task="chain_sum", size=40, seed=2,
+                        task_config={"min_terms": 4, "max_terms": 4, "min_digits": 3, "max_digits": 3})
+    train, heldout = build_datasets(DataConfig(train=SourceConfig(kind="mixture", components=[easy, hard]),
+                                               heldout_size=10))
+    terms = lambda p: p.metadata["reasoning_gym"]["config"]["min_terms"]  # noqa: E731
+    assert [terms(p) for p in heldout] == [2, 4] * 5  # an equal share of each component, interleaved
+    assert [terms(p) for p in train][:6] == [2, 4, 2, 4, 2, 4]
+    assert not {normalize_question(p.question) for p in train} & heldout.questions()
+    assert len({p.prompt_id for p in train}) == len(train)
+    with pytest.raises(ValueError, match="components"):
+        SourceConfig(kind="mixture")
