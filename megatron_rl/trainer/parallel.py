@@ -56,13 +56,19 @@ def init_distributed(config: ParallelConfig) -> None:
     """Join the torchrun / srun world, or form a world of one on loopback when launched directly."""
     if dist.is_initialized():
         return
+    timeout = datetime.timedelta(minutes=config.timeout_minutes)
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        # A world of one needs no rendezvous: an in-process store, so no port to pick (and none to
+        # collide with another run's on a busy machine).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(config.resolved_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(config.resolved_backend(),
-                            timeout=datetime.timedelta(minutes=config.timeout_minutes))
+    dist.init_process_group(config.resolved_backend(), timeout=timeout)
 
 
 def setup_model_parallel(config: ParallelConfig):
