@@ -59,8 +59,8 @@ def init_distributed(config: ParallelConfig) -> None:
     timeout = datetime.timedelta(minutes=config.timeout_minutes)
     if "RANK" not in os.environ:
         # A world of one needs no rendezvous: an in-process store, so no port to pick (and none to
-        # collide with another run's on a busy machine).
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # collide with another run's on a busy machine). The environment stays untouched, so child
+        # processes (tests, launchers) do not mistake themselves for ranks of this world.
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         dist.init_process_group(config.resolved_backend(), store=dist.HashStore(), rank=0, world_size=1,
