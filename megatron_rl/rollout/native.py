@@ -756,19 +756,7 @@ class NativeEngine:
         """Copy HF-named tensors into the engine (a dict, (name, tensor) pairs or dict buckets) and set
         the version. Returns the number of tensors loaded. Names and shapes are checked per tensor;
         an error leaves the tensors before it applied and the version unchanged."""
-        self.begin_weight_update()
-        try:
-            with self._model_lock:
-                with self._cv:
-                    self._epoch += 1
-                count = self.weights.load(iter_named_tensors(named_tensors))
-        except BaseException:
-            self.end_weight_update(None)
-            raise
-        with self._cv:
-            self._stats["weight_updates"] += 1
-        self.end_weight_update(version)
-        return count
+        return self._apply_weights(lambda: self.weights.load(iter_named_tensors(named_tensors)), version)
 
     def adopt_weight_arena(self, arena: torch.Tensor, version: int | None = None) -> None:
         """Switch to weights that already sit in `arena` (laid out by `weight_arena_layout`): no copy,
@@ -777,18 +765,28 @@ class NativeEngine:
         weights = LlamaWeights(self.arch, self.device, self.dtype, arena)
         if self.config.prepack_weights:
             weights.enable_packing(self._slots, lazily=True)  # packed between the next steps
+
+        def switch() -> None:
+            self.weights = self.model.w = weights
+
+        self._apply_weights(switch, version)
+
+    def _apply_weights(self, change, version: int | None):
+        """Run `change()` between two steps as a new weights epoch, then set `version`; an error
+        leaves the version unchanged."""
         self.begin_weight_update()
         try:
             with self._model_lock:
                 with self._cv:
                     self._epoch += 1
-                self.weights = self.model.w = weights
+                result = change()
         except BaseException:
             self.end_weight_update(None)
             raise
         with self._cv:
             self._stats["weight_updates"] += 1
         self.end_weight_update(version)
+        return result
 
     def release_memory_occupation(self) -> dict[str, int]:
         """Give up what an idle engine holds so a colocated trainer can use it (SGLang's
