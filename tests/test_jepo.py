@@ -253,7 +253,8 @@ def test_reference_over_budget_is_an_error_or_a_counted_skip(tmp_path, tiny_chat
 
     path = _references(tmp_path, long_index=3)
     model = load_pretrained(tiny_chat_model)
-    config = _loop_config(tiny_chat_model, str(tmp_path / "run"), path, "data.heldout_size=0")
+    config = _loop_config(tiny_chat_model, str(tmp_path / "run"), path, "data.heldout_size=0",
+                          "algorithm.jepo.on_bad_reference=error")
     objective = JepoObjective(config, model.tokenizer, SimpleNamespace(arch=model.arch, state=model.state))
     train, heldout = build_datasets(config.data)
     with pytest.raises(DataError, match=r"refs.jsonl: row 4 .*reference is \d+ tokens, over algorithm.jepo.max_reference_tokens"):
@@ -293,3 +294,56 @@ def test_sft_objective_runs_in_the_loop_and_lowers_reference_nll(tmp_path, tiny_
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     nll = [r["train/sft_nll_seq"] for r in records if "train/sft_nll_seq" in r]
     assert len(nll) == 4 and nll[-1] < nll[0]
+
+
+def test_champ_source_gives_worked_solutions_as_references_and_short_answers():
+    from megatron_rl.data.sources import DataConfig, SourceConfig, build_datasets
+
+    train, heldout = build_datasets(DataConfig(train=SourceConfig(kind="champ"), heldout_size=10))
+    assert train.stats["rows_read"] == 270 and len(train) + len(heldout) == 270
+    assert not train.questions() & heldout.questions()
+    first = next(p for p in train if p.metadata["row"] == "P_Combinatorics_1")
+    assert first.answer.startswith("Let x_n, y_n, z_n be the number of length-n strings")
+    assert "\n" in first.answer and first.metadata["short_answer"] == "239" and first.metadata["verifiable"]
+    verifiable = sum(p.metadata["verifiable"] for p in list(train) + list(heldout))
+    assert 60 <= verifiable <= 112  # numeric / arithmetic short answers only
+
+
+def test_soft_match_uses_the_verifier_then_the_judge():
+    from types import SimpleNamespace
+
+    from megatron_rl.rewards.registry import Reward, RewardConfig
+
+    checkable = SimpleNamespace(prompt_id="p", answer="long proof", metadata={"short_answer": "239", "verifiable": True})
+    open_ended = SimpleNamespace(prompt_id="q", answer="long proof", metadata={"short_answer": "n!", "verifiable": False})
+    reward = Reward(RewardConfig(name="soft_match"))
+    assert reward("The final answer is 239.", checkable).correct
+    assert not reward("The final answer is 238.", checkable).correct
+    assert not reward("anything", open_ended).ok and reward.num_errors == 1  # no judge: a counted error
+    judged = Reward(RewardConfig(name="soft_match", kwargs={"judge": "tests.test_jepo:_length_judge"}))
+    assert judged("a long enough answer", open_ended).reward == 1.0
+
+
+def _length_judge(response, prompt, **kwargs):
+    return float(len(response) > 10)
+
+
+def test_cut_at_marker_keeps_the_shortest_prefix_with_the_marker():
+    from megatron_rl.rewards.likelihood import cut_at_marker, reference_ids
+
+    class Chars:  # one token per character
+        eos_token_id = 0
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids if i)
+
+        def encode(self, text):
+            return [ord(ch) for ch in text]
+
+    tok = Chars()
+    ids = tok.encode("so x=3. The final answer is 3, done")
+    cut, found = cut_at_marker(tok, ids, "The final answer is")
+    assert found and tok.decode(cut) == "so x=3. The final answer is"
+    cut, found = cut_at_marker(tok, tok.encode("no marker here"), "The final answer is")
+    assert not found and tok.decode(cut) == "no marker here"
+    assert reference_ids(tok, " 42 ") == tok.encode(" 42") + [0]

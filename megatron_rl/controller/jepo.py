@@ -65,7 +65,8 @@ class _ReferenceObjective:
                     f"{self.context} tokens")
         return None
 
-    def _filter(self, dataset: PromptDataset, split: str) -> PromptDataset:
+    def filter_prompts(self, dataset: PromptDataset, split: str) -> PromptDataset:
+        """The prompts whose reference fits the budget (the others: error or counted skip, as configured)."""
         kept, skipped = [], 0
         for prompt in dataset:
             problem = self._problem(prompt)
@@ -86,7 +87,7 @@ class _ReferenceObjective:
         return PromptDataset(dataset.name, kept, {**dataset.stats, "bad_reference_skipped": skipped})
 
     def prepare_data(self, train, heldout):
-        return self._filter(train, "train"), self._filter(heldout, "heldout")
+        return self.filter_prompts(train, "train"), self.filter_prompts(heldout, "heldout")
 
     def _metrics(self, groups, trainer_version: int, rows: int) -> dict[str, float]:
         rewards = torch.tensor([s.reward.reward for g in groups for s in g.samples if s.reward.ok],
