@@ -271,16 +271,19 @@ def test_jepo_runs_in_the_one_loop_sync_and_async(tmp_path, tiny_chat_model, sta
     from megatron_rl.controller.loop import train
 
     run_dir = str(tmp_path / f"run{staleness}")
+    # The asynchronous run also carries the KL term (a frozen reference copy sharing the policy's groups).
+    kl = ["algorithm.loss.kl_coef=0.001"] if staleness else []
     summary = train(_loop_config(tiny_chat_model, run_dir, _references(tmp_path),
-                                 f"rollout.max_staleness={staleness}", "steps=3"))
+                                 f"rollout.max_staleness={staleness}", "steps=3", *kl))
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in records if "train/jepo_bound" in r]
     assert len(steps) == 3
     assert max(r["rollout/staleness_max"] for r in steps) == staleness
     assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in steps)
     assert any(r["rollout/marker_fraction"] > 0 for r in steps) and any(r["train/jepo_bound"] < 0 for r in steps)
-    if staleness:  # stale samples: the AIPO weights differ from 1 and are reported
+    if staleness:  # stale samples: the AIPO weights differ from 1 and are reported; KL to the reference too
         assert any(abs(r["train/is_weight_mean"] - 1.0) > 1e-6 for r in steps[1:])
+        assert steps[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-5) and steps[-1]["train/kl_ref"] > 1e-6
     for when in (summary.eval_before, summary.eval_after):
         assert math.isfinite(when["eval/nll_bound"]) and when["eval/nll_bound"] > 0
 

@@ -34,7 +34,7 @@ def _where(prompt) -> str:
 class _ReferenceObjective:
     """What JEPO and SFT share: the reference budget check and reference tokenisation."""
 
-    def __init__(self, config, tokenizer, model):
+    def __init__(self, config, tokenizer, model, policy=None):
         self.config = config
         self.jepo = config.algorithm.jepo
         self.tokenizer = tokenizer
@@ -100,7 +100,7 @@ class _ReferenceObjective:
 class JepoObjective(_ReferenceObjective):
     """JEPO, combined (verifier where a sample is verified correct, JEPO elsewhere) and verifier-only."""
 
-    def __init__(self, config, tokenizer, model):
+    def __init__(self, config, tokenizer, model, policy=None):
         super().__init__(config, tokenizer, model)
         n = config.rollout.samples_per_prompt
         self.n = n
@@ -114,10 +114,12 @@ class JepoObjective(_ReferenceObjective):
                     f"must not stop at the answer marker in mode {self.jepo.mode!r}: the verifier needs the "
                     f"model's own answer after it")
         self.reference_model = None
-        if config.algorithm.loss.kl_coef > 0:
+        if config.algorithm.loss.kl_coef > 0 and policy is not None:
             from megatron_rl.trainer.trainer import MegatronTrainer
 
-            self.reference_model = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
+            # The frozen reference shares the policy's process groups (never stepped, forward only).
+            self.reference_model = MegatronTrainer(model.arch, config.trainer, pg_collection=policy.pg,
+                                                   hf_state=model.state)
 
     def prepare_step(self, groups, trainer_version):
         cfg, jepo, n = self.config, self.jepo, self.n
@@ -173,7 +175,10 @@ class JepoObjective(_ReferenceObjective):
         batch = JepoTrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages,
                                behaviour_logprobs=behaviour_lp, answer_mask=answer_mask,
                                verifier_rows=verifier_rows, group_size=n)
-        if self.reference_model is not None:
+        if cfg.algorithm.loss.kl_coef > 0:
+            if self.reference_model is None:
+                raise RuntimeError("algorithm.loss.kl_coef > 0 needs the JEPO objective built with the policy "
+                                   "(its frozen reference shares the policy's process groups)")
             batch.reference_logprobs = self.reference_model.compute_logprobs(TrainBatch(tokens=tokens,
                                                                                         loss_mask=loss_mask))
         metrics = self._metrics(groups, trainer_version, len(rows))

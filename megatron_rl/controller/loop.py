@@ -82,7 +82,7 @@ class Controller:
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
-        self.objective = make_objective(config, self.tokenizer, model)
+        self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
         del model
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))

@@ -6,8 +6,9 @@ The loop is the same for every algorithm (controller/loop.py); an objective deci
     train, heldout = objective.prepare_data(train, heldout)            # e.g. drop unusable prompts
 
 `AlgorithmConfig.objective` names one: a registered name below or 'package.module:Class' for a user
-objective. Each is constructed as `Class(config: RunConfig, tokenizer, model)` (model: the loaded
-pretrained model, for objectives that need its architecture or a frozen reference copy).
+objective. Each is constructed as `Class(config: RunConfig, tokenizer, model, policy=None)` (model: the
+loaded pretrained model, for objectives that need its architecture or a frozen reference copy; policy:
+the trainer, whose process groups such a copy shares).
 """
 from __future__ import annotations
 
@@ -41,15 +42,15 @@ def resolve_objective(name: str) -> type:
         raise ValueError(f"objective {name!r}: cannot load {spec}: {exc}") from None
 
 
-def make_objective(config, tokenizer, model) -> Objective:
-    return resolve_objective(config.algorithm.objective)(config, tokenizer, model)
+def make_objective(config, tokenizer, model, policy=None) -> Objective:
+    return resolve_objective(config.algorithm.objective)(config, tokenizer, model, policy=policy)
 
 
 class PolicyGradientObjective:
     """Sequence rewards -> group advantages -> the configured policy loss (GRPO / RLOO / REINFORCE++ with
     AIPO / PPO / TIS): `build_step_batch` and `make_loss_fn`."""
 
-    def __init__(self, config, tokenizer, model=None):
+    def __init__(self, config, tokenizer, model=None, policy=None):
         self.config = config
         self.pad_token_id = tokenizer.pad_token_id
 

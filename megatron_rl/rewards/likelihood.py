@@ -108,11 +108,12 @@ def evaluate_likelihood(engine, scorer, tokenizer, prompts, config: LikelihoodEv
         raise ValueError(f"likelihood evaluation needs a reference answer for every prompt; missing for "
                          f"{len(missing)} prompts, e.g. {missing[:3]}")
     n = config.samples
-    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, n=n,
-                            seed=seed, stop=[config.answer_marker])
+    def sampling(index: int) -> SamplingParams:  # seeded per prompt: before/after comparisons are paired
+        return SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, n=n,
+                              seed=(seed * 7919 + index) % 2 ** 31, stop=[config.answer_marker])
+
     requests = [GenerateRequest(request_id=f"lik-{i}-{p.prompt_id}", prompt_ids=tokenizer.encode_chat(p.messages),
-                                sampling=SamplingParams(**{**dataclasses.asdict(params), "seed": seed * 7919 + i}),
-                                group_id=p.prompt_id) for i, p in enumerate(prompts)]
+                                sampling=sampling(i), group_id=p.prompt_id) for i, p in enumerate(prompts)]
     completions = engine.wait(engine.submit(requests))
     marker_ids = tokenizer.encode(" " + config.answer_marker)
     rows, ref_tokens, found_count = [], [], 0
