@@ -227,7 +227,8 @@ def make_jepo_loss_fn(config: JepoConfig, loss_config, normalizer: float):
             if groups_scored.any() else zero
         metrics["jepo_ref_logprob"] = (l.detach() * scored).sum() / scored.sum().clamp(min=1) if scored.any() else zero
         real = ~pad
-        metrics["jepo_format_ok"] = (valid & real).sum().to(logprobs.dtype) / real.sum().clamp(min=1)
+        jepo_real = real & jepo_groups
+        metrics["jepo_format_ok"] = (valid & jepo_real).sum().to(logprobs.dtype) / jepo_real.sum().clamp(min=1)
         metrics["jepo_verifier_groups"] = (verifier & real).any(-1).sum().to(logprobs.dtype)
         metrics["jepo_adv_abs"] = (adv.detach().abs() * scored).sum() / scored.sum().clamp(min=1) if scored.any() else zero
         metrics["loss"] = loss.detach()
