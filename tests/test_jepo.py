@@ -350,3 +350,57 @@ def test_cut_at_marker_keeps_the_shortest_prefix_with_the_marker():
     cut, found = cut_at_marker(tok, tok.encode("no marker here"), "The final answer is")
     assert not found and tok.decode(cut) == "no marker here"
     assert reference_ids(tok, " 42 ") == tok.encode(" 42") + [0]
+
+
+class _CharTokenizer:
+    """One token per character; eos/pad = 0. Chat rendering is the bare user text."""
+
+    eos_token_id = pad_token_id = 0
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i)
+
+    def encode(self, text):
+        return [ord(ch) for ch in text]
+
+    def encode_chat(self, messages):
+        return self.encode(messages[-1]["content"])
+
+
+@pytest.mark.parametrize("missing_marker", ["penalty", "append"])
+def test_rows_are_prompt_chain_and_reference_with_separate_masks(missing_marker):
+    from types import SimpleNamespace
+
+    from megatron_rl.config import load_yaml
+    from megatron_rl.controller.jepo import JepoObjective
+    from megatron_rl.controller.rollouts import Group, Sample
+    from megatron_rl.data.sources import Prompt
+    from megatron_rl.rewards.registry import RewardResult
+    from megatron_rl.run_config import RunConfig
+    from megatron_rl.types import Completion
+
+    tok = _CharTokenizer()
+    config = load_yaml(RunConfig, None, ["rollout.samples_per_prompt=2", "trainer.micro_batch_size=2",
+                                         "algorithm.objective=jepo", "algorithm.jepo.answer_marker=ANS",
+                                         f"algorithm.jepo.missing_marker={missing_marker}"])
+    objective = JepoObjective(config, tok, SimpleNamespace(arch=SimpleNamespace(max_position_embeddings=512)))
+    prompt = Prompt(prompt_id="p", messages=[{"role": "user", "content": "Q?"}], question="Q?", answer="42")
+    outputs = ["hmm ANS 7", "no marker"]
+    samples = [Sample(Completion(request_id=f"r{k}", prompt_ids=tok.encode("Q?"), output_ids=tok.encode(text) + [0],
+                                 output_logprobs=[-0.5] * (len(text) + 1), weight_versions=[0] * (len(text) + 1),
+                                 finish_reason="stop"), text, RewardResult(reward=0.0)) for k, text in enumerate(outputs)]
+    step, _ = objective.prepare_step([Group(prompt, samples, 0)], trainer_version=0)
+    batch = step.batch
+
+    def span(row, mask):
+        return tok.decode(batch.tokens[row][mask[row] > 0].tolist())
+
+    assert tok.decode(batch.tokens[0].tolist()) == "Q?hmm ANS 42"
+    assert span(0, batch.loss_mask) == "hmm ANS" and span(0, batch.answer_mask) == " 42"
+    assert batch.answer_mask[0].sum() == 4  # " 42" and the end-of-turn token
+    if missing_marker == "penalty":  # trained on (with the format penalty), never scored
+        assert span(1, batch.loss_mask) == "no marker" and batch.answer_mask[1].sum() == 0
+    else:  # the marker is appended as context: neither trained on nor scored
+        assert tok.decode(batch.tokens[1].tolist()) == "Q?no marker ANS 42"
+        assert span(1, batch.loss_mask) == "no marker" and span(1, batch.answer_mask) == " 42"
+    assert step.metrics["rollout/marker_fraction"] == 0.5

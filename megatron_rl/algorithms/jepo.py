@@ -28,7 +28,8 @@ Paper defaults and where this code departs from them:
   x + c_i + a* (no separate scoring pass); the paper's batch-wide std would need a no-grad pass first.
   A group whose advantages are all equal (or that has < 2 usable samples) gets A~ = 0 for them.
 - A sample without the answer marker has no place to put a*: it gets A~ = format_penalty (-10) on its
-  own tokens and is left out of the bound (and out of std(A)).
+  own tokens and is left out of the bound (and out of std(A)). `missing_marker: append` instead appends
+  the marker and scores a* after it (a departure for models that seldom write the marker).
 - Off-policy correction (asynchronous runs, max_staleness >= 1): the PG term is handed to the
   configured policy loss (AIPO by default), so each token carries the detached weight min(pi/mu, rho);
   the bound term grad B_g is not reweighted (the a* tokens are teacher-forced, not sampled).
@@ -75,6 +76,10 @@ class JepoConfig:
     """Clip the (normalised) advantages to [-c, c] (paper: 1). None: no clipping."""
     format_penalty: float = -10.0
     """Advantage of a sample without the answer marker (paper: -10); it is left out of the bound."""
+    missing_marker: Literal["penalty", "append"] = "penalty"
+    """A sample without the marker: penalty (the paper: format_penalty, out of the bound), or append
+    (departure, for small models that rarely write it: the marker is appended to the chain of thought as
+    context, not trained on, and a* scored after it, as the likelihood evaluation does)."""
     max_reference_tokens: int = 512
     """Longest reference a* (tokens, end-of-turn token included) a prompt may have."""
     on_bad_reference: Literal["error", "skip"] = "error"

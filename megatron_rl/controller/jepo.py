@@ -113,6 +113,7 @@ class JepoObjective(_ReferenceObjective):
             require(self.jepo.answer_marker not in config.rollout.stop, "rollout.stop",
                     f"must not stop at the answer marker in mode {self.jepo.mode!r}: the verifier needs the "
                     f"model's own answer after it")
+        self.marker_ids = tokenizer.encode(" " + self.jepo.answer_marker)
         self.reference_model = None
         if config.algorithm.loss.kl_coef > 0 and policy is not None:
             from megatron_rl.trainer.trainer import MegatronTrainer
@@ -153,10 +154,15 @@ class JepoObjective(_ReferenceObjective):
                     marker_found += int(found)
                     answer = ref if found else []
                     adv = 0.0
+                context = []  # tokens between c and a* that are neither trained on nor scored
+                if not verified[gi] and not found and jepo.missing_marker == "append":
+                    while body and body[-1] == tok.eos_token_id:
+                        body = body[:-1]
+                    context, answer = self.marker_ids, ref
                 behaviour = list(c.output_logprobs[:len(body)])
-                rows.append((prompt_ids + body + answer, (len(prompt_ids), len(prompt_ids) + len(body)),
-                             (len(prompt_ids) + len(body), len(prompt_ids) + len(body) + len(answer)),
-                             behaviour, adv, verified[gi]))
+                a0 = len(prompt_ids) + len(body) + len(context)
+                rows.append((prompt_ids + body + context + answer, (len(prompt_ids), len(prompt_ids) + len(body)),
+                             (a0, a0 + len(answer)), behaviour, adv, verified[gi]))
 
         micro = cfg.trainer.micro_batch_size
         padded = -(-len(rows) // micro) * micro
