@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.algorithms import AdvantageConfig, LossConfig
+from megatron_rl.algorithms.jepo import JepoConfig
 from megatron_rl.checkpoint.manager import CheckpointConfig
 from megatron_rl.config import require
 from megatron_rl.controller.curriculum import CurriculumConfig
 from megatron_rl.controller.rollouts import RolloutConfig
 from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
+from megatron_rl.rewards.likelihood import LikelihoodEvalConfig
 from megatron_rl.rewards.registry import RewardConfig
 from megatron_rl.rollout.native import NativeEngineConfig
 from megatron_rl.trainer.trainer import TrainerConfig
@@ -39,6 +41,18 @@ class AlgorithmConfig:
     """Advantage estimator (GRPO, RLOO, REINFORCE++)."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     """Policy loss (AIPO, PPO clip, TIS, plain PG), KL and entropy terms, normalisation."""
+    objective: str = "policy_gradient"
+    """How scored groups become the trainer's batch and loss (controller/objectives.py): policy_gradient
+    (rewards -> advantages -> policy loss), jepo (likelihood bound of reference answers, optionally
+    combined with a verifier), sft (NLL of the reference answers), or a user 'module:Class'."""
+    jepo: JepoConfig = dataclasses.field(default_factory=JepoConfig)
+    """JEPO's bound, advantages, answer marker and reference budget (objective jepo / sft)."""
+
+    def __post_init__(self) -> None:
+        from megatron_rl.controller.objectives import OBJECTIVES
+
+        require(self.objective in OBJECTIVES or ":" in self.objective, "objective",
+                f"unknown objective {self.objective!r}; registered: {sorted(OBJECTIVES)}, or 'module:Class'")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,10 +67,17 @@ class EvalConfig:
     """Measure the starting policy's held-out accuracy (reported as accuracy_before)."""
     after_training: bool = True
     """Measure the trained policy's held-out accuracy (reported as accuracy_after)."""
+    metrics: list[str] = dataclasses.field(default_factory=lambda: ["accuracy"])
+    """Held-out metrics: accuracy (greedy, with the reward) and optionally likelihood (the n-sample
+    bound of the reference answers' log-likelihood, a proxy NLL; needs references)."""
+    likelihood: LikelihoodEvalConfig = dataclasses.field(default_factory=LikelihoodEvalConfig)
+    """How the likelihood metric samples chains of thought and scores the references."""
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", "must be >= 0")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        unknown = sorted(set(self.metrics) - {"accuracy", "likelihood"})
+        require(not unknown, "metrics", f"unknown metrics {unknown}; known: accuracy, likelihood")
 
 
 @dataclasses.dataclass(kw_only=True)

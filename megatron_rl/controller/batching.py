@@ -65,6 +65,14 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
         batch = TrainBatch(tokens=take(tokens, pad_token_id), loss_mask=take(loss_mask, 0.0),
                            advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0))
 
+    return StepBatch(batch, loss_mask, rollout_metrics(groups, rewards, advantages, trainer_version, kept))
+
+
+def rollout_metrics(groups: list[Group], rewards: torch.Tensor, advantages: torch.Tensor, trainer_version: int,
+                    trained_samples: int) -> dict[str, float]:
+    """rollout/* metrics of a step: `rewards` and `advantages` [N] of the samples whose reward is ok."""
+    rows = rewards.numel()
+    kept = trained_samples
     all_samples = [s for g in groups for s in g.samples]
     ok = [s for s in all_samples if s.reward.ok]
     response_lengths = torch.tensor([len(s.completion.output_ids) for s in all_samples], dtype=torch.float32)
@@ -84,4 +92,4 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
         "rollout/staleness_max": float(staleness.max()) if len(all_samples) else 0.0,
         "rollout/response_tokens": float(response_lengths.sum()),
     }
-    return StepBatch(batch, loss_mask, metrics)
+    return metrics

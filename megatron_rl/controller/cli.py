@@ -30,6 +30,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "(e.g. RUN_DIR/checkpoints/step_00000020/model)")
     parser.add_argument("--samples", type=int, default=1, help="k > 1 reports mean@k at --temperature")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for mean@k")
+    parser.add_argument("--metric", choices=["accuracy", "likelihood"], action="append",
+                        help="accuracy (default): greedy accuracy with the reward; likelihood: held-out proxy "
+                             "NLL of the references with the n-sample bound (eval.likelihood.*). Repeatable")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -44,11 +47,28 @@ def run_eval(args: argparse.Namespace) -> int:
     model = load_pretrained(config.model.path)
     _, heldout = build_datasets(config.data)
     reward = Reward(config.reward)
+    metrics = args.metric or ["accuracy"]
+    if "likelihood" in metrics:
+        # the objective's reference budget applies to evaluation too (skip or error, as configured)
+        from megatron_rl.controller.objectives import make_objective
+
+        objective = make_objective(config, model.tokenizer, model)
+        if hasattr(objective, "filter_prompts"):
+            heldout = objective.filter_prompts(heldout, "heldout")
     with NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine) as engine:
-        greedy = evaluate(engine, model.tokenizer, list(heldout), reward,
-                          max_new_tokens=config.eval.max_new_tokens, progress=True)
-        result = {"model": config.model.path, "heldout_size": len(heldout), "accuracy_greedy": greedy["accuracy"]}
-        if args.samples > 1:
+        result = {"model": config.model.path, "heldout_size": len(heldout)}
+        if "likelihood" in metrics:
+            from megatron_rl.rewards.likelihood import evaluate_likelihood
+            from megatron_rl.trainer.trainer import MegatronTrainer
+
+            scorer = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
+            result.update(evaluate_likelihood(engine, scorer, model.tokenizer, list(heldout),
+                                              config.eval.likelihood, seed=config.seed))
+        if "accuracy" in metrics:
+            greedy = evaluate(engine, model.tokenizer, list(heldout), reward,
+                              max_new_tokens=config.eval.max_new_tokens, progress=True)
+            result["accuracy_greedy"] = greedy["accuracy"]
+        if "accuracy" in metrics and args.samples > 1:
             sampled = evaluate(engine, model.tokenizer, list(heldout), reward, max_new_tokens=config.eval.max_new_tokens,
                                samples=args.samples, temperature=args.temperature, seed=config.seed, progress=True)
             result[f"mean_at_{args.samples}"] = sampled["accuracy"]

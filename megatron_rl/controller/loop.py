@@ -20,12 +20,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from megatron_rl.algorithms import compute_normalizer, make_loss_fn
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
-from megatron_rl.controller.batching import build_step_batch
 from megatron_rl.controller.curriculum import build_selector
+from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl, write_plots
@@ -61,6 +60,10 @@ class RunSummary:
     """Checkpoint writes that failed during the run (the previous checkpoint stayed the latest)."""
     final_metrics: dict[str, Any]
     """The last step's metrics."""
+    eval_before: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Every held-out metric of the starting policy (accuracy, and e.g. the likelihood bound)."""
+    eval_after: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Every held-out metric after training."""
 
 
 def engine_context(config: RunConfig, arch) -> int:
@@ -99,10 +102,11 @@ class Controller:
         self.engine = make_engine(config, model)
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
                                        policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
+        self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
         del model
         self.weights = make_weight_channel(self.policy, self.engine)
         self.reward = Reward(config.reward)
-        self.train_data, self.heldout = build_datasets(config.data)
+        self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
         self.stream = PromptStream.from_config(self.train_data, config.data)
         self.version = 0
         self.last_prompt_ids: list[str] = []  # the prompts the last train_step consumed, in order
@@ -155,28 +159,28 @@ class Controller:
     def _evaluate(self) -> dict[str, float]:
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
+        if "likelihood" in self.config.eval.metrics:
+            from megatron_rl.rewards.likelihood import evaluate_likelihood
+
+            result.update(evaluate_likelihood(self.engine, self.policy, self.tokenizer, list(self.heldout),
+                                              self.config.eval.likelihood, seed=self.config.seed))
         return {f"eval/{k}": v for k, v in result.items()}
 
     def train_step(self) -> dict[str, float]:
-        cfg = self.config
         start = time.perf_counter()
         reward_before = self.rollouts.reward_time
         with self.timeline.span("wait_for_rollouts", version=self.version):
             groups = self.rollouts.next_groups(self.version)
         self.last_prompt_ids = [g.prompt.prompt_id for g in groups]
         generated = time.perf_counter()
-        step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=self.version,
-                                micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.tokenizer.pad_token_id,
-                                drop_uninformative=cfg.rollout.drop_uninformative_groups and cfg.algorithm.loss.kl_coef == 0
-                                and cfg.algorithm.loss.entropy_coef == 0)
+        step, loss_fn = self.objective.prepare_step(groups, self.version)
         metrics = dict(step.metrics)
         if self.offload:
             metrics.update(self._memory_to_trainer())
         metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
         if step.batch is not None:
-            normalizer = compute_normalizer(step.full_loss_mask, cfg.algorithm.loss)
             with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
-                metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
+                metrics.update(self.policy.train_step(step.batch, loss_fn))
         if self.offload:
             self._memory_to_engine()
         trained = time.perf_counter()
@@ -242,6 +246,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if start_step == 0 and config.eval.before_training:
             before = controller.evaluate()
             state["accuracy_before"] = before["eval/accuracy"]
+            state["eval_before"] = before
             logger.log(0, before)
             print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} ({len(controller.heldout)} prompts)")
         progress = tqdm(range(start_step, config.steps), desc="train", initial=start_step, total=config.steps,
@@ -302,7 +307,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                          wall_time_s=state["wall_time_s"] + time.perf_counter() - started, steps=config.steps,
                          heldout_size=len(controller.heldout), reward_errors=state["reward_errors"],
                          nonfinite_steps=state["nonfinite_steps"], skipped_prompts=state["skipped_prompts"],
-                         checkpoint_failures=state["checkpoint_failures"], final_metrics=metrics)
+                         checkpoint_failures=state["checkpoint_failures"], final_metrics=metrics, eval_before=state.get("eval_before", {}),
+                         eval_after={k: v for k, v in after.items() if v is not None})
     with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(dataclasses.asdict(summary), f, indent=2)
     return summary

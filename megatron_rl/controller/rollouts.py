@@ -41,6 +41,8 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k truncation (-1: off)."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings: a response ends once its text contains one (e.g. JEPO's answer marker)."""
     max_staleness: int = 0
     """Versions a consumed sample may lag the trainer: 0 is synchronous on-policy training; k >= 1
     lets generation run up to k steps ahead of training (asynchronous, off-policy)."""
@@ -90,7 +92,7 @@ class RolloutConfig:
 
     def sampling(self, seed: int | None) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, n=self.samples_per_prompt, seed=seed)
+                              top_k=self.top_k, n=self.samples_per_prompt, seed=seed, stop=list(self.stop) or None)
 
 
 @dataclasses.dataclass

@@ -62,11 +62,12 @@ class Prompt:
 class SourceConfig:
     """Where prompts come from: a reasoning-gym generator or a JSONL / parquet file."""
 
-    kind: Literal["reasoning_gym", "jsonl", "parquet", "mixture"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "jsonl", "parquet", "mixture", "champ"] = "reasoning_gym"
     """reasoning_gym: a seeded procedural generator; jsonl / parquet: a file at `path`; mixture: the
-    reasoning_gym sources listed in `components`, interleaved (e.g. tasks of different difficulty)."""
+    reasoning_gym sources listed in `components`, interleaved (e.g. tasks of different difficulty);
+    champ: the CHAMP competition-math set (reference = worked solution; data/champ.py)."""
     path: str | None = None
-    """jsonl / parquet: the file."""
+    """jsonl / parquet: the file; champ: optional (default: the file in the champ-dataset package)."""
     prompt_field: str = "prompt"
     """jsonl / parquet: field with the prompt, a string (the user message) or a list of chat messages
     ({'role', 'content'}). Dotted paths reach nested fields ('extra.question')."""
@@ -114,6 +115,8 @@ class SourceConfig:
             return f"rg_{self.task}"
         if self.kind == "mixture":
             return "rg_mixture"
+        if self.kind == "champ":
+            return "champ"
         return os.path.splitext(os.path.basename(self.path or "data"))[0]
 
 
@@ -300,7 +303,11 @@ def _dedup(prompts: Sequence[Prompt], exclude: set[str] = frozenset(), limit: in
 
 
 def load_file_source(cfg: SourceConfig) -> PromptDataset:
-    """All rows of a JSONL / parquet source as prompts (not yet de-duplicated)."""
+    """All rows of a JSONL / parquet (or CHAMP) source as prompts (not yet de-duplicated)."""
+    if cfg.kind == "champ":
+        from megatron_rl.data.champ import load_champ
+
+        return load_champ(cfg)
     prompts: list[Prompt] = []
     read = bad = 0
     first_error: DataError | None = None

@@ -216,3 +216,22 @@ def exact_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "au
 
     ok = answer is not None and norm(answer) == norm(gold)
     return RewardResult(reward=1.0 if ok else 0.0, correct=ok, extracted=answer)
+
+
+@register_reward("soft_match")
+def soft_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto", judge: str | None = None,
+                      **judge_kwargs: Any) -> RewardResult:
+    """JEPO's soft match (arXiv 2503.19618): the math verifier against the prompt's short answer when it
+    has a checkable one (`metadata['short_answer']` with `metadata['verifiable']`, as CHAMP prompts
+    carry), else `judge` ('module:function' called as judge(response, prompt, **kwargs), returning a
+    number or RewardResult; e.g. an LLM judge). Without a judge such a prompt is a counted reward error."""
+    meta = getattr(prompt, "metadata", None) or {}
+    short = meta.get("short_answer")
+    if short and meta.get("verifiable", True):
+        from types import SimpleNamespace
+
+        return math_reward(response, SimpleNamespace(answer=short), extract=extract)
+    if judge is None:
+        raise ValueError("no verifiable short answer and no judge configured (reward.kwargs.judge)")
+    value = resolve_reward(judge)(response, prompt, **judge_kwargs)
+    return value if isinstance(value, RewardResult) else RewardResult(reward=float(value))

@@ -1,0 +1,71 @@
+"""Training objectives: how a step's scored groups become the trainer's batch and loss hook.
+
+The loop is the same for every algorithm (controller/loop.py); an objective decides only
+
+    batch_and_loss = objective.prepare_step(groups, trainer_version)   # (StepBatch, loss_fn)
+    train, heldout = objective.prepare_data(train, heldout)            # e.g. drop unusable prompts
+
+`AlgorithmConfig.objective` names one: a registered name below or 'package.module:Class' for a user
+objective. Each is constructed as `Class(config: RunConfig, tokenizer, model, policy=None)` (model: the
+loaded pretrained model, for objectives that need its architecture or a frozen reference copy; policy:
+the trainer, whose process groups such a copy shares).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+from megatron_rl.controller.batching import StepBatch, build_step_batch
+
+# name -> "module:Class"; imported lazily so config validation does not import every algorithm.
+OBJECTIVES: dict[str, str] = {
+    "policy_gradient": "megatron_rl.controller.objectives:PolicyGradientObjective",
+    "jepo": "megatron_rl.controller.jepo:JepoObjective",
+    "sft": "megatron_rl.controller.jepo:SftObjective",
+}
+
+
+class Objective(Protocol):
+    def prepare_data(self, train, heldout) -> tuple[Any, Any]: ...
+
+    def prepare_step(self, groups: list, trainer_version: int) -> tuple[StepBatch, Callable | None]: ...
+
+
+def resolve_objective(name: str) -> type:
+    spec = OBJECTIVES.get(name, name)
+    if ":" not in spec:
+        raise ValueError(f"unknown objective {name!r}: registered {sorted(OBJECTIVES)}, or 'module:Class'")
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"objective {name!r}: cannot load {spec}: {exc}") from None
+
+
+def make_objective(config, tokenizer, model, policy=None) -> Objective:
+    return resolve_objective(config.algorithm.objective)(config, tokenizer, model, policy=policy)
+
+
+class PolicyGradientObjective:
+    """Sequence rewards -> group advantages -> the configured policy loss (GRPO / RLOO / REINFORCE++ with
+    AIPO / PPO / TIS): `build_step_batch` and `make_loss_fn`."""
+
+    def __init__(self, config, tokenizer, model=None, policy=None):
+        self.config = config
+        self.pad_token_id = tokenizer.pad_token_id
+
+    def prepare_data(self, train, heldout):
+        return train, heldout
+
+    def prepare_step(self, groups, trainer_version):
+        from megatron_rl.algorithms import compute_normalizer, make_loss_fn
+
+        cfg = self.config
+        loss = cfg.algorithm.loss
+        step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=trainer_version,
+                                micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.pad_token_id,
+                                drop_uninformative=cfg.rollout.drop_uninformative_groups and loss.kl_coef == 0
+                                and loss.entropy_coef == 0)
+        if step.batch is None:
+            return step, None
+        return step, make_loss_fn(loss, compute_normalizer(step.full_loss_mask, loss))
