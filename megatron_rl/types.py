@@ -89,7 +89,9 @@ class TrainBatch:
         width = max(int(carrying[-1]) + 1 if carrying.numel() else 0, 2)
         if width >= self.seq_length:
             return self
-        take = lambda value: value[:, :width] if isinstance(value, torch.Tensor) else value  # noqa: E731
+        def take(value):  # per-token [B, S] tensors lose their tail; per-row and plain fields stay
+            per_token = isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == self.seq_length
+            return value[:, :width] if per_token else value
         return type(self)(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
