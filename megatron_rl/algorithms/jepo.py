@@ -173,6 +173,11 @@ class JepoTrainBatch(TrainBatch):
     group_size: int = 1
     """n, rows per group."""
 
+    def loss_positions(self) -> torch.Tensor:
+        """The policy-gradient tokens and the scored reference tokens (the bound reads their log-probs)."""
+        positions = super().loss_positions()
+        return positions if self.answer_mask is None else positions | (self.answer_mask != 0)
+
     def __post_init__(self) -> None:
         if self.verifier_rows is None:
             self.verifier_rows = torch.zeros(self.tokens.shape[0], dtype=torch.bool)
