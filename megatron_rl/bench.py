@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "logprob": "megatron_rl.kernels.bench:bench_logprob",
     "async": "megatron_rl.controller.bench:bench_async",
     "sync": "megatron_rl.weight_sync.bench:bench_sync",
+    "sim": "megatron_rl.sim.simulate:bench_sim",
 }
 
 

@@ -77,6 +77,11 @@ class TrainerConfig:
     """Recompute every layer's activations in the backward pass (full, uniform)."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """Transformer Engine layers when TE + CUDA are present (auto), or Megatron's local layers."""
+    fp8: Literal["none", "delayed", "tensorwise"] = "none"
+    """Transformer Engine FP8 GEMMs (needs the TE layer spec, so TE + CUDA): delayed scaling (amax
+    history) or tensorwise current scaling. Weights and master weights stay bf16 / fp32."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: steps of amax history per tensor."""
     vocab_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
     seed: int = 1234
@@ -90,6 +95,9 @@ class TrainerConfig:
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
+        require(self.fp8 == "none" or self.layer_spec != "local", "fp8",
+                "FP8 runs through Transformer Engine layers; set layer_spec to auto or te")
+        require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")
 
