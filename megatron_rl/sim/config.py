@@ -130,6 +130,9 @@ class GeneratorGroupConfig:
     """Decode steps replay CUDA graphs (SGLang default), so per-layer launch cost is small."""
     weight_update_group_port: int = 29600
     """TCP port on trainer rank 0 for the NCCL weight-update group the engines join."""
+    urls: list[str] = dataclasses.field(default_factory=list)
+    """Base URLs of the engines' SGLang servers (set by examples/slurm_common.sh on a cluster); empty:
+    the engine runs inside this process as rollout.placement says."""
 
     def __post_init__(self) -> None:
         require(self.num_engines >= 1, "num_engines", "must be >= 1")

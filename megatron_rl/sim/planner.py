@@ -107,6 +107,9 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
         if gen.engine_tp > hw.gpus_per_node:
             _fail("cluster.generator.engine_tp", f"engine TP={gen.engine_tp} spans nodes ({hw.gpus_per_node} GPUs per node)")
         generator_gpus = gen.num_engines * gen.engine_tp
+        if generator_gpus % hw.gpus_per_node:
+            _fail("cluster.generator.num_engines", f"{gen.num_engines} engines x TP {gen.engine_tp} = {generator_gpus} "
+                                                   f"GPUs do not fill whole nodes of {hw.gpus_per_node}")
         num_engines, engine_tp, precision = gen.num_engines, gen.engine_tp, gen.precision
         if generator_gpus >= world:
             _fail("cluster.generator.num_engines", f"{gen.num_engines} engines x TP {gen.engine_tp} = {generator_gpus} "
