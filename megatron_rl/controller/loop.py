@@ -54,16 +54,37 @@ class RunSummary:
     """The last step's metrics."""
 
 
+def engine_weights(config: RunConfig, state):
+    """The trainer's HF-named weights as the generator runs them: rounded through block-wise fp8 when
+    `cluster.generator.precision` is fp8 (LlamaRL's fp8 generators), else unchanged."""
+    generator = config.cluster.generator
+    if generator.precision != "fp8" or generator.urls:  # remote SGLang engines take real fp8 (EnginePool)
+        return state
+    from megatron_rl.weight_sync.fp8 import fake_quantize_state
+
+    return fake_quantize_state(state, generator.fp8_block_size)
+
+
 def make_engine(config: RunConfig, model):
     """The generator executor for the configured placement (see RolloutConfig.placement)."""
     rollout = config.rollout
+    generator = config.cluster.generator
+    if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
+        import socket
+
+        from megatron_rl.rollout.pool import EnginePool
+
+        return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
+                                             master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
+                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size)
     if rollout.placement == "disaggregated":
         from megatron_rl.controller.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
-        return GeneratorProcess(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine,
+        return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
                                 threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync)
-    return NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
+    return NativeEngine(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer,
+                        config=config.engine)
 
 
 class Controller:
@@ -95,7 +116,7 @@ class Controller:
             pause = self.config.rollout.weight_update == "pause"
             if pause:
                 self.engine.pause()
-            self.engine.update_weights(self.policy.export_hf_state(), self.version)
+            self.engine.update_weights(engine_weights(self.config, self.policy.export_hf_state()), self.version)
             if pause:
                 self.engine.flush_cache()
                 self.engine.resume()

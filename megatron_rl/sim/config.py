@@ -120,8 +120,10 @@ class GeneratorGroupConfig:
     """Independent engine replicas in the disaggregated group (each serves its share of the prompts)."""
     engine_tp: int = 8
     """Tensor-parallel size of one engine (GPUs per engine); keep it inside one node."""
-    precision: Literal["bf16", "fp8"] = "fp8"
-    """Weights of the inference engines: bf16, or fp8 with per-block scales (quantized on weight sync)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Weights of the inference engines: bf16 (as trained), or fp8 with one scale per block (quantized on
+    every weight sync, weight_sync/fp8.py; engines without fp8 GEMMs get the dequantized values, so the
+    log-prob gap shows in train/logprob_mismatch on any engine)."""
     fp8_block_size: int = 128
     """Square block edge of the FP8 weight scales (one scale per block x block tile)."""
     max_running_requests: int = 256

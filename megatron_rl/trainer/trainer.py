@@ -138,8 +138,13 @@ class MegatronTrainer:
         self.params_dtype = cfg.params_dtype()
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
+        if cfg.fp8 != "none" and self.layout.layer_spec != "te":
+            raise ValueError(f"trainer.fp8={cfg.fp8!r} needs Transformer Engine layers, which need the "
+                             "transformer_engine package and a CUDA GPU (pip install -e .[gpu])")
         self.tf_config = transformer_config(self.arch, tensor_parallel=self.tp_size, pipeline_parallel=self.pp_size,
-                                            params_dtype=self.params_dtype, recompute=cfg.recompute_activations)
+                                            params_dtype=self.params_dtype, recompute=cfg.recompute_activations,
+                                            fp8_recipe=None if cfg.fp8 == "none" else cfg.fp8,
+                                            fp8_amax_history_len=cfg.fp8_amax_history_len)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
         if torch.cuda.is_available():
