@@ -89,7 +89,7 @@ def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
             diffs.append((train_lp[0, len(c.prompt_ids):] - torch.tensor(c.output_logprobs)).abs())
         gaps[name] = torch.cat(diffs).mean().item()
     assert gaps["exact"] < 1e-4, gaps
-    assert 1e-3 < gaps["fp8"] < 0.2, gaps
+    assert 1e-3 < gaps["fp8"] < 0.3, gaps  # 0.15 here: random weights with spread logits are sensitive
     assert 0.005 < quantization_error(state, block=32)["weight_sync/fp8_rel_error"] < 0.05
 
 

@@ -58,7 +58,7 @@ def engine_weights(config: RunConfig, state):
     """The trainer's HF-named weights as the generator runs them: rounded through block-wise fp8 when
     `cluster.generator.precision` is fp8 (LlamaRL's fp8 generators), else unchanged."""
     generator = config.cluster.generator
-    if generator.precision != "fp8" or generator.urls:  # remote SGLang engines take real fp8 (EnginePool)
+    if generator.precision != "fp8" or generator.backend == "sglang":  # SGLang runs real fp8 GEMMs itself
         return state
     from megatron_rl.weight_sync.fp8 import fake_quantize_state
 
@@ -77,6 +77,11 @@ def make_engine(config: RunConfig, model):
         return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
                                              precision=generator.precision, fp8_block_size=generator.fp8_block_size)
+    if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
+        from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
+                            **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
         from megatron_rl.controller.generator_process import GeneratorProcess
 

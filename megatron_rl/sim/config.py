@@ -114,8 +114,9 @@ class GeneratorGroupConfig:
     """The generator executor group on a cluster: inference engines on their own GPUs (disaggregated)
     or sharing the trainer's GPUs (colocated, where num_engines and engine_tp are derived)."""
 
-    backend: Literal["native", "sglang"] = "sglang"
-    """Engine implementation on the cluster: SGLang (rollout/sglang_engine.py), or the native engine."""
+    backend: Literal["native", "sglang"] = "native"
+    """Engine implementation: the native engine, or SGLang (rollout/sglang_engine.py in this process, with
+    engine_tp GPUs; or the servers listed in `urls`, which the Slurm scripts start)."""
     num_engines: int = 1
     """Independent engine replicas in the disaggregated group (each serves its share of the prompts)."""
     engine_tp: int = 8
