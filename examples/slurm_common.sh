@@ -8,6 +8,7 @@
 # (last nodes, one SGLang server per engine), then starts one torchrun per trainer node with a c10d
 # rendezvous on the first node. Environment (all optional):
 #   MODEL_DIR   HF or Megatron checkpoint directory of the policy     RUN_DIR   metrics, checkpoints, logs
+#   ENGINE_MODEL_DIR  block-fp8 copy for fp8 engines (default MODEL_DIR-fp8-block128, written if missing)
 #   DATA_FILE   training prompts (JSONL)                              WANDB_PROJECT / WANDB_MODE / WANDB_DIR
 #   PYTHON      interpreter with megatron_rl installed (default: the repo's .venv, else python3)
 set -euo pipefail
@@ -69,7 +70,15 @@ RUN_OVERRIDES=("run_dir=$RUN_DIR")
 ENGINE_URLS=()
 if [ "$PLACEMENT" = disaggregated ]; then
   MODEL_PATH=${MODEL_DIR:-$("$PYTHON" -c "from megatron_rl.config import load_yaml; from megatron_rl.run_config import RunConfig; import sys; print(load_yaml(RunConfig, sys.argv[1]).model.path)" "$RECIPE")}
-  QUANT=(); [ "$ENGINE_PRECISION" = fp8 ] && QUANT=(--quantization fp8)
+  ENGINE_MODEL=$MODEL_PATH
+  if [ "$ENGINE_PRECISION" = fp8 ]; then
+    # fp8 engines start from a block-fp8 copy (128x128 scales, quantization_config in config.json), the
+    # layout every later sync refreshes; written once, streaming one safetensors file at a time.
+    ENGINE_MODEL=${ENGINE_MODEL_DIR:-$MODEL_PATH-fp8-block128}
+    if [ ! -f "$ENGINE_MODEL/config.json" ]; then
+      "$PYTHON" -m megatron_rl.weight_sync.fp8 "$MODEL_PATH" "$ENGINE_MODEL"
+    fi
+  fi
   for ((n = TRAINER_NODES; n < TRAINER_NODES + GENERATOR_NODES; n++)); do
     node=${NODES[$n]}
     for ((e = 0; e < ENGINES_PER_NODE; e++)); do
@@ -77,8 +86,8 @@ if [ "$PLACEMENT" = disaggregated ]; then
       gpus=$(seq -s, $((e * ENGINE_TP)) $(((e + 1) * ENGINE_TP - 1)))
       ENGINE_URLS+=("http://$node:$port")
       srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --output="$RUN_DIR/logs/engine-$node-$e.log" \
-        env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" \
-        --tp-size "$ENGINE_TP" --host 0.0.0.0 --port "$port" "${QUANT[@]}" --enable-memory-saver &
+        env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$ENGINE_MODEL" \
+        --tp-size "$ENGINE_TP" --host 0.0.0.0 --port "$port" &
     done
   done
   URLS=$(IFS=,; echo "${ENGINE_URLS[*]}")

@@ -140,3 +140,30 @@ def test_fp8_training_needs_transformer_engine_on_cpu(tiny_arch):
         pytest.skip("TE with CUDA present: the GPU test covers FP8 training")
     with pytest.raises(ValueError, match="trainer.fp8='delayed' needs Transformer Engine layers"):
         MegatronTrainer(tiny_arch, TrainerConfig(fp8="delayed"))
+
+
+def test_fp8_checkpoint_for_engines(tmp_path, tiny_arch):
+    """The engines' starting checkpoint: projections in block fp8 + scale_inv, SGLang's quantization_config,
+    everything else as it was; dequantized weights within e4m3's rounding of the originals."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_rl.checkpoints_tools.pretrained import save_hf
+    from megatron_rl.weight_sync.fp8 import write_fp8_checkpoint
+    from tests.helpers import tiny_state
+
+    state = {k: v.to(torch.bfloat16) for k, v in tiny_state(tiny_arch, seed=2).items()}
+    save_hf(str(tmp_path / "hf"), tiny_arch, state, None)
+    out = write_fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), block=32)
+    config = json.load(open(tmp_path / "fp8" / "config.json"))
+    assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "weight_block_size": [32, 32]}
+    saved = load_file(f"{out}/model.safetensors")
+    index = json.load(open(tmp_path / "fp8" / "model.safetensors.index.json"))["weight_map"]
+    assert set(index) == set(saved)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert saved[name].dtype == FP8_DTYPE and saved[name + "_scale_inv"].dtype == torch.float32
+    restored = dequantize_blockwise(saved[name], saved[name + "_scale_inv"], 32)
+    assert ((restored - state[name].float()).abs() <= state[name].float().abs() * 2 ** -4 + 1e-3).all()
+    assert torch.equal(saved["model.norm.weight"], state["model.norm.weight"])

@@ -101,3 +101,61 @@ def quantization_error(named: Mapping[str, torch.Tensor], block: int = 128) -> d
             num += float(err.pow(2).sum())
             den += float(w.pow(2).sum())
     return {"weight_sync/fp8_rel_error": (num / den) ** 0.5 if den else 0.0}
+
+
+def write_fp8_checkpoint(src: str, out: str, block: int = 128) -> str:
+    """Copy an HF directory with its layer projections in block fp8 (+ `weight_scale_inv`) and
+    `quantization_config` {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size":
+    [block, block]} in config.json: the block-quantized layout SGLang loads natively, whose parameters
+    `quantize_state` then refreshes on every sync. Streams one safetensors file at a time (a 405B model
+    never sits in memory whole); other files (tokenizer, generation config) are copied as they are."""
+    import glob
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+    if not os.path.isfile(os.path.join(src, "config.json")) or not files:
+        raise FileNotFoundError(f"{src}: expected an HF directory with config.json and *.safetensors")
+    os.makedirs(out, exist_ok=True)
+    weight_map = {}
+    for path in files:
+        name = os.path.basename(path)
+        with safe_open(path, framework="pt") as f:
+            tensors = quantize_state(((key, f.get_tensor(key)) for key in f.keys()), block)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in tensors})
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": [block, block]}
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    for path in glob.glob(os.path.join(src, "*")):
+        base = os.path.basename(path)
+        if os.path.isfile(path) and not base.endswith(".safetensors") and base not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(path, os.path.join(out, base))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_rl.weight_sync.fp8 SRC_HF_DIR OUT_DIR [--block 128]`: the fp8 engines' checkpoint."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a block-fp8 copy of an HF checkpoint for fp8 engines")
+    parser.add_argument("src")
+    parser.add_argument("out")
+    parser.add_argument("--block", type=int, default=128)
+    args = parser.parse_args(argv)
+    print(write_fp8_checkpoint(args.src, args.out, args.block))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
