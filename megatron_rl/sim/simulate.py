@@ -46,6 +46,28 @@ def simulate_recipe(path: str, overrides: list[str] | None = None) -> dict:
             "speedup": colocated.times["step"] / asynchronous.times["step"]}
 
 
+def best_split(path: str, overrides: list[str] | None = None) -> tuple[int, float] | None:
+    """The theory's min over N_g + N_t = N of the asynchronous step: try every whole-node generator group
+    of the recipe's engine TP; returns (generator GPUs, step seconds) of the fastest layout that fits."""
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+    from megatron_rl.sim.planner import LayoutError, make_plan
+
+    base = load_yaml(RunConfig, path, list(overrides or []))
+    per_node = base.cluster.hardware_spec().gpus_per_node
+    best = None
+    for nodes in range(1, base.cluster.nodes):
+        engines = nodes * per_node // base.cluster.generator.engine_tp
+        try:
+            plan = make_plan(load_yaml(RunConfig, path, list(overrides or []) + [
+                f"cluster.generator.num_engines={engines}"]))
+        except LayoutError:
+            continue
+        if best is None or plan.times["step"] < best[1]:
+            best = (plan.generator_gpus, plan.times["step"])
+    return best
+
+
 def bench_sim(options: dict) -> dict:
     directory = str(options.get("recipes", recipes_dir()))
     overrides = [f"{k}={v}" for k, v in options.items() if "." in k]
@@ -61,7 +83,13 @@ def bench_sim(options: dict) -> dict:
         print(f"{size:6s} {sim['async'].world:5d} | {c['generate']:9.1f} + {c['train']:6.1f} = {c['step']:7.1f} s "
               f"({c['generation_waves']:.0f} waves) | max({a['generate']:7.1f}, {a['train']:6.1f}) + {a['weight_sync']:4.2f}"
               f" = {a['step']:6.1f} s | {sim['speedup']:8.2f}x {paper:6.2f}x {error:+7.1%}")
+        split = best_split(os.path.join(directory, f"llama3_{size}.yaml"), overrides)
+        if split:
+            print(f"{'':6s} theory's best split for this recipe: {split[0]} generator GPUs, step {split[1]:.1f} s "
+                  f"({c['step'] / split[1]:.2f}x over colocated)")
         result[size] = {"speedup": round(sim["speedup"], 3), "paper": paper, "rel_error": round(error, 4),
+                        "best_split_generator_gpus": split[0] if split else None,
+                        "best_split_speedup": round(c["step"] / split[1], 3) if split else None,
                         "colocated_step_s": round(c["step"], 2), "async_step_s": round(a["step"], 2),
                         "colocated": {k: round(v, 3) for k, v in c.items()},
                         "async": {k: round(v, 3) for k, v in a.items()}}
