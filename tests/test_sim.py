@@ -187,7 +187,9 @@ def test_slurm_launch_splits_nodes_and_builds_the_commands(tmp_path, tiny_arch):
     bin_dir.mkdir()
     log = tmp_path / "srun.log"
     (bin_dir / "scontrol").write_text("#!/bin/bash\nfor i in $(seq -w 0 31); do echo node$i; done\n")
-    (bin_dir / "srun").write_text(f"#!/bin/bash\necho \"$*\" >> {log}\n")
+    # engine servers are started in the background; the trainer's stand-in lingers so they all log first
+    (bin_dir / "srun").write_text(f"#!/bin/bash\necho \"$*\" >> {log}\n"
+                                  "case \"$*\" in *torch.distributed.run*) sleep 2;; esac\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     from megatron_rl.checkpoints_tools.pretrained import save_hf

@@ -114,3 +114,25 @@ def test_engine_pool_spreads_groups_and_updates_every_replica(tiny_arch):
         assert pool.version == 3 and all(e.version == 3 for e in engines)
         name = "model.layers.0.mlp.up_proj.weight"
         assert all(torch.equal(e.named_weights([name])[name], changed[name]) for e in engines)
+
+
+def test_wait_until_ready_polls_and_names_the_laggards():
+    import pytest
+
+    from megatron_rl.rollout.pool import wait_until_ready
+
+    class Slow:
+        base_url = "http://gen7:30000"
+
+        def __init__(self, ready_after):
+            self.calls, self.ready_after = 0, ready_after
+
+        def health(self):
+            self.calls += 1
+            return {"ok": self.calls > self.ready_after}
+
+    engines = [Slow(0), Slow(2)]
+    wait_until_ready(engines, timeout=5, poll_s=0.01)
+    assert [e.calls for e in engines] == [1, 3]
+    with pytest.raises(RuntimeError, match="1 engine\\(s\\) not ready after 0 s: http://gen7:30000"):
+        wait_until_ready([Slow(10**6)], timeout=0.05, poll_s=0.01)

@@ -17,6 +17,22 @@ from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLik
 from megatron_rl.types import Completion
 
 
+def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0) -> None:
+    """Block until every engine reports healthy (servers load 100s of GB before they answer)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    pending = list(engines)
+    while pending:
+        pending = [e for e in pending if not e.health().get("ok")]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(getattr(e, "base_url", repr(e)) for e in pending[:4])
+            raise RuntimeError(f"{len(pending)} engine(s) not ready after {timeout:.0f} s: {names}")
+        time.sleep(poll_s)
+
+
 class EnginePool:
     """RolloutEngine over several replicas (see the module docstring)."""
 
@@ -33,8 +49,8 @@ class EnginePool:
 
     @classmethod
     def for_sglang_servers(cls, urls: Sequence[str], *, engine_tp: int, master_address: str, master_port: int,
-                           precision: str = "bf16", fp8_block_size: int = 128, api_key: str | None = None
-                           ) -> "EnginePool":
+                           precision: str = "bf16", fp8_block_size: int = 128, api_key: str | None = None,
+                           ready_timeout: float = 3600.0) -> "EnginePool":
         """Generation over each server's /generate, weights over one NCCL group (SGLang's
         update_weights_from_distributed)."""
         from megatron_rl.rollout.client import HTTPEngine
@@ -44,8 +60,9 @@ class EnginePool:
             return BroadcastWeightSender([SGLangServer(u, api_key=api_key) for u in urls], [engine_tp] * len(urls),
                                          master_address=master_address, master_port=master_port, backend="nccl")
 
-        return cls([HTTPEngine(u, api_key=api_key) for u in urls], weight_sender_factory=sender,
-                   fp8_block_size=fp8_block_size if precision == "fp8" else None)
+        engines = [HTTPEngine(u, api_key=api_key) for u in urls]
+        wait_until_ready(engines, ready_timeout)
+        return cls(engines, weight_sender_factory=sender, fp8_block_size=fp8_block_size if precision == "fp8" else None)
 
     # --- requests -------------------------------------------------------------------------------
     def _pick(self, samples: int) -> int:
