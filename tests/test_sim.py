@@ -75,7 +75,6 @@ def test_recipes_model_shapes_match_presets():
 
 
 def test_decode_step_is_weight_streaming_plus_per_layer_costs():
-    arch = load_yaml(RunConfig, RECIPE_405B).cluster  # noqa: F841  (recipe parses)
     from megatron_rl.models import preset
 
     hw, a = load_hardware("h100"), CostAssumptions()

@@ -19,7 +19,6 @@ with training and because small-TP fp8 engines lower b itself.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 PAPER_SPEEDUPS = {"8b": 2.52, "70b": 3.98, "405b": 10.7}
