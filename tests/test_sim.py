@@ -218,3 +218,11 @@ def test_slurm_launch_splits_nodes_and_builds_the_commands(tmp_path, tiny_arch):
                      "data.train.path=/data/math.jsonl", "cluster.generator.urls=[http://node16:30000,"):
         assert override in launch, override
     assert launch.count("http://node") == 128
+
+
+def test_train_refuses_a_multi_rank_launch_the_loop_cannot_drive(monkeypatch, capsys):
+    from megatron_rl.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert main(["train", os.path.join(REPO, "examples", "configs", "quickstart.yaml")]) == 2
+    assert "launched on 16 ranks" in capsys.readouterr().err
