@@ -186,9 +186,12 @@ def test_slurm_launch_splits_nodes_and_builds_the_commands(tmp_path, tiny_arch):
     bin_dir.mkdir()
     log = tmp_path / "srun.log"
     (bin_dir / "scontrol").write_text("#!/bin/bash\nfor i in $(seq -w 0 31); do echo node$i; done\n")
-    # engine servers are started in the background; the trainer's stand-in lingers so they all log first
-    (bin_dir / "srun").write_text(f"#!/bin/bash\necho \"$*\" >> {log}\n"
-                                  "case \"$*\" in *torch.distributed.run*) sleep 2;; esac\n")
+    # engine servers start in the background; the trainer's stand-in returns only once all 128 have logged
+    # (the script stops its background jobs when the trainer ends)
+    (bin_dir / "srun").write_text(
+        f"#!/bin/bash\necho \"$*\" >> {log}\n"
+        f"case \"$*\" in *torch.distributed.run*) for i in $(seq 1200); do "
+        f"[ $(grep -c launch_server {log}) -ge 128 ] && break; sleep 0.1; done;; esac\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     from megatron_rl.checkpoints_tools.pretrained import save_hf
