@@ -14,6 +14,7 @@ setup(
     description="Asynchronous RL post-training for LLMs: Megatron-core trainers, native and SGLang rollout engines",
     python_requires=">=3.10",
     packages=library_packages + ["megatron_rl.kernels", "megatron_rl.checkpoints_tools"],
+    package_data={"megatron_rl.sim": ["hardware.yaml"]},
     package_dir={
         "megatron_rl.kernels": "kernels",
         "megatron_rl.checkpoints_tools": "checkpoints_tools",

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "async": "megatron_rl.controller.bench:bench_async",
     "sync": "megatron_rl.weight_sync.bench:bench_sync",
     "pcl": "megatron_rl.controller.curriculum_bench:bench_pcl",
+    "sim": "megatron_rl.sim.simulate:bench_sim",
 }
 
 

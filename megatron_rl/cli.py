@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megatron_rl.rollout.cli_generate", "complete chat prompts with the native rollout engine"),
     "serve": ("megatron_rl.rollout.cli_serve", "serve the native engine over an SGLang-compatible HTTP API"),
     "train": ("megatron_rl.controller.cli:train", "run RL training from a YAML recipe (add --resume to continue)"),
+    "plan": ("megatron_rl.sim.planner", "validate a cluster layout; per-GPU memory and predicted step time (no GPU)"),
     "eval": ("megatron_rl.controller.cli:eval", "held-out greedy accuracy (and mean@k) of a model or checkpoint"),
 }
 

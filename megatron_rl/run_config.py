@@ -17,6 +17,7 @@ from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
 from megatron_rl.rewards.likelihood import LikelihoodEvalConfig
 from megatron_rl.rewards.registry import RewardConfig
+from megatron_rl.sim.config import ClusterConfig
 from megatron_rl.rollout.native import NativeEngineConfig
 from megatron_rl.trainer.trainer import TrainerConfig
 
@@ -106,6 +107,8 @@ class RunConfig:
     """Checkpoint frequency and retention."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Metrics outputs (JSONL, W&B, plots)."""
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    """Cluster layout (nodes, generator group) and the planner's hardware and assumptions."""
     steps: int = 20
     """Optimizer steps to train."""
     run_dir: str = "runs/default"

@@ -71,16 +71,42 @@ def engine_context(config: RunConfig, arch) -> int:
     return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 
+def engine_weights(config: RunConfig, state):
+    """The trainer's HF-named weights as the generator runs them: rounded through block-wise fp8 when
+    `cluster.generator.precision` is fp8 (LlamaRL's fp8 generators), else unchanged."""
+    generator = config.cluster.generator
+    if generator.precision != "fp8" or generator.backend == "sglang":  # SGLang runs real fp8 GEMMs itself
+        return state
+    from megatron_rl.weight_sync.fp8 import fake_quantize_state
+
+    return fake_quantize_state(state, generator.fp8_block_size)
+
+
 def make_engine(config: RunConfig, model):
     """The generator executor for the configured placement (see RolloutConfig.placement)."""
     rollout = config.rollout
+    generator = config.cluster.generator
+    if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
+        import socket
+
+        from megatron_rl.rollout.pool import EnginePool
+
+        return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
+                                             master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
+                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size)
+    if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
+        from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
+                            **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
         from megatron_rl.controller.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
-        return GeneratorProcess(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine,
+        return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
                                 threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync)
-    return NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
+    return NativeEngine(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer,
+                        config=config.engine)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -104,7 +130,10 @@ class Controller:
                                        policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
         self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
         del model
-        self.weights = make_weight_channel(self.policy, self.engine)
+        generator = config.cluster.generator
+        fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
+        self.weights = make_weight_channel(self.policy, self.engine, transform=(
+            (lambda state: engine_weights(config, state)) if fp8_engine else None))
         self.reward = Reward(config.reward)
         self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
         self.stream = PromptStream.from_config(self.train_data, config.data)

@@ -33,8 +33,12 @@ def resolve_layer_spec(requested: Literal["auto", "local", "te"]) -> Literal["lo
 
 def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parallel: int,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
-                       fp8: str | None = None):
-    """Megatron's TransformerConfig for a Llama model (RMSNorm, SwiGLU, RoPE, GQA, no biases, no dropout)."""
+                       fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024):
+    """Megatron's TransformerConfig for a Llama model (RMSNorm, SwiGLU, RoPE, GQA, no biases, no dropout).
+
+    `fp8_recipe` ("delayed" or "tensorwise") turns on Transformer Engine FP8 GEMMs in the "hybrid" format
+    (e4m3 forward, e5m2 gradients); Megatron's TransformerBlock then enters TE's fp8 autocast itself
+    (around the whole block for delayed scaling, per layer otherwise). Needs the TE layer spec."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_parallel_layout(arch, tensor_parallel, pipeline_parallel)
@@ -42,7 +46,10 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     kwargs = {}
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if fp8:
+    if fp8_recipe:
+        kwargs.update(fp8=fp8 or "hybrid", fp8_recipe=fp8_recipe, fp8_amax_history_len=fp8_amax_history_len,
+                      fp8_amax_compute_algo="max")
+    elif fp8:
         kwargs.update(fp8=fp8)
     return TransformerConfig(
         num_layers=arch.num_layers,

@@ -80,6 +80,11 @@ class TrainerConfig:
     """Recompute every layer's activations in the backward pass (full, uniform)."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """Transformer Engine layers when TE + CUDA are present (auto), or Megatron's local layers."""
+    fp8: Literal["none", "delayed", "tensorwise"] = "none"
+    """Transformer Engine FP8 GEMMs (needs the TE layer spec, so TE + CUDA): delayed scaling (amax
+    history) or tensorwise current scaling. Weights and master weights stay bf16 / fp32."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: steps of amax history per tensor."""
     vocab_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
     seed: int = 1234
@@ -97,6 +102,9 @@ class TrainerConfig:
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
         require(self.max_nonfinite_steps_in_a_row >= 1, "max_nonfinite_steps_in_a_row", "must be >= 1")
+        require(self.fp8 == "none" or self.layer_spec != "local", "fp8",
+                "FP8 runs through Transformer Engine layers; set layer_spec to auto or te")
+        require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")
 
@@ -137,8 +145,13 @@ class MegatronTrainer:
         self.params_dtype = cfg.params_dtype()
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
+        if cfg.fp8 != "none" and self.layout.layer_spec != "te":
+            raise ValueError(f"trainer.fp8={cfg.fp8!r} needs Transformer Engine layers, which need the "
+                             "transformer_engine package and a CUDA GPU (pip install -e .[gpu])")
         self.tf_config = transformer_config(self.arch, tensor_parallel=self.tp_size, pipeline_parallel=self.pp_size,
-                                            params_dtype=self.params_dtype, recompute=cfg.recompute_activations)
+                                            params_dtype=self.params_dtype, recompute=cfg.recompute_activations,
+                                            fp8_recipe=None if cfg.fp8 == "none" else cfg.fp8,
+                                            fp8_amax_history_len=cfg.fp8_amax_history_len)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
         if torch.cuda.is_available():

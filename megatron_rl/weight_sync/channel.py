@@ -18,24 +18,27 @@ from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
 
 
 class InProcessWeightChannel:
-    """Trainer -> an engine in this process (colocated): the engine copies the trainer's HF-named
-    views into its own weights."""
+    """Trainer -> an engine through its `update_weights` (in this process, or a client of one): the
+    trainer's HF-named weights, optionally transformed first (e.g. rounded through fp8 blocks)."""
 
-    def __init__(self, trainer, engine):
+    def __init__(self, trainer, engine, transform=None):
         self.trainer = trainer
         self.engine = engine
+        self.transform = transform
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        self.engine.update_weights(self.trainer.export_hf_state(), version)
+        state = self.trainer.export_hf_state()
+        self.engine.update_weights(self.transform(state) if self.transform is not None else state, version)
         return {"perf/weight_sync_time": time.perf_counter() - start}
 
 
-def make_weight_channel(trainer, engine):
-    """The channel for `engine`: shared memory when it runs in its own process, else in-process."""
-    if getattr(engine, "shared_weights", None) is not None:
+def make_weight_channel(trainer, engine, transform=None):
+    """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
+    weights go as they are), else its `update_weights`."""
+    if transform is None and getattr(engine, "shared_weights", None) is not None:
         return SharedMemoryWeightChannel(trainer, engine)
-    return InProcessWeightChannel(trainer, engine)
+    return InProcessWeightChannel(trainer, engine, transform)
 
 
 class SharedMemoryWeightChannel:

@@ -1,0 +1,1 @@
+"""Cost model, planner and simulator for cluster layouts (no GPU needed)."""

@@ -1,0 +1,195 @@
+"""Weight sync to SGLang engines over a dedicated NCCL group (`update_weights_from_distributed`).
+
+On a cluster the generator group's engines are SGLang servers on their own nodes. Trainer rank 0 and
+every GPU worker of every engine form one extra process group, independent of the trainer's
+torch.distributed world (its own TCP rendezvous, `group_name` as the store prefix), exactly as
+SGLang's `init_weights_update_group(master_address, master_port, rank_offset, world_size,
+group_name, backend)` builds its side: engine e's TP worker t joins as rank 1 + (sum of the TP sizes of
+engines before e) + t. A sync then runs, bucket by bucket: every engine is told the names, dtypes and
+shapes (`update_weights_from_distributed`, which returns once its workers received them), and rank 0
+broadcasts each tensor in that order. `receive_broadcast` is the receiving side as SGLang's model
+runner performs it (allocate each tensor, broadcast from rank 0), used by the tests as the stand-in
+engine on CPU with gloo.
+
+With fp8 engines (`cluster.generator.precision: fp8`) the projection matrices travel as
+float8_e4m3fn plus `weight_scale_inv` tensors (weight_sync/fp8.py), half the bytes of bf16.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import threading
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                             group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl",
+                             timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+    """Join (rank 0: create) a process group outside the default world, with SGLang's rendezvous:
+    a TCP store at master_address:master_port, prefixed by group_name."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    # torch renamed pg_options to backend_options (2.6); pass whichever this torch has.
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         timeout=timeout, **{options: None})
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class DistributedWeightReceiver(Protocol):
+    """An engine that takes weights over the group (SGLangEngine, or `SGLangServer` over HTTP)."""
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None: ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int | None = None, group_name: str = DEFAULT_GROUP_NAME,
+                                        flush_cache: bool = True) -> None: ...
+
+
+class SGLangServer:
+    """The weight-update endpoints of one SGLang HTTP server (`/init_weights_update_group`,
+    `/update_weights_from_distributed`; request fields as sglang/srt/managers/io_struct.py names them)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0):
+        from megatron_rl.rollout.client import HTTPEngine
+
+        self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout)
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        _, out = self.http.request("POST", path, body)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise RuntimeError(f"{self.http.base_url}{path} failed: {out.get('message')}")
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name=DEFAULT_GROUP_NAME, backend="nccl") -> None:
+        self._post("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
+                                                  "rank_offset": rank_offset, "world_size": world_size,
+                                                  "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, version=None, group_name=DEFAULT_GROUP_NAME,
+                                        flush_cache=True) -> None:
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        self._post("/update_weights_from_distributed", body)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _wire(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+    """gloo has no 1-byte float types: move fp8 as its bytes (NCCL sends float8 as it is)."""
+    if backend == "gloo" and tensor.element_size() == 1 and tensor.is_floating_point():
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class BroadcastWeightSender:
+    """Trainer rank 0's side: creates the group with every engine and broadcasts weights into them."""
+
+    def __init__(self, engines: Sequence[DistributedWeightReceiver], engine_tp: Sequence[int], *,
+                 master_address: str, master_port: int, group_name: str = DEFAULT_GROUP_NAME,
+                 backend: str = "nccl", bucket_bytes: int = 1 << 30, device: torch.device | None = None):
+        if len(engines) != len(engine_tp):
+            raise ValueError("one TP size per engine")
+        self.engines = list(engines)
+        self.group_name = group_name
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                 else torch.device("cpu"))
+        world_size = 1 + sum(engine_tp)
+        offsets = [1 + sum(engine_tp[:i]) for i in range(len(engines))]
+        # The engines' init calls return only once the group exists, so they run beside our own join.
+        calls = _run_all([lambda e=e, o=o: e.init_weights_update_group(master_address, master_port, o, world_size,
+                                                                         group_name, backend)
+                          for e, o in zip(self.engines, offsets)])
+        self.group = init_weight_update_group(master_address, master_port, 0, world_size, group_name=group_name,
+                                              backend=backend)
+        calls.join()
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> dict[str, float]:
+        """Broadcast every tensor to every engine, bucket by bucket; returns bytes and bucket counts."""
+        total = count = 0
+        for bucket in buckets(named, self.bucket_bytes):
+            names = [n for n, _ in bucket]
+            dtypes = [_dtype_name(t.dtype) for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            calls = _run_all([lambda e=e: e.update_weights_from_distributed(names, dtypes, shapes, version,
+                                                                             self.group_name)
+                              for e in self.engines])
+            for _, tensor in bucket:
+                payload = _wire(tensor.detach().to(self.device).contiguous(), self.backend)
+                dist.broadcast(payload, src=0, group=self.group)
+                total += payload.numel() * payload.element_size()
+            calls.join()
+            count += 1
+        return {"weight_sync/bytes": float(total), "weight_sync/buckets": float(count)}
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+
+
+def receive_broadcast(group, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+                      backend: str = "nccl", device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The engine side, as SGLang's model runner does it: allocate each tensor, take it from rank 0."""
+    out = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(_wire(tensor, backend), src=0, group=group)
+        out[name] = tensor
+    return out
+
+
+class _Calls:
+    def __init__(self, threads: list[threading.Thread], errors: list[BaseException]):
+        self.threads, self.errors = threads, errors
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+def _run_all(functions: list[Callable[[], Any]]) -> _Calls:
+    errors: list[BaseException] = []
+
+    def guard(fn):
+        try:
+            fn()
+        except BaseException as exc:  # surfaced by join()
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guard, args=(fn,), daemon=True) for fn in functions]
+    for thread in threads:
+        thread.start()
+    return _Calls(threads, errors)
