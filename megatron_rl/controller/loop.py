@@ -66,6 +66,23 @@ def make_engine(config: RunConfig, model):
     return NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine)
 
 
+@dataclasses.dataclass
+class PolicyExecutor:
+    """One trained policy of a run: its Megatron trainer, its rollout engine and its objective.
+    Single-agent runs hold one ('policy'); WaltzRL holds two ('policy' = conversation, 'feedback')."""
+
+    name: str
+    """The role its samples carry (Sample.role); metrics of non-primary policies are prefixed by it."""
+    trainer: MegatronTrainer
+    """The Megatron trainer."""
+    engine: Any
+    """The rollout engine generating with its weights."""
+    algorithm: Any
+    """Its AlgorithmConfig (advantage estimator and loss)."""
+    version: int = 0
+    """Weight version: optimizer steps applied to it (what its samples' staleness is measured against)."""
+
+
 class Controller:
     """Owns the executors of a colocated run (trainer and engine share this process's cores)."""
 
@@ -79,33 +96,49 @@ class Controller:
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
         self.engine = make_engine(config, model)
-        del model
-        self.reward = Reward(config.reward)
-        self.train_data, self.heldout = build_datasets(config.data)
-        self.stream = PromptStream.from_config(self.train_data, config.data)
+        self.policies = [PolicyExecutor("policy", self.policy, self.engine, config.algorithm)]
         self.version = 0
         os.makedirs(config.run_dir, exist_ok=True)
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
-        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
-                                        seed=config.seed, timeline=self.timeline)
+        episodes = None
+        if config.waltz is not None:
+            from megatron_rl.controller.waltz_run import setup_waltz
 
-    def sync_weights(self) -> float:
+            self.train_data, self.heldout, episodes = setup_waltz(self, config, model)
+        else:
+            self.reward = Reward(config.reward)
+            self.train_data, self.heldout = build_datasets(config.data)
+        del model
+        self.stream = PromptStream.from_config(self.train_data, config.data)
+        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, getattr(self, "reward", None),
+                                        config.rollout, seed=config.seed, timeline=self.timeline, episodes=episodes)
+
+    def sync_weights(self, policy: PolicyExecutor | None = None) -> float:
+        """Trainer -> engine weights of `policy` (default: every policy)."""
         start = time.perf_counter()
-        with self.timeline.span("weight_sync", version=self.version):
-            pause = self.config.rollout.weight_update == "pause"
-            if pause:
-                self.engine.pause()
-            self.engine.update_weights(self.policy.export_hf_state(), self.version)
-            if pause:
-                self.engine.flush_cache()
-                self.engine.resume()
+        for p in [policy] if policy is not None else self.policies:
+            with self.timeline.span("weight_sync", version=p.version, policy=p.name):
+                pause = self.config.rollout.weight_update == "pause"
+                if pause:
+                    p.engine.pause()
+                p.engine.update_weights(p.trainer.export_hf_state(), p.version)
+                if pause:
+                    p.engine.flush_cache()
+                    p.engine.resume()
         return time.perf_counter() - start
+
+    def trains(self, policy: PolicyExecutor, step: int) -> bool:
+        """Whether `policy` takes an optimizer step at training step `step` (multi-stage schedules)."""
+        hook = getattr(self, "train_schedule", None)
+        return hook(policy, step) if hook is not None else True
 
     def evaluate(self) -> dict[str, float]:
         with self.timeline.span("evaluate"):
             return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
+        if getattr(self, "evaluate_hook", None) is not None:
+            return {f"eval/{k}": v for k, v in self.evaluate_hook().items()}
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
         return {f"eval/{k}": v for k, v in result.items()}
@@ -114,33 +147,58 @@ class Controller:
         cfg = self.config
         start = time.perf_counter()
         reward_before = self.rollouts.reward_time
+        step_hook = getattr(self.rollouts.episodes, "begin_step", None)
+        if step_hook is not None:
+            step_hook(self.version)
         with self.timeline.span("wait_for_rollouts", version=self.version):
             groups = self.rollouts.next_groups(self.version)
         generated = time.perf_counter()
-        step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=self.version,
-                                micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.tokenizer.pad_token_id,
-                                drop_uninformative=cfg.rollout.drop_uninformative_groups and cfg.algorithm.loss.kl_coef == 0
-                                and cfg.algorithm.loss.entropy_coef == 0)
-        metrics = dict(step.metrics)
-        if step.batch is not None:
-            normalizer = compute_normalizer(step.full_loss_mask, cfg.algorithm.loss)
-            with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
-                metrics.update(self.policy.train_step(step.batch, make_loss_fn(cfg.algorithm.loss, normalizer)))
-        trained = time.perf_counter()
+        metrics: dict[str, float] = {}
+        pop_metrics = getattr(self.rollouts.episodes, "pop_metrics", None)
+        if pop_metrics is not None:
+            metrics.update(pop_metrics())
+        sync_time = train_time = 0.0
+        response_tokens = 0.0
+        for policy in self.policies:
+            own = [dataclasses.replace(g, samples=[s for s in g.samples if s.role == policy.name]) for g in groups]
+            prefix = "" if policy is self.policies[0] else f"{policy.name}/"
+            policy_metrics = self._train_policy(policy, own)
+            train_time += policy_metrics.pop("_train_time")
+            response_tokens += policy_metrics["rollout/response_tokens"]
+            metrics.update({prefix + k: v for k, v in policy_metrics.items()})
+            if self.trains(policy, self.version):
+                policy.version += 1
+                sync_time += self.sync_weights(policy)
         self.version += 1
-        sync_time = self.sync_weights()
         elapsed = time.perf_counter() - start
         reward_time = self.rollouts.reward_time - reward_before
         metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
-                        "perf/train_time": trained - generated,
+                        "perf/train_time": train_time,
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
-                        "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(elapsed, 1e-9),
+                        "perf/tokens_per_s": response_tokens / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
+        return metrics
+
+    def _train_policy(self, policy: PolicyExecutor, groups) -> dict[str, float]:
+        cfg, algorithm = self.config, policy.algorithm
+        step = build_step_batch(groups, advantage=algorithm.advantage, trainer_version=policy.version,
+                                micro_batch_size=policy.trainer.config.micro_batch_size,
+                                pad_token_id=self.tokenizer.pad_token_id,
+                                drop_uninformative=cfg.rollout.drop_uninformative_groups and algorithm.loss.kl_coef == 0
+                                and algorithm.loss.entropy_coef == 0)
+        metrics = dict(step.metrics)
+        started = time.perf_counter()
+        if step.batch is not None and self.trains(policy, self.version):
+            normalizer = compute_normalizer(step.full_loss_mask, algorithm.loss)
+            with self.timeline.span("train", version=policy.version, rows=step.batch.batch_size, policy=policy.name):
+                metrics.update(policy.trainer.train_step(step.batch, make_loss_fn(algorithm.loss, normalizer)))
+        metrics["_train_time"] = time.perf_counter() - started
         return metrics
 
     def close(self) -> None:
         self.timeline.write()
-        self.engine.close()
+        for policy in self.policies:
+            policy.engine.close()
 
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
@@ -158,8 +216,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if latest is None:
             print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
         else:
+            if len(controller.policies) > 1:
+                raise ValueError("--resume of a multi-policy (waltz) run is not supported yet; start a new run_dir")
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
+            controller.policies[0].version = controller.version
             controller.stream.load_state_dict(saved["data"])
             controller.rollouts.resume_at(start_step)
             state.update(saved["controller"])
@@ -188,6 +249,9 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 checkpoints.save(done, controller.policy, {
                     "version": controller.version, "data": controller.stream.state_dict(),
                     "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer)
+                for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
+                    CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint).save(
+                        done, policy.trainer, {"version": policy.version}, tokenizer=controller.tokenizer)
                 metrics["perf/checkpoint_time"] = time.perf_counter() - tick
             logger.log(done, metrics)
         after = {"eval/accuracy": None}

@@ -84,6 +84,9 @@ class Sample:
     """Decoded response."""
     reward: RewardResult
     """Reward, correctness and any scoring error."""
+    role: str = "policy"
+    """Which policy of the run produced it and trains on it ('policy' in single-policy runs; a
+    multi-agent run names its policies, e.g. WaltzRL's 'policy' (conversation) and 'feedback')."""
 
 
 @dataclasses.dataclass
@@ -100,11 +103,43 @@ class Group:
     """Seconds from submission to the last sample's completion."""
 
 
-class RolloutProducer:
-    """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups."""
+class SingleTurnEpisodes:
+    """The default episode: n samples of the prompt from one engine, each scored by the reward."""
 
-    def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
-                 config: RolloutConfig, *, seed: int, timeline=None):
+    def __init__(self, engine, tokenizer: ChatTokenizer, reward: Reward, config: RolloutConfig):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.config = config
+        self.reward_time = 0.0  # seconds spent scoring, cumulative
+
+    def submit(self, prompt: Prompt, request_id: str, seed: int) -> list[Future]:
+        request = GenerateRequest(request_id=request_id, prompt_ids=self.tokenizer.encode_chat(prompt.messages),
+                                  sampling=self.config.sampling(seed), group_id=prompt.prompt_id)
+        futures = self.engine.submit([request])
+        for future in futures:  # completion times, for the timeline's generation track
+            future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
+        return futures
+
+    def collect(self, prompt: Prompt, futures: list[Future]) -> list[Sample]:
+        completions = self.engine.wait(futures)
+        texts = [self.tokenizer.decode(c.output_ids) for c in completions]
+        scored_from = time.perf_counter()
+        rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+        self.reward_time += time.perf_counter() - scored_from
+        return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
+
+
+class RolloutProducer:
+    """Keeps the engine(s) fed with prompt groups within the staleness bound; hands out scored groups.
+
+    What one prompt's group is made of is the episode producer's business: `episodes.submit(prompt,
+    request_id, seed) -> list[Future]` starts it without blocking, `episodes.collect(prompt, futures)
+    -> list[Sample]` waits for it and scores it. The default (`SingleTurnEpisodes`) samples n responses
+    from `engine`; multi-turn, multi-agent episodes (WaltzRL) plug in here, under the same admission."""
+
+    def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward | None,
+                 config: RolloutConfig, *, seed: int, timeline=None, episodes=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
@@ -112,9 +147,14 @@ class RolloutProducer:
         self.config = config
         self.seed = seed
         self.timeline = timeline
+        self.episodes = episodes if episodes is not None else SingleTurnEpisodes(engine, tokenizer, reward, config)
         self._in_flight: list[tuple[Prompt, list[Future], int, float]] = []
         self._admitted_steps = 0  # training steps whose groups have been submitted
-        self.reward_time = 0.0  # seconds spent scoring, cumulative
+
+    @property
+    def reward_time(self) -> float:
+        """Seconds spent scoring, cumulative."""
+        return self.episodes.reward_time
 
     def _admit(self, trainer_version: int) -> None:
         """Submit groups for every step s whose consumption version s stays within the bound.
@@ -124,14 +164,9 @@ class RolloutProducer:
         while self._admitted_steps <= trainer_version + self.config.max_staleness:
             step = self._admitted_steps
             for index, prompt in enumerate(self.stream.next(self.config.prompts_per_step)):
-                ids = self.tokenizer.encode_chat(prompt.messages)
                 # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
                 seed = (self.seed * 1_000_003 + step * 1009 + index) % (2 ** 31)
-                request = GenerateRequest(request_id=f"s{step}-p{index}-{prompt.prompt_id}", prompt_ids=ids,
-                                          sampling=self.config.sampling(seed), group_id=prompt.prompt_id)
-                futures = self.engine.submit([request])
-                for future in futures:  # completion times, for the timeline's generation track
-                    future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
+                futures = self.episodes.submit(prompt, f"s{step}-p{index}-{prompt.prompt_id}", seed)
                 self._in_flight.append((prompt, futures, step, time.perf_counter()))
             self._admitted_steps += 1
 
@@ -142,17 +177,12 @@ class RolloutProducer:
         batch, self._in_flight = self._in_flight[:count], self._in_flight[count:]
         groups = []
         for prompt, futures, step, submitted in batch:
-            completions = self.engine.wait(futures)
+            samples = self.episodes.collect(prompt, futures)
             elapsed = time.perf_counter() - submitted
             if self.timeline is not None:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in futures)
                 self.timeline.add(f"generate {prompt.prompt_id}", submitted, finished, category="generate",
-                                  step=step, versions=sorted({c.weight_version for c in completions}))
-            texts = [self.tokenizer.decode(c.output_ids) for c in completions]
-            scored_from = time.perf_counter()
-            rewards = self.reward.score_batch(texts, [prompt] * len(texts))
-            self.reward_time += time.perf_counter() - scored_from
-            samples = [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
+                                  step=step, versions=sorted({s.completion.weight_version for s in samples}))
             groups.append(Group(prompt, samples, step, elapsed))
         return groups
 
