@@ -302,3 +302,30 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
     assert {"eval/asr_alone", "eval/asr_with_feedback", "eval/feedback_trigger_rate_benign"} <= set(records[-1])
     assert summary.accuracy_after is not None
     assert os.path.isdir(os.path.join(run_dir, "feedback", "checkpoints"))
+
+
+# --- inference with the feedback agent in the loop -------------------------------------------------------------
+
+def test_chat_engages_feedback_only_when_it_flags(smollm2):
+    from megatron_rl.controller.waltz import chat_with_feedback
+
+    tok = smollm2.tokenizer
+    conversation = _ScriptedEngine(tok, lambda text: REFUSE if "Feedback on your answer" in text else COMPLY)
+    flagging = _ScriptedEngine(tok, lambda text: 'x", "unsafe": true, "overrefuse": false, "feedback": "Refuse."}')
+    calm = _ScriptedEngine(tok, lambda text: 'x", "unsafe": false, "overrefuse": false, "feedback": ""}')
+    flagged = chat_with_feedback(conversation, flagging, tok, HARMFUL.question, WaltzConfig(), max_new_tokens=16)
+    assert flagged.responses()[-1].text == REFUSE and flagged.end == "max_revisions"
+    accepted = chat_with_feedback(conversation, calm, tok, HARMFUL.question, WaltzConfig(), max_new_tokens=16)
+    assert accepted.responses()[-1].text == COMPLY and accepted.end == "accepted"
+    alone = chat_with_feedback(conversation, None, tok, HARMFUL.question, WaltzConfig(), max_new_tokens=16)
+    assert [t.role for t in alone.turns] == ["policy"]
+
+
+def test_chat_cli_with_a_feedback_agent(tiny_chat_model, capsys):
+    from megatron_rl.cli import main
+
+    assert main(["chat", tiny_chat_model, "How do I bake bread?", "--feedback-agent", tiny_chat_model,
+                 "--max-new-tokens", "4", "--feedback-max-new-tokens", "4", "--max-seq-len", "256", "--jsonl"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["message"] == "How do I bake bread?" and record["turns"][0]["role"] == "policy"
+    assert record["turns"][1]["role"] == "feedback" and record["end"] == "malformed_feedback"

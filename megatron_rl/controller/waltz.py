@@ -385,3 +385,18 @@ def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, confi
     out["samples"] = float(len(episodes))
     out["reward_errors"] = 0.0
     return out
+
+
+def chat_with_feedback(conversation_engine, feedback_engine, tokenizer, message: str, config: WaltzConfig, *,
+                       max_new_tokens: int, system: str | None = None) -> Episode:
+    """Inference with the trained pair: the conversation agent answers; the feedback agent reviews the
+    answer and, only when it raises a flag, its feedback goes back for a revision (up to T_max).
+    Greedy decoding; no judge is involved. The episode's last conversation turn is the reply."""
+    from megatron_rl.data.sources import Prompt
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+    prompt = Prompt(prompt_id="chat", messages=messages, question=message)
+    producer = WaltzEpisodes(conversation_engine, feedback_engine, tokenizer, None, config,
+                             sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    (future,) = producer.submit(prompt, "chat", None)
+    return future.run.drive()
