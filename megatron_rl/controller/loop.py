@@ -14,7 +14,7 @@ import json
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -100,7 +100,12 @@ class Controller:
         self.version = 0
         os.makedirs(config.run_dir, exist_ok=True)
         self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
+        # Hooks of multi-policy runs (set by e.g. setup_waltz): which policy trains at which step, and
+        # the run's own held-out evaluation. None: every policy trains every step; accuracy evaluation.
+        self.train_schedule: Callable[[PolicyExecutor, int], bool] | None = None
+        self.evaluate_hook: Callable[[], dict[str, float]] | None = None
         episodes = None
+        self.reward: Reward | None = None
         if config.waltz is not None:
             from megatron_rl.controller.waltz_run import setup_waltz
 
@@ -110,7 +115,7 @@ class Controller:
             self.train_data, self.heldout = build_datasets(config.data)
         del model
         self.stream = PromptStream.from_config(self.train_data, config.data)
-        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, getattr(self, "reward", None),
+        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward,
                                         config.rollout, seed=config.seed, timeline=self.timeline, episodes=episodes)
 
     def sync_weights(self, policy: PolicyExecutor | None = None) -> float:
@@ -129,15 +134,14 @@ class Controller:
 
     def trains(self, policy: PolicyExecutor, step: int) -> bool:
         """Whether `policy` takes an optimizer step at training step `step` (multi-stage schedules)."""
-        hook = getattr(self, "train_schedule", None)
-        return hook(policy, step) if hook is not None else True
+        return self.train_schedule(policy, step) if self.train_schedule is not None else True
 
     def evaluate(self) -> dict[str, float]:
         with self.timeline.span("evaluate"):
             return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
-        if getattr(self, "evaluate_hook", None) is not None:
+        if self.evaluate_hook is not None:
             return {f"eval/{k}": v for k, v in self.evaluate_hook().items()}
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
@@ -147,16 +151,11 @@ class Controller:
         cfg = self.config
         start = time.perf_counter()
         reward_before = self.rollouts.reward_time
-        step_hook = getattr(self.rollouts.episodes, "begin_step", None)
-        if step_hook is not None:
-            step_hook(self.version)
+        self.rollouts.episodes.begin_step(self.version)
         with self.timeline.span("wait_for_rollouts", version=self.version):
             groups = self.rollouts.next_groups(self.version)
         generated = time.perf_counter()
-        metrics: dict[str, float] = {}
-        pop_metrics = getattr(self.rollouts.episodes, "pop_metrics", None)
-        if pop_metrics is not None:
-            metrics.update(pop_metrics())
+        metrics: dict[str, float] = self.rollouts.episodes.pop_metrics()
         sync_time = train_time = 0.0
         response_tokens = 0.0
         for policy in self.policies:

@@ -129,13 +129,21 @@ class SingleTurnEpisodes:
         self.reward_time += time.perf_counter() - scored_from
         return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
 
+    def begin_step(self, step: int) -> None:
+        """Called before the groups of training step `step` are collected (multi-stage episode producers)."""
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Episode metrics gathered since the last call (none for single-turn episodes)."""
+        return {}
+
 
 class RolloutProducer:
     """Keeps the engine(s) fed with prompt groups within the staleness bound; hands out scored groups.
 
     What one prompt's group is made of is the episode producer's business: `episodes.submit(prompt,
     request_id, seed) -> list[Future]` starts it without blocking, `episodes.collect(prompt, futures)
-    -> list[Sample]` waits for it and scores it. The default (`SingleTurnEpisodes`) samples n responses
+    -> list[Sample]` waits for it and scores it; `begin_step(step)` and `pop_metrics()` frame each
+    training step. The default (`SingleTurnEpisodes`) samples n responses
     from `engine`; multi-turn, multi-agent episodes (WaltzRL) plug in here, under the same admission."""
 
     def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward | None,

@@ -37,6 +37,7 @@ from megatron_rl.algorithms.waltz import (
     conversation_reward,
     feedback_reward,
     parse_feedback,
+    training_stage,
 )
 from megatron_rl.config import require
 from megatron_rl.controller.rollouts import Sample
@@ -261,6 +262,10 @@ class WaltzEpisodes:
         return self.tokenizer.encode_chat(messages)
 
     # --- the EpisodeProducer interface ---------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """The stage (and so lambda) of the step whose episodes are collected next."""
+        self.stage = training_stage(step, self.config.stage1_steps)
+
     def submit(self, prompt: Any, request_id: str, seed: int | None) -> list[Future]:
         runs = [_EpisodeRun(self, prompt, f"{request_id}-e{k}", None if seed is None else seed + 7919 * k)
                 for k in range(self.samples_per_prompt)]

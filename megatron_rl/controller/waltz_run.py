@@ -31,9 +31,6 @@ def setup_waltz(controller, config, model):
                              sampling=config.rollout.sampling(None), samples_per_prompt=config.rollout.samples_per_prompt,
                              record_path=record)
 
-    def begin_step(step: int) -> None:
-        episodes.stage = training_stage(step, waltz.stage1_steps)
-
     def train_schedule(policy, step: int) -> bool:
         # Stage 1: the conversation agent is frozen; stage 2: both agents train every step.
         return policy.name == "feedback" or training_stage(step, waltz.stage1_steps) == 2
@@ -42,7 +39,6 @@ def setup_waltz(controller, config, model):
         return evaluate_waltz(controller.engine, feedback.engine, controller.tokenizer, judge, waltz,
                               list(controller.heldout), max_new_tokens=config.eval.max_new_tokens)
 
-    episodes.begin_step = begin_step
     controller.train_schedule = train_schedule
     controller.evaluate_hook = evaluate
     train, heldout = build_safety_datasets(waltz.data)
