@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("megatron_rl.bench", "time our code against its baseline in one run; last line is JSON"),
     "config": ("megatron_rl.config_cli", "print a recipe with overrides applied, or describe every field"),
     "generate": ("megatron_rl.rollout.cli_generate", "complete chat prompts with the native rollout engine"),
+    "chat": ("megatron_rl.controller.cli_chat", "chat with a model, optionally with a WaltzRL feedback agent in the loop"),
     "serve": ("megatron_rl.rollout.cli_serve", "serve the native engine over an SGLang-compatible HTTP API"),
     "train": ("megatron_rl.controller.cli:train", "run RL training from a YAML recipe (add --resume to continue)"),
     "plan": ("megatron_rl.sim.planner", "validate a cluster layout; per-GPU memory and predicted step time (no GPU)"),

