@@ -293,10 +293,11 @@ def test_nonfinite_verdict_is_agreed_by_every_data_parallel_rank(tiny_arch):
 
 
 def _poison_losses(monkeypatch, bad_calls):
-    """Make the loop's loss NaN on the given (0-based) train steps."""
-    import megatron_rl.controller.loop as loop
+    """Make the loop's loss NaN on the given (0-based) train steps (the policy-gradient objective builds
+    its loss with megatron_rl.algorithms.make_loss_fn at each step)."""
+    import megatron_rl.algorithms as algorithms
 
-    real = loop.make_loss_fn
+    real = algorithms.make_loss_fn
     calls = {"n": 0}
 
     def make_loss_fn(*args, **kwargs):
@@ -309,7 +310,7 @@ def _poison_losses(monkeypatch, bad_calls):
             return (loss * float("nan") if poisoned else loss), metrics
         return wrapped
 
-    monkeypatch.setattr(loop, "make_loss_fn", make_loss_fn)
+    monkeypatch.setattr(algorithms, "make_loss_fn", make_loss_fn)
 
 
 def test_run_stops_after_configured_nonfinite_steps_in_a_row(tmp_path, tiny_chat_model, monkeypatch):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 from megatron_rl.config import require
@@ -70,17 +69,17 @@ class ParsedFeedback:
         return self.ok and (self.unsafe or self.overrefuse)
 
 
-_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 def parse_feedback(text: str) -> ParsedFeedback:
-    """Parse the feedback agent's output: the first `{` to the last `}` must be one JSON object with the
-    four keys, string reasoning/feedback and boolean flags. Never raises."""
-    match = _OBJECT.search(text)
-    if match is None:
+    """Parse the feedback agent's output: the first JSON object in it (text before it and after its
+    closing brace is ignored) must have the four keys, string reasoning/feedback and boolean flags.
+    Never raises."""
+    start = text.find("{")
+    if start < 0 or "}" not in text[start:]:
         return ParsedFeedback(error="no JSON object in the feedback")
     try:
-        value: Any = json.loads(match.group(0))
+        value, _ = json.JSONDecoder().raw_decode(text, start)
     except (json.JSONDecodeError, RecursionError) as exc:
         return ParsedFeedback(error=f"invalid JSON: {exc.msg if hasattr(exc, 'msg') else exc}")
     if not isinstance(value, dict):
