@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 from megatron_rl.config import require
 

@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_rl.models import ModelArch
-from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_request, wait_all
+from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_requests, wait_all
 from megatron_rl.rollout.native import NativeEngineConfig, weight_arena_layout
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
@@ -266,9 +266,7 @@ class GeneratorProcess:
         return self._version
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
-        prepared = [as_request(r, i) for i, r in enumerate(requests)]
+        prepared = as_requests(requests)
         futures: list[Future] = []
         with self._lock:
             for request in prepared:

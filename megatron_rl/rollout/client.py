@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_request,
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_requests,
                                         fan_out_samples, iter_named_tensors, wait_all)
 from megatron_rl.types import Completion
 
@@ -107,19 +107,14 @@ class HTTPEngine:
         return [completion_from_json(out, r.prompt_ids, r.group_id) for out, (r, _) in zip(outs, expected)]
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
-        return self._generate_batch([as_request(r, i) for i, r in enumerate(requests)])
+        return self._generate_batch(as_requests(requests))
 
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
         return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
         futures: list[Future] = []
-        for i, item in enumerate(requests):
-            request = as_request(item, i)
+        for request in as_requests(requests):
             samples = [Future() for _ in range(request.sampling.n)]
             futures.extend(samples)
             call = self._pool.submit(self._generate_batch, [request])

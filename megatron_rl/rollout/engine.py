@@ -242,6 +242,13 @@ def as_request(item: RequestLike, index: int) -> GenerateRequest:
                        f"got {type(item).__name__}", field="prompt_ids")
 
 
+def as_requests(requests: Sequence[RequestLike] | GenerateRequest) -> list[GenerateRequest]:
+    """One request or a sequence of request-likes, as GenerateRequests (see `as_request`)."""
+    if isinstance(requests, GenerateRequest):
+        return [requests]
+    return [as_request(item, i) for i, item in enumerate(requests)]
+
+
 def validate_request(request: GenerateRequest, *, vocab_size: int, max_seq_len: int,
                      has_tokenizer: bool = True) -> None:
     """Checks shared by every engine; raise RequestError naming the request and the field."""

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
-from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLike, as_request, iter_named_tensors, wait_all
+from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLike, as_requests, iter_named_tensors, wait_all
 from megatron_rl.types import Completion
 
 
@@ -76,11 +76,8 @@ class EnginePool:
             self._in_flight[index] -= 1
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
         futures: list[Future] = []
-        for i, item in enumerate(requests):
-            request = as_request(item, i)
+        for request in as_requests(requests):
             index = self._pick(request.sampling.n)
             for future in self.engines[index].submit([request]):
                 future.add_done_callback(lambda _f, index=index: self._done(index))

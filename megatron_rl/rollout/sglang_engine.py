@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.client import completion_from_json
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, as_request, fan_out_samples,
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, as_requests, fan_out_samples,
                                         iter_named_tensors, wait_all)
 from megatron_rl.types import Completion
 
@@ -87,11 +87,8 @@ class SGLangEngine:
         return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
         futures: list[Future] = []
-        for i, item in enumerate(requests):
-            request = as_request(item, i)
+        for request in as_requests(requests):
             samples = [Future() for _ in range(request.sampling.n)]
             futures.extend(samples)
             call = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
