@@ -105,18 +105,19 @@ def test_stage_parameters_match_megatron_model():
     assert cost.stage_parameters(arch, 1, 1, 0, 128) == real
 
 
-def test_planner_memory_within_15_percent_of_measured_cpu_step():
-    """Peak bytes of live tensors during a real Megatron train step on CPU (sim/measure.py: storages alive
-    before the step + the running maximum of new storages during it) vs the planner's estimate."""
+_MEMORY_ARCH = dict(vocab_size=4096, num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
+                    num_query_groups=4, max_position_embeddings=512)
+
+
+def _measure_step_worker(rank, world_size, rows, seq, micro):
+    """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures)."""
     from megatron_rl.models import ModelArch
     from megatron_rl.sim.measure import measure_peak
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
     from megatron_rl.types import TrainBatch
 
     torch.manual_seed(0)
-    arch = ModelArch(vocab_size=4096, num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
-                     num_query_groups=4, max_position_embeddings=512)
-    rows, seq, micro = 8, 256, 4
+    arch = ModelArch(**_MEMORY_ARCH)
     trainer = MegatronTrainer(arch, TrainerConfig(micro_batch_size=micro, lr=1e-4, precision="fp32"))
     batch = TrainBatch(tokens=torch.randint(0, arch.vocab_size, (rows, seq + 1)), loss_mask=torch.ones(rows, seq + 1))
 
@@ -124,7 +125,18 @@ def test_planner_memory_within_15_percent_of_measured_cpu_step():
         return -(logprobs * mb.loss_mask).sum() / batch.loss_mask.sum(), {}
 
     trainer.train_step(batch, loss_fn)  # the first step creates Adam's states; measure a steady-state step
-    measured = measure_peak(lambda: trainer.train_step(batch, loss_fn))
+    return measure_peak(lambda: trainer.train_step(batch, loss_fn))
+
+
+def test_planner_memory_within_15_percent_of_measured_cpu_step():
+    """Peak bytes of live tensors during a real Megatron train step on CPU (sim/measure.py: storages alive
+    before the step + the running maximum of new storages during it) vs the planner's estimate."""
+    from megatron_rl.controller.launch import run_distributed
+    from megatron_rl.models import ModelArch
+
+    arch = ModelArch(**_MEMORY_ARCH)
+    rows, seq, micro = 8, 256, 4
+    measured = run_distributed(_measure_step_worker, 1, rows, seq, micro)[0]
     layout = cost.TrainerLayout(tp=1, pp=1, dp=1, micro_batch_size=micro, micro_batches=rows // micro, seq_len=seq,
                                 params_bytes=4, distributed_optimizer=False)
     estimate = cost.trainer_memory(arch, layout, CostAssumptions(attention="unfused"), on_gpu=False)
