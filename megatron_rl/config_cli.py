@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.config import describe, dump_yaml, load_yaml, split_config_and_overrides
+from megatron_rl.config import describe, dump_yaml
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,10 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.run_config import RunConfig
+    from megatron_rl.run_config import RunConfig, load_run_config
 
     if args.describe:
         print("\n".join(describe(RunConfig)))
         return 0
-    print(dump_yaml(load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))), end="")
+    print(dump_yaml(load_run_config(args.config, args.overrides)), end="")
     return 0

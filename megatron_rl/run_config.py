@@ -121,3 +121,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
+
+
+def load_run_config(path: str, overrides: list[str]) -> RunConfig:
+    """A recipe with dotted overrides, as the CLI commands take them (see `split_config_and_overrides`)."""
+    from megatron_rl.config import load_yaml, split_config_and_overrides
+
+    return load_yaml(RunConfig, *split_config_and_overrides(path, overrides))

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from megatron_rl.config import ConfigError, load_yaml, split_config_and_overrides
+from megatron_rl.config import ConfigError
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,9 +16,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from megatron_rl.controller.loop import train
-    from megatron_rl.run_config import RunConfig
+    from megatron_rl.run_config import load_run_config
 
-    config = load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))
+    config = load_run_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         # The Controller is single-rank today: every torchrun rank would build its own rollout stream and
@@ -50,9 +50,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from megatron_rl.data.sources import build_datasets
     from megatron_rl.rewards.registry import Reward
     from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.run_config import RunConfig
+    from megatron_rl.run_config import load_run_config
 
-    config = load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))
+    config = load_run_config(args.config, args.overrides)
     model = load_pretrained(config.model.path)
     _, heldout = build_datasets(config.data)
     reward = Reward(config.reward)

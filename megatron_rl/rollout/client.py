@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_requests,
-                                        fan_out_samples, iter_named_tensors, wait_all)
+                                        iter_named_tensors, submit_each, wait_all)
 from megatron_rl.types import Completion
 
 
@@ -113,13 +113,7 @@ class HTTPEngine:
         return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        futures: list[Future] = []
-        for request in as_requests(requests):
-            samples = [Future() for _ in range(request.sampling.n)]
-            futures.extend(samples)
-            call = self._pool.submit(self._generate_batch, [request])
-            call.add_done_callback(lambda done, samples=samples: fan_out_samples(done, samples))
-        return futures
+        return submit_each(requests, lambda request: self._pool.submit(self._generate_batch, [request]))
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         from safetensors.torch import save as save_safetensors

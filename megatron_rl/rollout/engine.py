@@ -249,6 +249,17 @@ def as_requests(requests: Sequence[RequestLike] | GenerateRequest) -> list[Gener
     return [as_request(item, i) for i, item in enumerate(requests)]
 
 
+def submit_each(requests: Sequence[RequestLike] | GenerateRequest, launch) -> list[Future]:
+    """One Future per sample, for engines that serve a request as a whole: `launch(request)` returns a
+    future of the request's n completions, which are fanned out to the samples' futures."""
+    futures: list[Future] = []
+    for request in as_requests(requests):
+        samples = [Future() for _ in range(request.sampling.n)]
+        futures.extend(samples)
+        launch(request).add_done_callback(lambda done, samples=samples: fan_out_samples(done, samples))
+    return futures
+
+
 def validate_request(request: GenerateRequest, *, vocab_size: int, max_seq_len: int,
                      has_tokenizer: bool = True) -> None:
     """Checks shared by every engine; raise RequestError naming the request and the field."""

@@ -32,8 +32,8 @@ from typing import Any, Iterable, Sequence
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.client import completion_from_json
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, as_requests, fan_out_samples,
-                                        iter_named_tensors, wait_all)
+from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, iter_named_tensors,
+                                        submit_each, wait_all)
 from megatron_rl.types import Completion
 
 
@@ -87,13 +87,7 @@ class SGLangEngine:
         return wait_all(futures, timeout)
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
-        futures: list[Future] = []
-        for request in as_requests(requests):
-            samples = [Future() for _ in range(request.sampling.n)]
-            futures.extend(samples)
-            call = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
-            call.add_done_callback(lambda done, samples=samples: fan_out_samples(done, samples))
-        return futures
+        return submit_each(requests, lambda request: asyncio.run_coroutine_threadsafe(self._generate(request), self._loop))
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
         return [f.result() for f in self.submit(requests)]

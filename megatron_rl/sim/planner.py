@@ -237,10 +237,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.config import load_yaml, split_config_and_overrides
-    from megatron_rl.run_config import RunConfig
+    from megatron_rl.run_config import load_run_config
 
-    config = load_yaml(RunConfig, *split_config_and_overrides(args.config, args.overrides))
+    config = load_run_config(args.config, args.overrides)
     plan = make_plan(config)
     print(format_plan(plan))
     if args.json:
