@@ -94,6 +94,32 @@ class TrainBatch:
             return value[:, :width] if per_token else value
         return type(self)(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
+    def padded_rows(self, multiple: int) -> "TrainBatch":
+        """Rows of zeros (token 0, no loss anywhere) appended up to a multiple of `multiple` rows."""
+        extra = -self.batch_size % multiple
+        if not extra:
+            return self
+
+        def pad(value):
+            if not isinstance(value, torch.Tensor) or value.shape[:1] != self.tokens.shape[:1]:
+                return value
+            return torch.cat([value, value.new_zeros((extra, *value.shape[1:]))])
+
+        return type(self)(**{f.name: pad(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def data_parallel_share(self, dp_rank: int, dp_size: int, micro_batch_size: int) -> "TrainBatch":
+        """Data-parallel rank `dp_rank`'s rows of a global batch of a multiple of `micro_batch_size` x
+        `dp_size` rows: micro-batch i goes to rank i mod dp_size. Batches are built longest row first,
+        so every rank gets rows of similar lengths (no straggler rank), and rows a micro-batch keeps
+        together (e.g. a JEPO group) stay together."""
+        if self.batch_size % (micro_batch_size * dp_size):
+            raise ValueError(f"a global batch of {self.batch_size} rows does not split into micro-batches of "
+                             f"{micro_batch_size} rows over {dp_size} data-parallel ranks")
+        if dp_size == 1:
+            return self
+        micro = torch.arange(self.batch_size) // micro_batch_size
+        return self.select((micro % dp_size == dp_rank).nonzero().flatten())
+
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         for start in range(0, self.batch_size, micro_batch_size):
             yield self.select(slice(start, start + micro_batch_size))

@@ -106,61 +106,88 @@ class CheckpointManager:
     # --- save -------------------------------------------------------------------------------------
     def save(self, step: int, trainer, state: dict[str, Any], tokenizer=None,
              tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None = None) -> str:
-        """Write checkpoint `step` (single-controller process: this rank holds the whole trainer world).
+        """Write checkpoint `step`; a collective over the trainer's world (shared file system).
 
-        `tensors` maps a record name to (named tensors, JSON-able metadata), saved as `name.safetensors`
-        and read back with `load_tensors`. On any failure the temporary directory is removed and the
-        exception propagates: the previous checkpoint stays the latest."""
-        os.makedirs(self.root, exist_ok=True)
-        self._remove_leftovers()
+        Each rank writes its own files (its model shard once per data-parallel group, its optimizer and
+        RNG state); rank 0 writes the run-level records (`state`, and `tensors`: record name -> (named
+        tensors, JSON-able metadata), read back with `load_tensors`), the manifest and the commit. On
+        any rank's failure every rank raises, the temporary directory is removed and the previous
+        checkpoint stays the latest."""
+        from megatron_rl.controller.ranks import all_ranks_agree, barrier, rank as global_rank
+
+        rank = global_rank()
         final = os.path.join(self.root, _step_name(step))
         tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            os.makedirs(os.path.join(tmp, "model"))
-            os.makedirs(os.path.join(tmp, "optimizer"))
-            os.makedirs(os.path.join(tmp, "rng"))
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self._remove_leftovers()
+                shutil.rmtree(tmp, ignore_errors=True)
+                for sub in ("model", "optimizer", "rng"):
+                    os.makedirs(os.path.join(tmp, sub))
+            except BaseException as exc:
+                error = exc
+        if all_ranks_agree(error is None):
+            try:
+                self._write_rank_files(tmp, rank, trainer)
+            except BaseException as exc:
+                error = exc
+        if all_ranks_agree(error is None) and rank == 0:
+            try:
+                self._commit(tmp, final, step, trainer, state, tokenizer, tensors)
+            except BaseException as exc:
+                error = exc
+        if not all_ranks_agree(error is None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error if error is not None else CheckpointError(
+                f"checkpoint {final}: another rank failed to write its files (see its log)")
+        if rank == 0:
+            self._prune()
+        barrier()
+        return final
+
+    def _write_rank_files(self, tmp: str, rank: int, trainer) -> None:
+        if trainer.pg.dp.rank() == 0:  # one data-parallel replica holds every shard once
             shard = {k: v.detach().contiguous().cpu() for k, v in trainer.shard_state().items()}
             model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
             os.makedirs(os.path.dirname(model_file))
             save_file(shard, model_file)
-            if rank == 0:
-                write_megatron_meta(os.path.join(tmp, "model"), trainer.layout, tokenizer)
-            torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
-                        "step_count": trainer.step_count}, os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
-            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-            for name, (named, metadata) in (tensors or {}).items():
-                save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, f"{name}.safetensors"),
-                          metadata={"json": json.dumps(metadata)})
-            payload = {"step": step, "python_random": _encode_python_random(), **state}
-            with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=2)
-            manifest = {}
-            for folder, _, files in os.walk(tmp):
-                for file in files:
-                    path = os.path.join(folder, file)
-                    manifest[os.path.relpath(path, tmp)] = _file_record(path)
-            with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            with open(os.path.join(tmp, COMPLETE), "w") as f:
-                f.write("ok\n")
-                f.flush()
-                os.fsync(f.fileno())
-            for folder, _, _ in os.walk(tmp):
-                _fsync_dir(folder)
-            if os.path.exists(final):  # a previous attempt at this step (e.g. before a crash): move aside
-                os.rename(final, final + ".old")
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._point_latest_to(_step_name(step))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._prune()
-        return final
+        torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+                    "step_count": trainer.step_count}, os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+
+    def _commit(self, tmp: str, final: str, step: int, trainer, state: dict[str, Any], tokenizer,
+                tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None) -> None:
+        """Rank 0, after every rank wrote its files: run-level records, manifest, COMPLETE, rename, pointer."""
+        write_megatron_meta(os.path.join(tmp, "model"), trainer.layout, tokenizer)
+        for name, (named, metadata) in (tensors or {}).items():
+            save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, f"{name}.safetensors"),
+                      metadata={"json": json.dumps(metadata)})
+        payload = {"step": step, "python_random": _encode_python_random(), **state}
+        with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2)
+        manifest = {}
+        for folder, _, files in os.walk(tmp):
+            for file in files:
+                path = os.path.join(folder, file)
+                manifest[os.path.relpath(path, tmp)] = _file_record(path)
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(tmp, COMPLETE), "w") as f:
+            f.write("ok\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for folder, _, _ in os.walk(tmp):
+            _fsync_dir(folder)
+        if os.path.exists(final):  # a previous attempt at this step (e.g. before a crash): move aside
+            os.rename(final, final + ".old")
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._point_latest_to(_step_name(step))
 
     def _point_latest_to(self, name: str) -> None:
         pointer = os.path.join(self.root, LATEST)

@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 
-from megatron_rl.config import ConfigError
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,17 +18,10 @@ def run_train(args: argparse.Namespace) -> int:
     from megatron_rl.run_config import load_run_config
 
     config = load_run_config(args.config, args.overrides)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        # The Controller is single-rank today: every torchrun rank would build its own rollout stream and
-        # engines. Fail before touching GPUs rather than train N unsynchronised copies.
-        raise ConfigError(f"megatron-rl train was launched on {world} ranks (WORLD_SIZE), but the RL loop drives "
-                          "one trainer rank for now: run one trainer process (rollout engines may still be a "
-                          "remote SGLang generator group via cluster.generator.urls). Multi-rank trainers "
-                          "(TP/PP/DP over torchrun) are supported by MegatronTrainer itself, not yet by the loop.")
-    summary = train(config, resume=args.resume)
-    print(json.dumps({"accuracy_before": summary.accuracy_before, "accuracy_after": summary.accuracy_after,
-                      "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
+    summary = train(config, resume=args.resume)  # every rank of a torchrun / srun launch runs it
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"accuracy_before": summary.accuracy_before, "accuracy_after": summary.accuracy_after,
+                          "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
     return 0
 
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
+from megatron_rl.controller import ranks
 from megatron_rl.controller.curriculum import build_selector
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
@@ -32,6 +33,7 @@ from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import RunConfig
+from megatron_rl.trainer.parallel import init_distributed
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.weight_sync.channel import make_weight_channel
 
@@ -132,8 +134,29 @@ class PolicyExecutor:
     """Weight version: optimizer steps applied to it (what its samples' staleness is measured against)."""
 
 
+def check_multi_rank_support(config: RunConfig, world: int) -> None:
+    """Fail before any set-up when a run asks for what the multi-rank loop does not do yet."""
+    if world == 1:
+        return
+    unsupported = []
+    if config.waltz is not None:
+        unsupported.append("waltz (two trainers on the same ranks)")
+    if config.curriculum.kind == "pcl":
+        unsupported.append("curriculum.kind=pcl (its value model scores candidates on the driver mid-draw)")
+    if "likelihood" in config.eval.metrics:
+        unsupported.append("eval.metrics likelihood (evaluate the checkpoints with `megatron-rl eval --metric "
+                           "likelihood model.path=RUN_DIR/checkpoints/step_N/model`)")
+    if config.trainer.use_distributed_optimizer:
+        unsupported.append("trainer.use_distributed_optimizer (its sharded state is not checkpointed yet)")
+    if unsupported:
+        raise ConfigError(f"this run has {world} trainer ranks (WORLD_SIZE); the multi-rank RL loop does not "
+                          f"support yet: {'; '.join(unsupported)}. Run it on one trainer rank.")
+
+
 class Controller:
-    """Owns the executors of a colocated run (trainer and engine share this process's cores)."""
+    """Owns the executors of a run. Every trainer rank of the world constructs one and calls
+    `train_step` in lockstep; rank 0, the driver, also holds the engines, the prompt stream and the
+    rollout producer, and broadcasts each step's scored groups (controller/ranks.py)."""
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -144,9 +167,11 @@ class Controller:
             raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
         self.tokenizer = model.tokenizer
         self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
-        self.engine = make_engine(config, model)
+        self.is_driver = ranks.is_driver()
+        self.engine = make_engine(config, model) if self.is_driver else None
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
-                                       policy_arch=model.arch, policy_state=model.state, pg_collection=self.policy.pg)
+                                       policy_arch=model.arch, policy_state=model.state,
+                                       pg_collection=self.policy.pg) if self.is_driver else None
         self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
         self.weights = self.weight_channel(self.policy, self.engine)
         self.policies = [PolicyExecutor("policy", self.policy, self.engine, self.objective, self.weights)]
@@ -160,20 +185,27 @@ class Controller:
             from megatron_rl.controller.waltz_run import setup_waltz
 
             self.train_data, self.heldout, episodes = setup_waltz(self, config, model)
-        else:
+        elif self.is_driver:
             self.reward = Reward(config.reward)
             self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
+        else:  # trainer ranks receive scored groups from the driver
+            self.train_data, self.heldout = [], []
         del model
-        self.stream = PromptStream.from_config(self.train_data, config.data)
         self.version = 0
         self.last_prompt_ids: list[str] = []  # the prompts the last train_step consumed, in order
         os.makedirs(config.run_dir, exist_ok=True)
-        self.timeline = Timeline(os.path.join(config.run_dir, "timeline_rank0.json"))
-        self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
-                                        seed=config.seed, timeline=self.timeline,
-                                        max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
-                                        selector=self.selector, episodes=episodes)
-        self.selection_metrics = self.selector.prepare(self.rollouts)
+        self.timeline = Timeline(os.path.join(config.run_dir, f"timeline_rank{ranks.rank()}.json"),
+                                 process_name=f"rank {ranks.rank()}")
+        self.stream: PromptStream | None = None
+        self.rollouts: RolloutProducer | None = None
+        self.selection_metrics: dict[str, float] = {}
+        if self.is_driver:
+            self.stream = PromptStream.from_config(self.train_data, config.data)
+            self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
+                                            seed=config.seed, timeline=self.timeline,
+                                            max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
+                                            selector=self.selector, episodes=episodes)
+            self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
         self.offload = (rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
                         and len(self.policies) == 1)
@@ -191,7 +223,7 @@ class Controller:
 
     def _memory_to_trainer(self) -> dict[str, float]:
         """Colocated offload: the idle engine's memory goes to the trainer for its step."""
-        released = self.engine.release_memory_occupation() or {}
+        released = (self.engine.release_memory_occupation() if self.engine is not None else None) or {}
         moved = self.policy.move_optimizer_state(self._device)
         held = self.policy.memory_bytes()
         return {"memory/engine_kv_cache_released_bytes": float(released.get("kv_cache_bytes", 0)),
@@ -201,16 +233,17 @@ class Controller:
 
     def _memory_to_engine(self) -> None:
         self.policy.move_optimizer_state(self._host)
-        self.engine.resume_memory_occupation()
+        if self.engine is not None:
+            self.engine.resume_memory_occupation()
 
     def sync_weights(self, policy: PolicyExecutor | None = None) -> float:
         """Trainer -> engine weights of `policy` (default: every policy)."""
         start = time.perf_counter()
-        if self.config.rollout.deterministic:  # responses in flight finish under the old weights
+        if self.config.rollout.deterministic and self.is_driver:  # responses in flight finish under the old weights
             self.rollouts.drain()
         for p in [policy] if policy is not None else self.policies:
             with self.timeline.span("weight_sync", version=p.version, policy=p.name):
-                pause = self.config.rollout.weight_update == "pause"
+                pause = self.config.rollout.weight_update == "pause" and p.engine is not None
                 if pause:
                     p.engine.pause()
                 p.weights.push(p.version)
@@ -224,6 +257,9 @@ class Controller:
         return self.train_schedule(policy, step) if self.train_schedule is not None else True
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (eval/*) on the driver; {} on the other ranks."""
+        if not self.is_driver:
+            return {}
         with self.timeline.span("evaluate"):
             return self._evaluate()
 
@@ -239,16 +275,28 @@ class Controller:
                                               self.config.eval.likelihood, seed=self.config.seed))
         return {f"eval/{k}": v for k, v in result.items()}
 
+    def _next_groups(self) -> tuple[list, dict[str, float]]:
+        """The step's scored groups on every rank (produced by the driver, broadcast to the trainer
+        ranks) and the driver's rollout metrics ({} on the other ranks)."""
+        groups, metrics = None, {}
+        if self.is_driver:
+            self.rollouts.begin_step(self.version)
+            with self.timeline.span("wait_for_rollouts", version=self.version):
+                groups = self.rollouts.next_groups(self.version)
+            metrics = self.rollouts.pop_metrics()
+            metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
+        if ranks.world_size() > 1:
+            with self.timeline.span("broadcast_rollouts", version=self.version):
+                groups = ranks.broadcast_records(groups)
+        return groups, metrics
+
     def train_step(self) -> dict[str, float]:
+        """One training step on every rank; the full metrics (rollout/*, perf/*) on the driver."""
         start = time.perf_counter()
-        reward_before = self.rollouts.reward_time
-        self.rollouts.begin_step(self.version)
-        with self.timeline.span("wait_for_rollouts", version=self.version):
-            groups = self.rollouts.next_groups(self.version)
+        reward_before = self.rollouts.reward_time if self.is_driver else 0.0
+        groups, metrics = self._next_groups()
         self.last_prompt_ids = [g.prompt.prompt_id for g in groups]
         generated = time.perf_counter()
-        metrics: dict[str, float] = self.rollouts.pop_metrics()
-        metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
         sync_time = train_time = response_tokens = 0.0
         for policy in self.policies:
             own = groups if len(self.policies) == 1 else [
@@ -259,7 +307,8 @@ class Controller:
             response_tokens += policy_metrics["rollout/response_tokens"]
             metrics.update({prefix + k: v for k, v in policy_metrics.items()})
         trained = time.perf_counter()
-        metrics.update(self.selector.observe(groups, step=self.version))
+        if self.is_driver:
+            metrics.update(self.selector.observe(groups, step=self.version))
         observed = time.perf_counter()
         for policy in self.policies:
             if self.trains(policy, self.version):
@@ -267,10 +316,10 @@ class Controller:
                 sync_time += self.sync_weights(policy)
         self.version += 1
         elapsed = time.perf_counter() - start
-        reward_time = self.rollouts.reward_time - reward_before
+        reward_time = self.rollouts.reward_time - reward_before if self.is_driver else 0.0
         metrics.update({"perf/generate_time": generated - start - reward_time, "perf/reward_time": reward_time,
                         "perf/train_time": train_time, "perf/curriculum_time": observed - trained,
-                        "rollout/generated_samples_total": float(self.rollouts.generated_samples),
+                        "rollout/generated_samples_total": float(self.rollouts.generated_samples if self.is_driver else 0),
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
                         "perf/tokens_per_s": response_tokens / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
@@ -284,10 +333,14 @@ class Controller:
         metrics = dict(step.metrics)
         started = time.perf_counter()
         if step.batch is not None and self.trains(policy, self.version):
+            trainer = policy.trainer
+            micro = trainer.config.micro_batch_size
+            batch = step.batch.padded_rows(micro * trainer.dp_size).data_parallel_share(
+                trainer.pg.dp.rank(), trainer.dp_size, micro)
             if self.offload:
                 metrics.update(self._memory_to_trainer())
-            with self.timeline.span("train", version=policy.version, rows=step.batch.batch_size, policy=policy.name):
-                metrics.update(policy.trainer.train_step(step.batch, loss_fn))
+            with self.timeline.span("train", version=policy.version, rows=batch.batch_size, policy=policy.name):
+                metrics.update(trainer.train_step(batch, loss_fn))
             if self.offload:
                 self._memory_to_engine()
         metrics["perf/train_time"] = time.perf_counter() - started
@@ -296,71 +349,87 @@ class Controller:
     def close(self) -> None:
         self.timeline.write()
         for policy in self.policies:
-            policy.engine.close()
+            if policy.engine is not None:
+                policy.engine.close()
 
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json.
 
+    Launched directly it is a world of one; under torchrun / srun every trainer rank calls it, and
+    the driver (rank 0) alone writes the run directory's logs, ledger and summary (checkpoints are
+    written by every rank, each its own files).
+
     Besides metrics, `prompts.jsonl` records which prompts each step trained on (and which it skipped):
     on resume it is cut back to the checkpoint's step like metrics.jsonl, so after any number of
     crashes and resumes it lists every consumed prompt exactly once."""
     started = time.perf_counter()
+    check_multi_rank_support(config, int(os.environ.get("WORLD_SIZE", "1")))
+    init_distributed(config.trainer.parallel)
+    driver = ranks.is_driver()
     os.makedirs(config.run_dir, exist_ok=True)
-    with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(to_dict(config), f, indent=2)
+    if driver:
+        with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(to_dict(config), f, indent=2)
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
-    latest = checkpoints.latest() if resume else None  # before the (slow) set-up: a bad checkpoint fails fast
+    latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
     controller = Controller(config)
     state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0, "nonfinite_steps": 0,
                              "nonfinite_in_a_row": 0, "skipped_prompts": 0, "checkpoint_failures": 0}
     start_step = 0
     if resume:
         if latest is None:
-            print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
+            if driver:
+                print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
         else:
             if len(controller.policies) > 1:
                 raise ValueError("--resume of a multi-policy (waltz) run is not supported yet; start a new run_dir")
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
             controller.policies[0].version = controller.version
-            controller.stream.load_state_dict(saved["data"])
-            buffer = checkpoints.load_tensors(latest, "rollouts")
-            if buffer is not None:
-                controller.rollouts.load_state_dict(*buffer)
-            else:  # a checkpoint from before rollout buffers were saved
-                controller.rollouts.resume_at(start_step)
+            if driver:
+                controller.stream.load_state_dict(saved["data"])
+                buffer = checkpoints.load_tensors(latest, "rollouts")
+                if buffer is not None:
+                    controller.rollouts.load_state_dict(*buffer)
+                else:  # a checkpoint from before rollout buffers were saved
+                    controller.rollouts.resume_at(start_step)
             state.update(saved["controller"])
             controller.sync_weights()
-            print(f"resumed from {latest} at step {start_step} (version {controller.version})")
-    ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
-    truncate_jsonl(ledger_path, start_step)
-    truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
-    logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
-    ledger = open(ledger_path, "a", encoding="utf-8")
+            if driver:
+                print(f"resumed from {latest} at step {start_step} (version {controller.version})")
+    ledger = logger = None
+    if driver:
+        ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
+        truncate_jsonl(ledger_path, start_step)
+        truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
+        logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
+        ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}
     try:
-        if start_step == 0 and config.eval.before_training:
+        if start_step == 0 and config.eval.before_training and driver:
             before = controller.evaluate()
             state["accuracy_before"] = before["eval/accuracy"]
             state["eval_before"] = before
             logger.log(0, before)
             print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} ({len(controller.heldout)} prompts)")
         progress = tqdm(range(start_step, config.steps), desc="train", initial=start_step, total=config.steps,
-                        disable=config.logging.console_every > 0)
+                        disable=config.logging.console_every > 0 or not driver)
         for step in progress:
             metrics = controller.train_step()
             done = step + 1
-            state["reward_errors"] += int(metrics["rollout/reward_errors"])
-            state["skipped_prompts"] += int(metrics["rollout/skipped_prompts"])
-            nonfinite = bool(metrics.get("train/nonfinite", 0.0))
+            state["reward_errors"] += int(metrics.get("rollout/reward_errors", 0))
+            state["skipped_prompts"] += int(metrics.get("rollout/skipped_prompts", 0))
+            nonfinite = bool(metrics.get("train/nonfinite", 0.0))  # agreed by every trainer rank
             state["nonfinite_steps"] += int(nonfinite)
             state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if nonfinite else 0
-            ledger.write(json.dumps({"step": done, "prompts": controller.last_prompt_ids,
-                                     "skipped": controller.rollouts.last_skipped}) + "\n")
-            ledger.flush()
+            if driver:
+                ledger.write(json.dumps({"step": done, "prompts": controller.last_prompt_ids,
+                                         "skipped": controller.rollouts.last_skipped}) + "\n")
+                ledger.flush()
             if state["nonfinite_in_a_row"] >= config.trainer.max_nonfinite_steps_in_a_row:
-                logger.log(done, metrics)
+                if driver:
+                    logger.log(done, metrics)
                 raise TrainingDivergedError(
                     f"step {done}: the loss or gradients were NaN/Inf in {state['nonfinite_in_a_row']} steps in a "
                     f"row (trainer.max_nonfinite_steps_in_a_row={config.trainer.max_nonfinite_steps_in_a_row}); "
@@ -374,15 +443,16 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 segment = state["wall_time_s"] + (tick - started)
                 try:
                     checkpoints.save(done, controller.policy, {
-                        "version": controller.version, "data": controller.stream.state_dict(),
+                        "version": controller.version, "data": controller.stream.state_dict() if driver else None,
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
-                        tensors={"rollouts": controller.rollouts.state_dict()})
+                        tensors={"rollouts": controller.rollouts.state_dict()} if driver else None)
                     for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
                         CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint).save(
                             done, policy.trainer, {"version": policy.version}, tokenizer=controller.tokenizer)
                 except Exception as exc:
                     # The previous checkpoint is intact; a transient failure (disk full, flaky mount)
                     # should not end a long run, but the last checkpoint of the run must exist.
+                    # (Every rank gets the same outcome from the collective save.)
                     if done == config.steps:
                         raise
                     state["checkpoint_failures"] += 1
@@ -390,25 +460,45 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                     print(f"step {done}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
                           f"checkpoint remains the latest, training continues", file=sys.stderr)
                 metrics["perf/checkpoint_time"] = time.perf_counter() - tick
-            logger.log(done, metrics)
+            if driver:
+                logger.log(done, metrics)
         after = {"eval/accuracy": None}
-        if config.eval.after_training:
+        if config.eval.after_training and driver:
             after = controller.evaluate()
             logger.log(config.steps, after)
             print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
                   + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))
     finally:
-        ledger.close()
-        logger.close()
+        if driver:
+            ledger.close()
+            logger.close()
         controller.close()
-    if config.logging.plots:
-        write_plots(config.run_dir)
     summary = RunSummary(accuracy_before=state["accuracy_before"], accuracy_after=after["eval/accuracy"],
                          wall_time_s=state["wall_time_s"] + time.perf_counter() - started, steps=config.steps,
                          heldout_size=len(controller.heldout), reward_errors=state["reward_errors"],
                          nonfinite_steps=state["nonfinite_steps"], skipped_prompts=state["skipped_prompts"],
                          checkpoint_failures=state["checkpoint_failures"], final_metrics=metrics, eval_before=state.get("eval_before", {}),
                          eval_after={k: v for k, v in after.items() if v is not None})
-    with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(summary), f, indent=2)
+    if driver:
+        if config.logging.plots:
+            write_plots(config.run_dir)
+        with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(summary), f, indent=2)
     return summary
+
+
+def _latest_checkpoint(checkpoints: CheckpointManager) -> str | None:
+    """The checkpoint to resume from, chosen (and validated) once by the driver for every rank; a
+    CheckpointError (no usable checkpoint) is raised on every rank alike."""
+    from megatron_rl.checkpoint.manager import CheckpointError
+
+    found: tuple[str, str | None] | None = None
+    if ranks.is_driver():
+        try:
+            found = ("ok", checkpoints.latest())
+        except CheckpointError as exc:
+            found = ("error", str(exc))
+    kind, value = ranks.broadcast_records(found)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value

@@ -13,13 +13,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.controller.ranks import broadcast_records
 from megatron_rl.kernels.reshard import EngineLayout, build_reshard_plan
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
 
 
 class InProcessWeightChannel:
     """Trainer -> an engine through its `update_weights` (in this process, or a client of one): the
-    trainer's HF-named weights, optionally transformed first (e.g. rounded through fp8 blocks)."""
+    trainer's HF-named weights, optionally transformed first (e.g. rounded through fp8 blocks). With
+    several trainer ranks the shards are gathered to the driver, which holds the engine (None elsewhere)."""
 
     def __init__(self, trainer, engine, transform=None):
         self.trainer = trainer
@@ -28,15 +30,18 @@ class InProcessWeightChannel:
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        state = self.trainer.export_hf_state()
-        self.engine.update_weights(self.transform(state) if self.transform is not None else state, version)
+        state = self.trainer.export_hf_state() if dist.get_world_size() == 1 else self.trainer.gather_hf_state(dst=0)
+        if self.engine is not None:
+            self.engine.update_weights(self.transform(state) if self.transform is not None else state, version)
         return {"perf/weight_sync_time": time.perf_counter() - start}
 
 
 def make_weight_channel(trainer, engine, transform=None):
     """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
-    weights go as they are), else its `update_weights`."""
-    if transform is None and getattr(engine, "shared_weights", None) is not None:
+    weights go as they are), else its `update_weights`. Collective: every trainer rank calls it, the
+    driver (rank 0) with its engine, the others with None."""
+    shared = broadcast_records(transform is None and getattr(engine, "shared_weights", None) is not None)
+    if shared:
         return SharedMemoryWeightChannel(trainer, engine)
     return InProcessWeightChannel(trainer, engine, transform)
 

@@ -1,0 +1,129 @@
+"""The RL loop on several trainer ranks (one torchrun-style world, gloo on loopback): the driver's
+rollouts reach every rank, each trains on its data-parallel share, weights return to the engine, and
+checkpoints hold every rank's files.
+
+The data-parallel run is compared with a world of one on the same config: the trainer's loss hook is a
+share of the global loss, so the two must end with the same weights (up to float summation order)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.controller.launch import run_distributed
+from tests.test_loop import _config
+
+
+def _train(rank, world_size, model_path, run_dir, extra):
+    from megatron_rl.controller.loop import train
+
+    summary = train(_config(model_path, run_dir, *extra))
+    return summary.final_metrics
+
+
+def _checkpoint(run_dir):
+    root = os.path.join(run_dir, "checkpoints")
+    step = open(os.path.join(root, "latest")).read().strip()
+    return os.path.join(root, step)
+
+
+def _shard(checkpoint, tp_rank=0):
+    return load_file(os.path.join(checkpoint, "model", f"mp_rank_{tp_rank:02d}_000", "model.safetensors"))
+
+
+def test_data_parallel_run_matches_a_single_rank_run(tmp_path, tiny_chat_model):
+    extra = ["rollout.deterministic=true", "steps=2", "checkpoint.every_steps=0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    [alone] = run_distributed(_train, 1, tiny_chat_model, one, extra)
+    metrics = run_distributed(_train, 2, tiny_chat_model, two, extra)
+    # Adam would hide a mis-scaled gradient in the weights; the loss and gradient norm do not.
+    assert metrics[0]["train/loss"] == pytest.approx(alone["train/loss"], rel=1e-4, abs=1e-6)
+    assert metrics[0]["train/grad_norm"] == pytest.approx(alone["train/grad_norm"], rel=1e-4)
+
+    records = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
+    assert [r["step"] for r in records if "rollout/reward_mean" in r] == [1, 2]  # the driver logs every step
+    assert metrics[0]["train/loss"] == pytest.approx(metrics[1]["train/loss"])  # reduced over DP ranks
+    assert "perf/reward_time" in metrics[0]  # the driver's rollout producer scored the groups
+    assert {"timeline_rank0.json", "timeline_rank1.json"} <= set(os.listdir(two))
+
+    single, parallel = _checkpoint(one), _checkpoint(two)
+    assert sorted(os.listdir(os.path.join(parallel, "optimizer"))) == ["rank_00000.pt", "rank_00001.pt"]
+    assert metrics[0]["train/grad_norm"] > 0  # the runs trained: not two untouched copies compared
+    reference, trained = _shard(single), _shard(parallel)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=2e-5, msg=name)
+    assert json.load(open(os.path.join(parallel, "state.json")))["step"] == 2
+
+
+def test_tensor_parallel_async_run_syncs_the_engine_and_resumes(tmp_path, tiny_chat_model):
+    """TP=2 trainer ranks write their shards into the generator process's arena (checksummed after
+    every sync), generation runs one version ahead; a resumed multi-rank run continues the ledger."""
+    run_dir = str(tmp_path / "tp2")
+    extra = ["trainer.parallel.tensor_parallel=2", "rollout.placement=disaggregated", "rollout.max_staleness=1",
+             "rollout.verify_weight_sync=true", "steps=2"]
+    metrics = run_distributed(_train, 2, tiny_chat_model, run_dir, extra)
+    assert metrics[0]["rollout/staleness_max"] <= 1
+    checkpoint = _checkpoint(run_dir)
+    assert {"mp_rank_00_000", "mp_rank_01_000"} <= set(os.listdir(os.path.join(checkpoint, "model")))
+
+    resumed = run_distributed(_resume, 2, tiny_chat_model, run_dir, extra + ["steps=3"])
+    assert resumed[0]["train/version"] == 3.0
+    ledger = [json.loads(line) for line in open(os.path.join(run_dir, "prompts.jsonl"))]
+    assert [r["step"] for r in ledger] == [1, 2, 3]
+    consumed = [p for r in ledger for p in r["prompts"]]
+    assert len(consumed) == len(set(consumed))  # no prompt trained twice across the resume
+
+
+def _resume(rank, world_size, model_path, run_dir, extra):
+    from megatron_rl.controller.loop import train
+
+    return train(_config(model_path, run_dir, *extra), resume=True).final_metrics
+
+
+def test_unsupported_multi_rank_features_fail_before_set_up(tiny_chat_model, tmp_path):
+    from megatron_rl.config import ConfigError
+    from megatron_rl.controller.loop import check_multi_rank_support
+
+    config = _config(tiny_chat_model, str(tmp_path), "curriculum.kind=pcl")
+    check_multi_rank_support(config, 1)
+    with pytest.raises(ConfigError, match="curriculum.kind=pcl"):
+        check_multi_rank_support(config, 4)
+
+
+def test_data_parallel_shares_partition_the_padded_batch():
+    from megatron_rl.types import TrainBatch
+
+    rows, width, micro, dp = 10, 6, 2, 2
+    batch = TrainBatch(tokens=torch.arange(rows * width).view(rows, width) + 1, loss_mask=torch.ones(rows, width),
+                       advantages=torch.randn(rows, width))
+    padded = batch.padded_rows(micro * dp)
+    assert padded.batch_size == 12 and not padded.loss_mask[rows:].any() and not padded.tokens[rows:].any()
+    shares = [padded.data_parallel_share(r, dp, micro) for r in range(dp)]
+    # micro-batch i -> rank i mod dp: rank 0 gets rows 0,1, 4,5, 8,9; rank 1 rows 2,3, 6,7, 10,11
+    assert shares[0].tokens[:, 0].tolist() == [padded.tokens[r, 0].item() for r in (0, 1, 4, 5, 8, 9)]
+    assert sorted(torch.cat([s.tokens[:, 0] for s in shares]).tolist()) == sorted(padded.tokens[:, 0].tolist())
+    torch.testing.assert_close(shares[1].advantages[:2], batch.advantages[2:4])
+    with pytest.raises(ValueError, match="does not split into micro-batches of 2 rows over 2"):
+        batch.data_parallel_share(0, dp, micro)
+
+
+def test_a_rank_whose_micro_batch_is_all_padding_trains_with_the_rest(tiny_arch):
+    """Padding to micro-batches x DP ranks can leave a rank a micro-batch with no loss token."""
+    from megatron_rl.algorithms import LossConfig, make_loss_fn
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.types import TrainBatch
+
+    trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))
+    tokens = torch.randint(0, tiny_arch.vocab_size, (2, 8))
+    mask = torch.zeros(2, 8)
+    mask[:, 4:] = 1
+    batch = TrainBatch(tokens=tokens, loss_mask=mask, advantages=mask.clone(),
+                       behaviour_logprobs=torch.zeros(2, 8)).padded_rows(4)
+    config = LossConfig(name="aipo")
+    metrics = trainer.train_step(batch, make_loss_fn(config, float(mask.sum())))
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    assert metrics["train/nonfinite"] == 0.0
