@@ -1,5 +1,6 @@
-"""Weight sync from a Megatron trainer at TP=2 x PP=2 to an engine process at TP=1: after every sync the
-engine's weights equal the trainer's (every tensor checksummed on both sides)."""
+"""Weight sync from a Megatron trainer at TP=2 x PP=2 to an engine at TP=1: after every sync the
+engine's weights equal the trainer's. Two channels: the shared-memory arena of an engine process (every
+tensor checksummed on both sides) and bucketed assembly on rank 0 for an engine held there."""
 from __future__ import annotations
 
 import torch
@@ -15,26 +16,34 @@ def _sync_worker(rank, world_size, arch, state, batch):
     from megatron_rl.rollout.native import NativeEngineConfig
     from megatron_rl.trainer.parallel import ParallelConfig
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
-    from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.weight_sync.channel import InProcessWeightChannel, SharedMemoryWeightChannel
 
     torch.set_num_threads(1)
     trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2),
                                                   micro_batch_size=2, lr=1e-2, vocab_divisible_by=1), hf_state=state)
-    generator = None
+    generator = engine = None
     if rank == 0:
         generator = GeneratorProcess(arch, state, config=NativeEngineConfig(max_batch_size=2), verify_weights=True)
+        engine = NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=2))
     try:
         channel = SharedMemoryWeightChannel(trainer, generator)
+        # buckets far smaller than the model: many reduce rounds, tensors split across ranks in each
+        buckets = InProcessWeightChannel(trainer, engine, bucket_bytes=16 << 10)
         normalizer = batch.loss_mask.sum()
         mismatches = []
         for version in (1, 2):
             trainer.train_step(batch, lambda lp, mb, ent: (-(lp * mb.loss_mask).sum() / normalizer, {}))
             channel.push(version)  # verify mode: the engine's checksums must equal the shared buffer's
+            buckets.push(version)
             expected = trainer.gather_hf_state(dst=0)
             if rank == 0:
                 views = channel.arena_views[1 - generator.staging_index]  # the arena the engine adopted
                 assert set(views) == set(expected), sorted(set(views) ^ set(expected))
                 mismatches.append([n for n in expected if not torch.equal(views[n], expected[n])])
+                held = engine.named_weights()
+                assert set(held) == set(expected) and engine.version == version
+                mismatches[-1] += [f"bucketed {n}" for n in expected if not torch.equal(held[n], expected[n])]
                 assert generator.version == version
                 assert generator.health()["process_alive"]
         dist.barrier()
@@ -42,6 +51,7 @@ def _sync_worker(rank, world_size, arch, state, batch):
     finally:
         if generator is not None:
             generator.close()
+            engine.close()
 
 
 def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):

@@ -1,14 +1,19 @@
-"""The weight channel from a Megatron trainer (any TP x PP x DP) to a generator process on the host.
+"""Weight channels from a Megatron trainer (any TP x PP x DP) to the rollout engine.
 
-Planned once from the two layouts (Megatron shards -> the engine's HF tensors, `kernels.reshard`);
-then every push has each trainer rank of data-parallel replica 0 write its own shard's slices
-straight into the generator's staging weight arena (shared memory the engine will compute from; no
-gather of the model on one rank, no copy in the engine), a barrier, and the owner rank commits the
-new version: the generator adopts that arena between two decode steps.
+Both are planned once from the two layouts (Megatron shards -> the engine's HF tensors, `kernels.reshard`).
+- `SharedMemoryWeightChannel`, to a generator process on the host: every push has each trainer rank of
+  data-parallel replica 0 write its own shard's slices straight into the generator's staging weight
+  arena (shared memory the engine will compute from; no gather of the model on one rank, no copy in
+  the engine), a barrier, and the owner rank commits the new version: the generator adopts that
+  arena between two decode steps.
+- `InProcessWeightChannel`, to an engine the driver holds (in-process, or the client of an SGLang
+  generator group): the engine's `update_weights`, fed bucket by bucket with several trainer ranks.
 """
 from __future__ import annotations
 
+import math
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,19 +26,68 @@ from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
 class InProcessWeightChannel:
     """Trainer -> an engine through its `update_weights` (in this process, or a client of one): the
     trainer's HF-named weights, optionally transformed first (e.g. rounded through fp8 blocks). With
-    several trainer ranks the shards are gathered to the driver, which holds the engine (None elsewhere)."""
+    several trainer ranks the driver holds the engine (None elsewhere) and the weights reach it bucket
+    by bucket (`assemble_hf_buckets`): the whole model is never gathered on one rank."""
 
-    def __init__(self, trainer, engine, transform=None):
+    def __init__(self, trainer, engine, transform=None, *, bucket_bytes: int = 256 << 20):
         self.trainer = trainer
         self.engine = engine
         self.transform = transform
+        self.bucket_bytes = bucket_bytes
+        self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1)) \
+            if dist.get_world_size() > 1 else None
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        state = self.trainer.export_hf_state() if dist.get_world_size() == 1 else self.trainer.gather_hf_state(dst=0)
-        if self.engine is not None:
+        if self.plan is None:
+            state = self.trainer.export_hf_state()
             self.engine.update_weights(self.transform(state) if self.transform is not None else state, version)
+            return {"perf/weight_sync_time": time.perf_counter() - start}
+        named = assemble_hf_buckets(self.trainer, self.plan, self.bucket_bytes)
+        try:
+            if self.engine is not None:
+                # a transform (fp8 rounding) needs whole tensors by name: the one case that gathers them all
+                weights = self.transform(dict(named)) if self.transform is not None else named
+                self.engine.update_weights(weights, version)
+        finally:
+            for _ in named:  # the other ranks take part in every bucket's collective
+                pass
         return {"perf/weight_sync_time": time.perf_counter() - start}
+
+
+def assemble_hf_buckets(trainer, plan, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's weights as HF-named tensors on global rank 0, bucket by bucket; a collective that
+    every trainer rank iterates to its end (rank 0 alone yields). Each rank of data-parallel replica 0
+    copies its shard's slices of the bucket's tensors (the reshard plan to one engine rank) into a
+    zeroed flat buffer, and one sum-reduce over the model-parallel group assembles the bucket on rank 0:
+    the plan writes every element exactly once, so the sum is the tensor."""
+    if trainer.pg.dp.rank() != 0:
+        return
+    shard = trainer.shard_state()
+    first = next(iter(shard.values()))
+    group, group_size = trainer.pg.mp, trainer.pg.mp.size()
+    shapes = plan.shapes[0]
+    names = list(shapes)
+    start = 0
+    while start < len(names):
+        end, size = start, 0
+        while end < len(names) and (end == start or size + math.prod(shapes[names[end]]) * first.element_size()
+                                    <= bucket_bytes):
+            size += math.prod(shapes[names[end]]) * first.element_size()
+            end += 1
+        bucket = names[start:end]
+        flat = torch.zeros(size // first.element_size(), dtype=first.dtype, device=first.device)
+        views, offset = {}, 0
+        for name in bucket:
+            count = math.prod(shapes[name])
+            views[name] = flat[offset:offset + count].view(shapes[name])
+            offset += count
+        write_shard(plan, trainer.pp_rank, trainer.tp_rank, shard, {0: views}, partial=True)
+        if group_size > 1:
+            dist.reduce(flat, dst=0, group=group)
+        if dist.get_rank() == 0:
+            yield from views.items()
+        start = end
 
 
 def make_weight_channel(trainer, engine, transform=None):

@@ -84,15 +84,18 @@ def _map(path: str, layout: BucketLayout) -> torch.Tensor:
 
 
 def write_shard(plan: ReshardPlan, pp_rank: int, tp_rank: int, shard: Mapping[str, torch.Tensor],
-                destinations: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
+                destinations: Mapping[int, Mapping[str, torch.Tensor]], *, partial: bool = False) -> int:
     """Copy Megatron shard (pp_rank, tp_rank) into every engine rank's HF-named destination tensors it
     feeds, following the reshard plan. Returns the bytes written. Each trainer rank calls this for its
-    own shard; together they fill the destinations completely (the plan covers every element once)."""
+    own shard; together they fill the destinations completely (the plan covers every element once).
+    `partial`: the destinations hold only some of the tensors (one bucket); the others are skipped."""
     written = 0
     with torch.no_grad():
         for engine_rank, copies in plan.copies_from(pp_rank, tp_rank).items():
             targets = destinations[engine_rank]
             for copy in copies:
+                if partial and copy.dst not in targets:
+                    continue
                 source = shard[copy.src[2]].detach()
                 s2 = source.view(source.shape[0], -1) if source.dim() != 1 else source.view(-1, 1)
                 target = targets[copy.dst]
