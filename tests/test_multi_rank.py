@@ -127,3 +127,31 @@ def test_a_rank_whose_micro_batch_is_all_padding_trains_with_the_rest(tiny_arch)
     metrics = trainer.train_step(batch, make_loss_fn(config, float(mask.sum())))
     assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
     assert metrics["train/nonfinite"] == 0.0
+
+
+def _train_jepo(rank, world_size, model_path, run_dir, data_path):
+    from megatron_rl.controller.loop import train
+    from tests.test_jepo import _loop_config
+
+    summary = train(_loop_config(model_path, run_dir, data_path, "rollout.deterministic=true",
+                                 "algorithm.loss.kl_coef=0.001", "checkpoint.save_at_end=true"))
+    return summary.eval_before, summary.eval_after, summary.final_metrics
+
+
+def test_jepo_with_likelihood_evaluation_on_two_data_parallel_ranks(tmp_path, tiny_chat_model):
+    """JEPO keeps whole groups in a micro-batch, scores a* in the same forward, runs a frozen KL
+    reference on the trainer ranks, and evaluates the held-out bound with every rank scoring: the
+    data-parallel run ends where the single-rank run ends."""
+    from tests.test_jepo import _references
+
+    data = _references(tmp_path)
+    [alone] = run_distributed(_train_jepo, 1, tiny_chat_model, str(tmp_path / "one"), data)
+    both = run_distributed(_train_jepo, 2, tiny_chat_model, str(tmp_path / "two"), data)
+    (before, after, metrics), (_, rank1_after, _) = both
+    assert before["eval/nll_bound"] == pytest.approx(alone[0]["eval/nll_bound"], rel=1e-6)
+    assert after["eval/nll_bound"] == pytest.approx(alone[1]["eval/nll_bound"], rel=1e-4)
+    assert after["eval/nll_bound"] != pytest.approx(before["eval/nll_bound"], rel=1e-6)  # it trained
+    assert rank1_after == {}  # only the driver reports
+    assert metrics["train/grad_norm"] == pytest.approx(alone[2]["train/grad_norm"], rel=1e-4)
+    for name, tensor in _shard(_checkpoint(str(tmp_path / "one"))).items():
+        torch.testing.assert_close(_shard(_checkpoint(str(tmp_path / "two")))[name], tensor, rtol=0, atol=2e-5)

@@ -143,9 +143,6 @@ def check_multi_rank_support(config: RunConfig, world: int) -> None:
         unsupported.append("waltz (two trainers on the same ranks)")
     if config.curriculum.kind == "pcl":
         unsupported.append("curriculum.kind=pcl (its value model scores candidates on the driver mid-draw)")
-    if "likelihood" in config.eval.metrics:
-        unsupported.append("eval.metrics likelihood (evaluate the checkpoints with `megatron-rl eval --metric "
-                           "likelihood model.path=RUN_DIR/checkpoints/step_N/model`)")
     if config.trainer.use_distributed_optimizer:
         unsupported.append("trainer.use_distributed_optimizer (its sharded state is not checkpointed yet)")
     if unsupported:
@@ -257,13 +254,19 @@ class Controller:
         return self.train_schedule(policy, step) if self.train_schedule is not None else True
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics (eval/*) on the driver; {} on the other ranks."""
-        if not self.is_driver:
-            return {}
+        """Held-out metrics (eval/*) on the driver; {} on the other ranks. Every rank calls it (likelihood
+        scoring runs on the trainer ranks)."""
         with self.timeline.span("evaluate"):
             return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
+        if not self.is_driver:
+            if "likelihood" in self.config.eval.metrics:
+                from megatron_rl.rewards.likelihood import evaluate_likelihood
+
+                evaluate_likelihood(None, self.policy, self.tokenizer, [], self.config.eval.likelihood,
+                                    seed=self.config.seed)
+            return {}
         if self.evaluate_hook is not None:
             return {f"eval/{k}": v for k, v in self.evaluate_hook().items()}
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
@@ -407,12 +410,14 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}
     try:
-        if start_step == 0 and config.eval.before_training and driver:
+        if start_step == 0 and config.eval.before_training:
             before = controller.evaluate()
-            state["accuracy_before"] = before["eval/accuracy"]
-            state["eval_before"] = before
-            logger.log(0, before)
-            print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} ({len(controller.heldout)} prompts)")
+            if driver:
+                state["accuracy_before"] = before["eval/accuracy"]
+                state["eval_before"] = before
+                logger.log(0, before)
+                print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} "
+                      f"({len(controller.heldout)} prompts)")
         progress = tqdm(range(start_step, config.steps), desc="train", initial=start_step, total=config.steps,
                         disable=config.logging.console_every > 0 or not driver)
         for step in progress:
@@ -463,8 +468,9 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             if driver:
                 logger.log(done, metrics)
         after = {"eval/accuracy": None}
+        if config.eval.after_training:
+            after = controller.evaluate() or after
         if config.eval.after_training and driver:
-            after = controller.evaluate()
             logger.log(config.steps, after)
             print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
                   + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))

@@ -99,8 +99,32 @@ def evaluate_likelihood(engine, scorer, tokenizer, prompts, config: LikelihoodEv
     """Held-out proxy NLL of the references with the n-sample bound (module docstring).
 
     `scorer` has `compute_logprobs(TrainBatch) -> [B, S]` (the trainer, or any model wrapper);
-    `engine` samples the chains of thought. Prompts without a reference are an error."""
+    `engine` samples the chains of thought. Prompts without a reference are an error. With several
+    trainer ranks every rank calls this: the driver (rank 0) with the engine and the prompts, the others
+    with engine=None; the rows are broadcast, every rank scores them (the trainer's forward is a
+    collective), and the driver returns the metrics ({} elsewhere)."""
     from megatron_rl.algorithms.jepo import proxy_nll
+    from megatron_rl.controller.ranks import broadcast_records
+
+    sampled = _sample_reference_rows(engine, tokenizer, prompts, config, seed) if engine is not None else None
+    rows, ref_tokens, found_count = broadcast_records(sampled)
+    scores = score_rows(scorer, rows, pad_token_id=tokenizer.pad_token_id, micro_batch_rows=config.micro_batch_rows)
+    if engine is None:
+        return {}
+    n = config.samples
+    l = torch.tensor(scores, dtype=torch.float64).view(len(prompts), n)
+    nll = proxy_nll(l, torch.ones_like(l, dtype=torch.bool))
+    total_tokens = sum(ref_tokens)
+    return {"nll_bound": float(nll.mean()) if len(prompts) else math.nan,
+            "nll_bound_per_token": float(nll.sum()) / max(total_tokens, 1),
+            "nll_jensen": float(-l.mean()) if len(prompts) else math.nan,
+            "marker_fraction": found_count / max(len(rows), 1),
+            "likelihood_prompts": float(len(prompts)), "likelihood_samples": float(n)}
+
+
+def _sample_reference_rows(engine, tokenizer, prompts, config: LikelihoodEvalConfig, seed: int):
+    """n chains of thought per prompt from `engine`, each followed by the prompt's reference: (rows of
+    (token ids, reference length), reference lengths per prompt, chains that had the answer marker)."""
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 
     missing = [p.prompt_id for p in prompts if not p.answer]
@@ -126,12 +150,4 @@ def evaluate_likelihood(engine, scorer, tokenizer, prompts, config: LikelihoodEv
             if not found:
                 c_ids = _strip_stop(tokenizer, c_ids) + marker_ids
             rows.append((list(completion.prompt_ids) + c_ids + ref, len(ref)))
-    scores = score_rows(scorer, rows, pad_token_id=tokenizer.pad_token_id, micro_batch_rows=config.micro_batch_rows)
-    l = torch.tensor(scores, dtype=torch.float64).view(len(prompts), n)
-    nll = proxy_nll(l, torch.ones_like(l, dtype=torch.bool))
-    total_tokens = sum(ref_tokens)
-    return {"nll_bound": float(nll.mean()) if len(prompts) else math.nan,
-            "nll_bound_per_token": float(nll.sum()) / max(total_tokens, 1),
-            "nll_jensen": float(-l.mean()) if len(prompts) else math.nan,
-            "marker_fraction": found_count / max(len(rows), 1),
-            "likelihood_prompts": float(len(prompts)), "likelihood_samples": float(n)}
+    return rows, ref_tokens, found_count
