@@ -155,3 +155,36 @@ def test_jepo_with_likelihood_evaluation_on_two_data_parallel_ranks(tmp_path, ti
     assert metrics["train/grad_norm"] == pytest.approx(alone[2]["train/grad_norm"], rel=1e-4)
     for name, tensor in _shard(_checkpoint(str(tmp_path / "one"))).items():
         torch.testing.assert_close(_shard(_checkpoint(str(tmp_path / "two")))[name], tensor, rtol=0, atol=2e-5)
+
+
+def _save_with_failing_rank(rank, world_size, arch, root):
+    import megatron_rl.checkpoint.manager as manager_module
+    from megatron_rl.checkpoint.manager import CheckpointConfig, CheckpointManager
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+
+    trainer = MegatronTrainer(arch, TrainerConfig())
+    manager = CheckpointManager(root, CheckpointConfig(keep_last=3))
+    manager.save(1, trainer, {"version": 1})
+    real_save = manager_module.torch.save
+
+    def failing_save(obj, path, *args, **kwargs):  # rank 1 only: its optimizer file hits a full disk
+        if rank == 1 and "step_00000002" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    manager_module.torch.save = failing_save
+    try:
+        manager.save(2, trainer, {"version": 2})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_rank_failing_its_checkpoint_files_fails_the_save_on_every_rank(tmp_path, tiny_arch):
+    root = str(tmp_path / "run")
+    outcomes = run_distributed(_save_with_failing_rank, 2, tiny_arch, root)
+    assert outcomes[1] == "OSError: [Errno 28] No space left on device"
+    assert outcomes[0].startswith("CheckpointError") and "another rank failed" in outcomes[0]
+    checkpoints = os.path.join(root, "checkpoints")
+    assert sorted(os.listdir(checkpoints)) == ["latest", "step_00000001"]  # no step 2, no .tmp left
+    assert open(os.path.join(checkpoints, "latest")).read().strip() == "step_00000001"
