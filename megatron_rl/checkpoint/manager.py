@@ -4,7 +4,8 @@ cursor, the rollout buffer, the step and weight version, and the controller's ow
 Layout of one checkpoint (`run_dir/checkpoints/step_00000010/`):
     model/                                        a Megatron checkpoint directory (`megatron-rl convert`
                                                   and `model.path` read it): one shard per trainer rank
-    optimizer/rank_{global:05d}.pt                optimizer + LR scheduler state (tensors and plain data)
+    optimizer/rank_{global:05d}.pt                optimizer + LR scheduler state (tensors and plain data;
+                                                  with the distributed optimizer, this rank's shard)
     rng/rank_{global:05d}.pt                      torch (and CUDA tracker) RNG states
     {name}.safetensors                            extra tensor records, e.g. rollouts.safetensors: the
                                                   rollout buffer (tokens, behaviour log-probs, per-token
@@ -154,7 +155,7 @@ class CheckpointManager:
             model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
             os.makedirs(os.path.dirname(model_file))
             save_file(shard, model_file)
-        torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+        torch.save({**_optimizer_state(trainer), "scheduler": trainer.scheduler.state_dict(),
                     "step_count": trainer.step_count}, os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
 
@@ -290,7 +291,7 @@ class CheckpointManager:
                                   "(was the checkpoint written with another parallel layout?)")
         trainer.load_shard(load_file(model_file))
         opt = _safe_torch_load(os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
-        trainer.optimizer.load_state_dict(opt["optimizer"])
+        _load_optimizer_state(trainer, opt, os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
         trainer.scheduler.load_state_dict(opt["scheduler"])
         trainer.step_count = int(opt["step_count"])
         _set_rng_state(_safe_torch_load(os.path.join(path, "rng", f"rank_{rank:05d}.pt")))
@@ -320,6 +321,40 @@ def _safe_torch_load(path: str) -> Any:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(f"{path}: refused to load (it holds objects other than tensors and plain data, "
                               f"and checkpoints are never unpickled): {first}") from None
+
+
+def _optimizer_state(trainer) -> dict[str, Any]:
+    """The optimizer's state on this rank. Megatron's distributed optimizer (ZeRO-1) leaves its per-rank
+    shards out of `state_dict()` (they are meant for its own sharded checkpoint format): each rank saves
+    the inner optimizer's state (Adam moments, steps) and its fp32 main-parameter shard instead, to be
+    loaded by the same rank of the same TP x PP x DP layout."""
+    if not trainer.config.use_distributed_optimizer:
+        return {"optimizer": trainer.optimizer.state_dict()}
+    return {"sharded": [{"inner": w.optimizer.state_dict(),
+                         "main_params": [p.detach().cpu() for g in w.optimizer.param_groups for p in g["params"]]}
+                        for w in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
+
+
+def _load_optimizer_state(trainer, saved: dict[str, Any], where: str) -> None:
+    if ("sharded" in saved) != bool(trainer.config.use_distributed_optimizer):
+        raise CheckpointError(f"{where}: written with trainer.use_distributed_optimizer="
+                              f"{'sharded' in saved}, this run has {trainer.config.use_distributed_optimizer}")
+    if "sharded" not in saved:
+        trainer.optimizer.load_state_dict(saved["optimizer"])
+        return
+    wrappers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    if len(wrappers) != len(saved["sharded"]):
+        raise CheckpointError(f"{where}: {len(saved['sharded'])} optimizer shards, this rank has {len(wrappers)}")
+    for wrapper, shard in zip(wrappers, saved["sharded"]):
+        params = [p for g in wrapper.optimizer.param_groups for p in g["params"]]
+        shapes = [tuple(p.shape) for p in params]
+        if shapes != [tuple(t.shape) for t in shard["main_params"]]:
+            raise CheckpointError(f"{where}: the optimizer shard does not fit this rank (was the checkpoint "
+                                  "written with another parallel layout or world size?)")
+        wrapper.optimizer.load_state_dict(shard["inner"])
+        with torch.no_grad():
+            for param, value in zip(params, shard["main_params"]):
+                param.copy_(value)
 
 
 def _rng_state() -> dict[str, Any]:

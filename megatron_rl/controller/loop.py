@@ -143,8 +143,6 @@ def check_multi_rank_support(config: RunConfig, world: int) -> None:
         unsupported.append("waltz (two trainers on the same ranks)")
     if config.curriculum.kind == "pcl":
         unsupported.append("curriculum.kind=pcl (its value model scores candidates on the driver mid-draw)")
-    if config.trainer.use_distributed_optimizer:
-        unsupported.append("trainer.use_distributed_optimizer (its sharded state is not checkpointed yet)")
     if unsupported:
         raise ConfigError(f"this run has {world} trainer ranks (WORLD_SIZE); the multi-rank RL loop does not "
                           f"support yet: {'; '.join(unsupported)}. Run it on one trainer rank.")
