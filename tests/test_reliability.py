@@ -371,6 +371,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, tiny_chat_mode
         tp_rank = pp_rank = 0
         step_count = 3
         pg = type("Groups", (), {"dp": type("DataParallel", (), {"rank": staticmethod(lambda: 0)})()})()
+        config = type("TrainerConfig", (), {"use_distributed_optimizer": False})()
 
         def __init__(self):
             from megatron_rl.checkpoints_tools.pretrained import read_megatron_layout
