@@ -101,9 +101,9 @@ class EnginePool:
                 self._sender = self._sender_factory()
             named = iter_named_tensors(named_tensors)
             if self._fp8_block_size:
-                from megatron_rl.weight_sync.fp8 import quantize_state
+                from megatron_rl.weight_sync.fp8 import iter_quantized
 
-                named = quantize_state(named, self._fp8_block_size).items()
+                named = iter_quantized(named, self._fp8_block_size)
             self._sender.push(named, version)
         if version is not None:
             self._version = int(version)

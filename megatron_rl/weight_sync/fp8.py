@@ -15,7 +15,7 @@ which reproduces the fp8 model's numbers up to the GEMM's accumulation order.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -65,16 +65,20 @@ def quantize_state(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
                    ) -> dict[str, torch.Tensor]:
     """HF-named weights for an fp8 engine: `X.weight` (float8_e4m3fn) + `X.weight_scale_inv` (fp32) for
     each layer projection; other tensors unchanged (SGLang's block-quantized checkpoint naming)."""
+    return dict(iter_quantized(named, block))
+
+
+def iter_quantized(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], block: int = 128
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`quantize_state` one tensor at a time, for weights streamed bucket by bucket (never all held)."""
     items = named.items() if isinstance(named, Mapping) else named
-    out: dict[str, torch.Tensor] = {}
     for name, tensor in items:
         if is_quantized_weight(name, tensor):
             q, scale_inv = quantize_blockwise(tensor, block)
-            out[name] = q
-            out[name + "_scale_inv"] = scale_inv
+            yield name, q
+            yield name + "_scale_inv", scale_inv
         else:
-            out[name] = tensor
-    return out
+            yield name, tensor
 
 
 def fake_quantize_state(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], block: int = 128
