@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 import shutil
+from typing import Callable
 
 
 import torch
@@ -31,14 +32,28 @@ from megatron_rl.models import ModelArch
 MEGATRON_META = "megatron_rl_checkpoint.json"
 
 
-@dataclasses.dataclass
 class Pretrained:
-    """A model in HF layout: architecture, tensors by HF name, and (when the source had one) a tokenizer."""
+    """A model in HF layout: architecture, tensors by HF name, and (when the source had one) a tokenizer.
+    Loaded with `lazy=True`, the tensors are read on the first access of `state` (a trainer rank that
+    reads its own Megatron shard, or is given weights by the driver, never holds the whole model)."""
 
-    arch: ModelArch
-    state: dict[str, torch.Tensor]
-    tokenizer: ChatTokenizer | None
-    source: str
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | None, tokenizer: ChatTokenizer | None,
+                 source: str, *, load_state: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.arch = arch
+        self._state = state
+        self._load_state = load_state
+        self.tokenizer = tokenizer
+        self.source = source
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self._state is None and self._load_state is not None:
+            self._state = self._load_state()
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, torch.Tensor]) -> None:
+        self._state = value
 
 
 def smollm2_gguf_path() -> str:
@@ -61,7 +76,9 @@ def resolve_model_path(path: str) -> str:
     return os.path.expanduser(path)
 
 
-def load_pretrained(path: str) -> Pretrained:
+def load_pretrained(path: str, *, lazy: bool = False) -> Pretrained:
+    """The model at `path` (alias, GGUF file, HF or Megatron directory). `lazy`: read only the
+    architecture and tokenizer now, the tensors on first use of `.state` (GGUF files are read whole)."""
     path = resolve_model_path(path)
     if os.path.isfile(path):
         if path.endswith(".gguf") or _has_gguf_magic(path):
@@ -71,11 +88,17 @@ def load_pretrained(path: str) -> Pretrained:
     if not os.path.isdir(path):
         raise ConfigError(f"model path not found: {path}")
     if os.path.isfile(os.path.join(path, MEGATRON_META)):
-        layout, shards = load_megatron(path)
-        return Pretrained(layout.arch, megatron_to_hf(shards, layout), _maybe_tokenizer(path), path)
+        def megatron_state() -> dict[str, torch.Tensor]:
+            layout, shards = load_megatron(path)
+            return megatron_to_hf(shards, layout)
+
+        arch = read_megatron_layout(path).arch
+        return Pretrained(arch, None if lazy else megatron_state(), _maybe_tokenizer(path), path,
+                          load_state=megatron_state)
     if os.path.isfile(os.path.join(path, "config.json")):
         arch = ModelArch.from_json(os.path.join(path, "config.json"))
-        return Pretrained(arch, read_safetensors_dir(path), _maybe_tokenizer(path), path)
+        return Pretrained(arch, None if lazy else read_safetensors_dir(path), _maybe_tokenizer(path), path,
+                          load_state=lambda: read_safetensors_dir(path))
     raise ConfigError(f"{path}: not a model directory (no config.json, no {MEGATRON_META})")
 
 

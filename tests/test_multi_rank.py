@@ -81,6 +81,24 @@ def test_tensor_parallel_async_run_syncs_the_engine_and_resumes(tmp_path, tiny_c
     consumed = [p for r in ledger for p in r["prompts"]]
     assert len(consumed) == len(set(consumed))  # no prompt trained twice across the resume
 
+    # A new run from that Megatron checkpoint (TP=2, like the trainer): each trainer rank reads only its
+    # own shard; the driver alone loads the whole model, for its engine.
+    model = os.path.join(_checkpoint(run_dir), "model")
+    loads = run_distributed(_train_counting_full_loads, 2, model, str(tmp_path / "from_megatron"),
+                            ["trainer.parallel.tensor_parallel=2", "steps=1", "eval.before_training=false"])
+    assert loads == [1, 0]
+
+
+def _train_counting_full_loads(rank, world_size, model_path, run_dir, extra):
+    """Train, counting how often this rank read a whole model (rather than its own shard)."""
+    import megatron_rl.checkpoints_tools.pretrained as pretrained
+
+    loads = []
+    real = pretrained.load_megatron
+    pretrained.load_megatron = lambda path: loads.append(path) or real(path)
+    _train(rank, world_size, model_path, run_dir, extra)
+    return len(loads)
+
 
 def _resume(rank, world_size, model_path, run_dir, extra):
     from megatron_rl.controller.loop import train

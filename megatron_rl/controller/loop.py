@@ -34,7 +34,7 @@ from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import RunConfig
 from megatron_rl.trainer.parallel import init_distributed
-from megatron_rl.trainer.trainer import MegatronTrainer
+from megatron_rl.trainer.trainer import MegatronTrainer, load_policy
 from megatron_rl.weight_sync.channel import make_weight_channel
 
 
@@ -157,15 +157,18 @@ class Controller:
         self.config = config
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-        model = load_pretrained(config.model.path)
+        # Tensors are read when first needed: a trainer rank of a Megatron checkpoint at its own layout
+        # reads only its shard; the whole model is loaded where an engine or a frozen copy needs it.
+        model = load_pretrained(config.model.path, lazy=True)
         if model.tokenizer is None:
             raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
         self.tokenizer = model.tokenizer
-        self.policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
+        self.policy = load_policy(config.model.path, config.trainer, pretrained=model)
         self.is_driver = ranks.is_driver()
         self.engine = make_engine(config, model) if self.is_driver else None
+        value_from_policy = config.curriculum.kind == "pcl"  # PCL's value model starts from the policy's weights
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
-                                       policy_arch=model.arch, policy_state=model.state,
+                                       policy_arch=model.arch, policy_state=model.state if value_from_policy else None,
                                        pg_collection=self.policy.pg) if self.is_driver else None
         self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
         self.weights = self.weight_channel(self.policy, self.engine)

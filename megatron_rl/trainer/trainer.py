@@ -477,9 +477,10 @@ class MegatronTrainer:
         return {(n if "/" in n else f"train/{n}"): float(v) for n, v in zip(names, values.tolist())}
 
 
-def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None) -> MegatronTrainer:
+def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, pretrained=None) -> MegatronTrainer:
     """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
-    read shard by shard (each rank reads only its own file); any other source is converted in memory."""
+    read shard by shard (each rank reads only its own file); any other source is converted in memory
+    (from `pretrained`, a `load_pretrained(model_path, lazy=True)` the caller also uses, when given)."""
     from megatron_rl.checkpoints_tools.pretrained import (
         MEGATRON_META, load_megatron_shard, load_pretrained, read_megatron_layout, resolve_model_path)
 
@@ -493,7 +494,7 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None) -
                 trainer.tp_size, trainer.pp_size, trainer.layout.layer_spec, trainer.layout.padded_vocab_size):
             trainer.load_shard(load_megatron_shard(path, trainer.tp_rank, trainer.pp_rank))
             return trainer
-        trainer.load_hf_state(load_pretrained(path).state)
+        trainer.load_hf_state((pretrained or load_pretrained(path)).state)
         return trainer
-    model = load_pretrained(path)
+    model = pretrained or load_pretrained(path)
     return MegatronTrainer(model.arch, config, pg_collection=pg_collection, hf_state=model.state)
