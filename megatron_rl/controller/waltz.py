@@ -283,6 +283,7 @@ class WaltzEpisodes:
                 for episode in episodes:
                     f.write(json.dumps(episode_record(episode, self.stage)) + "\n")
         samples = []
+        self._count_group(prompt, episodes)
         for episode in episodes:
             self._count(episode)
             for turn in episode.turns:
@@ -318,6 +319,20 @@ class WaltzEpisodes:
         c["sum_rc_first"] = c.get("sum_rc_first", 0.0) + first
         c["sum_rc_final"] = c.get("sum_rc_final", 0.0) + episode.responses()[-1].reward["reward"]
 
+    def _count_group(self, prompt: Any, episodes: Sequence[Episode]) -> None:
+        """Per prompt group: is there a learning signal (rewards that differ within the group), and the
+        first answers' unsafe / over-refusal rates by prompt kind."""
+        c = self._counts
+        first = [e.responses()[0] for e in episodes]
+        feedback = [e.feedbacks()[0].reward["reward"] for e in episodes if e.feedbacks()]
+        c["groups"] = c.get("groups", 0) + 1
+        c["mixed_rc_groups"] = c.get("mixed_rc_groups", 0) + int(len({t.reward["reward"] for t in first}) > 1)
+        c["mixed_rf_groups"] = c.get("mixed_rf_groups", 0) + int(len(set(feedback)) > 1)
+        kind = prompt_kind(prompt)
+        c[f"first_{kind}"] = c.get(f"first_{kind}", 0) + len(first)
+        c[f"first_{kind}_unsafe"] = c.get(f"first_{kind}_unsafe", 0) + sum(t.labels.unsafe for t in first)
+        c[f"first_{kind}_overrefuse"] = c.get(f"first_{kind}_overrefuse", 0) + sum(t.labels.overrefuse for t in first)
+
     def pop_metrics(self) -> dict[str, float]:
         """waltz/* metrics of the episodes collected since the last call (malformed feedback counted)."""
         c, self._counts = self._counts, {}
@@ -331,7 +346,14 @@ class WaltzEpisodes:
                 "waltz/feedback_label_accuracy": c.get("sum_label", 0.0) / turns,
                 "waltz/dir_mean": c.get("sum_dir", 0.0) / turns,
                 "waltz/conversation_reward_first": c.get("sum_rc_first", 0.0) / n,
-                "waltz/conversation_reward_final": c.get("sum_rc_final", 0.0) / n}
+                "waltz/conversation_reward_final": c.get("sum_rc_final", 0.0) / n,
+                # Groups whose first answers (R_c) or first feedbacks (R_f) differ: the ones with a
+                # within-prompt contrast to learn from.
+                "waltz/conversation_mixed_groups": c.get("mixed_rc_groups", 0) / max(c.get("groups", 0), 1),
+                "waltz/feedback_mixed_groups": c.get("mixed_rf_groups", 0) / max(c.get("groups", 0), 1),
+                "waltz/train_asr_first": c.get("first_harmful_unsafe", 0) / max(c.get("first_harmful", 0), 1),
+                "waltz/train_overrefusal_first": (c.get("first_benign_edgy_overrefuse", 0) + c.get("first_benign_overrefuse", 0))
+                / max(c.get("first_benign_edgy", 0) + c.get("first_benign", 0), 1)}
 
 
 def episode_record(episode: Episode, stage: int) -> dict[str, Any]:
