@@ -361,7 +361,9 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     train(_waltz_config(tiny_chat_model, interrupted, *extra, "steps=2"))
     summary = train(_waltz_config(tiny_chat_model, interrupted, *extra), resume=True)
     assert summary.steps == 3
-    ledger = lambda run: [p for line in open(os.path.join(run, "prompts.jsonl")) for p in json.loads(line)["prompts"]]  # noqa: E731
+    def ledger(run):
+        return [p for line in open(os.path.join(run, "prompts.jsonl")) for p in json.loads(line)["prompts"]]
+
     assert ledger(interrupted) == ledger(straight) and len(ledger(straight)) == 3 * 2
     records = [json.loads(line) for line in open(os.path.join(interrupted, "metrics.jsonl"))]
     steps = [r for r in records if "waltz/stage" in r]

@@ -387,7 +387,8 @@ class RolloutProducer:
             if not 0 <= index < len(dataset) or dataset[index].prompt_id != group["prompt_id"]:
                 raise DataError(f"checkpoint rollout buffer: prompt {group['prompt_id']!r} (data set index {index}) "
                                 f"is not in the training data any more (the data or its config changed)")
-            return _Pending(index, dataset[index], int(group["step"]), time.perf_counter(), slot=int(group.get("slot", 0)))
+            return _Pending(index, dataset[index], int(group["step"]), time.perf_counter(),
+                            slot=int(group.get("slot", 0)))
 
         episode_groups = metadata.get("episode_groups", [])
         if episode_groups and self.episodes is None:
