@@ -369,6 +369,8 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     steps = [r for r in records if "waltz/stage" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["waltz/stage"] == 2
     assert steps[-1]["feedback/rollout/staleness_max"] <= max_staleness  # the feedback engine got its weights
+    episode_steps = [json.loads(line)["step"] for line in open(os.path.join(interrupted, "episodes.jsonl"))]
+    assert sorted(episode_steps) == [1] * 4 + [2] * 4 + [3] * 4  # each step's episodes recorded once
     state = json.load(open(os.path.join(interrupted, "feedback", "checkpoints", "step_00000003", "state.json")))
     assert state["version"] == 3  # restored at 2, one more step
     for sub in ((), ("feedback",)):

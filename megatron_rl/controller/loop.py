@@ -355,6 +355,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
     truncate_jsonl(ledger_path, start_step)
     truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
+    truncate_jsonl(os.path.join(config.run_dir, "episodes.jsonl"), start_step)  # multi-agent episode records
     logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
     ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}

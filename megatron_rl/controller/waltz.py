@@ -256,6 +256,7 @@ class WaltzEpisodes:
         self.samples_per_prompt = samples_per_prompt
         self.record_path = record_path
         self.stage = 1 if config.stage1_steps > 0 else 2
+        self.step = 0  # the 0-based training step whose episodes are collected next
         self.reward_time = 0.0
         self._counts: dict[str, float] = {}
 
@@ -291,6 +292,7 @@ class WaltzEpisodes:
     def begin_step(self, step: int) -> None:
         """The stage (and so lambda) of the step whose episodes are collected next."""
         self.stage = training_stage(step, self.config.stage1_steps)
+        self.step = step
 
     def submit(self, prompt: Any, request_id: str, seed: int | None) -> list[Future]:
         runs = [_EpisodeRun(self, prompt, f"{request_id}-e{k}", None if seed is None else seed + 7919 * k)
@@ -307,7 +309,7 @@ class WaltzEpisodes:
         if self.record_path:
             with open(self.record_path, "a", encoding="utf-8") as f:
                 for episode in episodes:
-                    f.write(json.dumps(episode_record(episode, self.stage)) + "\n")
+                    f.write(json.dumps(episode_record(episode, self.stage, step=self.step + 1)) + "\n")
         samples = []
         self._count_group(prompt, episodes)
         for episode in episodes:
@@ -383,8 +385,9 @@ class WaltzEpisodes:
                 / max(c.get("first_benign_edgy", 0) + c.get("first_benign", 0), 1)}
 
 
-def episode_record(episode: Episode, stage: int) -> dict[str, Any]:
-    """A JSON-able record of an episode: every turn with the policy versions that produced it."""
+def episode_record(episode: Episode, stage: int, step: int | None = None) -> dict[str, Any]:
+    """A JSON-able record of an episode: every turn with the policy versions that produced it, and the
+    (1-based) training step that trained on it, as metrics.jsonl counts steps."""
     turns = []
     for t in episode.turns:
         item = {"role": t.role, "round": t.round, "text": t.text, "versions": sorted(set(t.completion.weight_versions)),
@@ -394,7 +397,8 @@ def episode_record(episode: Episode, stage: int) -> dict[str, Any]:
         if t.feedback is not None:
             item["parsed"] = dataclasses.asdict(t.feedback)
         turns.append(item)
-    return {"prompt_id": episode.prompt_id, "stage": stage, "end": episode.end, "turns": turns}
+    return {"prompt_id": episode.prompt_id, **({"step": step} if step is not None else {}), "stage": stage,
+            "end": episode.end, "turns": turns}
 
 
 def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, config: WaltzConfig, prompts: Sequence[Any],
