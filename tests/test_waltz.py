@@ -354,25 +354,27 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     again after resume, so every prompt is trained on once, in the uninterrupted run's order."""
     from megatron_rl.controller.loop import train
 
-    extra = [f"rollout.max_staleness={max_staleness}"]
+    # Step 3 is stage 1 (the feedback agent trains: its label rewards vary), step 4 stage 2 (both train).
+    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3"]
     straight = str(tmp_path / "straight")
     train(_waltz_config(tiny_chat_model, straight, *extra))
     interrupted = str(tmp_path / "interrupted")
     train(_waltz_config(tiny_chat_model, interrupted, *extra, "steps=2"))
     summary = train(_waltz_config(tiny_chat_model, interrupted, *extra), resume=True)
-    assert summary.steps == 3
+    assert summary.steps == 4
+
     def ledger(run):
         return [p for line in open(os.path.join(run, "prompts.jsonl")) for p in json.loads(line)["prompts"]]
 
-    assert ledger(interrupted) == ledger(straight) and len(ledger(straight)) == 3 * 2
+    assert ledger(interrupted) == ledger(straight) and len(ledger(straight)) == 4 * 2
     records = [json.loads(line) for line in open(os.path.join(interrupted, "metrics.jsonl"))]
     steps = [r for r in records if "waltz/stage" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["waltz/stage"] == 2
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["waltz/stage"] == 2
     assert steps[-1]["feedback/rollout/staleness_max"] <= max_staleness  # the feedback engine got its weights
     episode_steps = [json.loads(line)["step"] for line in open(os.path.join(interrupted, "episodes.jsonl"))]
-    assert sorted(episode_steps) == [1] * 4 + [2] * 4 + [3] * 4  # each step's episodes recorded once
-    state = json.load(open(os.path.join(interrupted, "feedback", "checkpoints", "step_00000003", "state.json")))
-    assert state["version"] == 3  # restored at 2, one more step
+    assert sorted(episode_steps) == [s for s in (1, 2, 3, 4) for _ in range(4)]  # each step's episodes once
+    state = json.load(open(os.path.join(interrupted, "feedback", "checkpoints", "step_00000004", "state.json")))
+    assert state["version"] == 4  # restored at 2, two more steps
     for sub in ((), ("feedback",)):
         before = _weights(straight, *sub) if max_staleness == 0 else None
         after = _weights(interrupted, *sub)
