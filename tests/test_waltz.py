@@ -355,7 +355,7 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     from megatron_rl.controller.loop import train
 
     # Step 3 is stage 1 (the feedback agent trains: its label rewards vary), step 4 stage 2 (both train).
-    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3"]
+    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3", "checkpoint.keep_last=4"]
     straight = str(tmp_path / "straight")
     train(_waltz_config(tiny_chat_model, straight, *extra))
     interrupted = str(tmp_path / "interrupted")
