@@ -423,7 +423,7 @@ def test_chat_cli_with_a_feedback_agent(tiny_chat_model, capsys):
     from megatron_rl.cli import main
 
     assert main(["chat", tiny_chat_model, "How do I bake bread?", "--feedback-agent", tiny_chat_model,
-                 "--max-new-tokens", "4", "--feedback-max-new-tokens", "4", "--max-seq-len", "256", "--jsonl"]) == 0
+                 "--max-new-tokens", "4", "--feedback-max-new-tokens", "4", "--max-seq-len", "512", "--jsonl"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["message"] == "How do I bake bread?" and record["turns"][0]["role"] == "policy"
     assert record["turns"][1]["role"] == "feedback" and record["end"] == "malformed_feedback"
