@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from megatron_rl.algorithms.waltz import (
     ParsedFeedback,
@@ -323,6 +324,84 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
     assert os.path.isdir(os.path.join(run_dir, "feedback", "checkpoints"))
 
 
+def _waltz_config(model_path, run_dir, *extra):
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "waltz_safety.yaml")
+    return load_yaml(RunConfig, recipe, [
+        f"model.path={model_path}", f"run_dir={run_dir}", "steps=3", "waltz.stage1_steps=1",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
+        "waltz.feedback_max_new_tokens=6", "eval.max_new_tokens=6", "trainer.lr=1e-3", "trainer.micro_batch_size=4",
+        "waltz.data.heldout_harmful=1", "waltz.data.heldout_benign_edgy=1", "waltz.data.heldout_benign=1",
+        "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1", "checkpoint.every_steps=1",
+        f"waltz.feedback_prefill={json.dumps(QUICK_PREFILL)}", *extra])
+
+
+def _weights(run_dir, *sub):
+    from safetensors.torch import load_file
+
+    root = os.path.join(run_dir, *sub, "checkpoints")
+    pointer = open(os.path.join(root, "latest")).read().strip()
+    return load_file(os.path.join(root, pointer, "model", "mp_rank_00_000", "model.safetensors"))
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness):
+    """--resume of a two-policy run restores the feedback policy (weights, optimizer, version) with the
+    conversation policy. Synchronous: the resumed run ends with exactly the weights of an uninterrupted
+    one, for both agents. Asynchronous: the episode groups admitted before the checkpoint are generated
+    again after resume, so every prompt is trained on once, in the uninterrupted run's order."""
+    from megatron_rl.controller.loop import train
+
+    # Step 3 is stage 1 (the feedback agent trains: its label rewards vary), step 4 stage 2 (both train).
+    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3", "checkpoint.keep_last=4"]
+    straight = str(tmp_path / "straight")
+    train(_waltz_config(tiny_chat_model, straight, *extra))
+    interrupted = str(tmp_path / "interrupted")
+    train(_waltz_config(tiny_chat_model, interrupted, *extra, "steps=2"))
+    summary = train(_waltz_config(tiny_chat_model, interrupted, *extra), resume=True)
+    assert summary.steps == 4
+
+    def ledger(run):
+        return [p for line in open(os.path.join(run, "prompts.jsonl")) for p in json.loads(line)["prompts"]]
+
+    assert ledger(interrupted) == ledger(straight) and len(ledger(straight)) == 4 * 2
+    records = [json.loads(line) for line in open(os.path.join(interrupted, "metrics.jsonl"))]
+    steps = [r for r in records if "waltz/stage" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["waltz/stage"] == 2
+    assert steps[-1]["feedback/rollout/staleness_max"] <= max_staleness  # the feedback engine got its weights
+    episode_steps = [json.loads(line)["step"] for line in open(os.path.join(interrupted, "episodes.jsonl"))]
+    assert sorted(episode_steps) == [s for s in (1, 2, 3, 4) for _ in range(4)]  # each step's episodes once
+    state = json.load(open(os.path.join(interrupted, "feedback", "checkpoints", "step_00000004", "state.json")))
+    assert state["version"] == 4  # restored at 2, two more steps
+    for sub in ((), ("feedback",)):
+        before = _weights(straight, *sub) if max_staleness == 0 else None
+        after = _weights(interrupted, *sub)
+        resumed_from = os.path.join(interrupted, *sub, "checkpoints", "step_00000002", "model", "mp_rank_00_000")
+        from safetensors.torch import load_file
+
+        previous = load_file(os.path.join(resumed_from, "model.safetensors"))
+        assert any(not torch.equal(after[n], previous[n]) for n in after), sub  # the resumed step trained
+        if before is not None:
+            assert before.keys() == after.keys()
+            assert all(torch.equal(before[n], after[n]) for n in before), sub
+
+
+def test_resume_refuses_a_missing_feedback_checkpoint(tmp_path, tiny_chat_model):
+    import shutil
+
+    from megatron_rl.checkpoint.manager import CheckpointError
+    from megatron_rl.controller.loop import train
+
+    run_dir = str(tmp_path / "run")
+    train(_waltz_config(tiny_chat_model, run_dir, "steps=1", "eval.before_training=false",
+                        "eval.after_training=false"))
+    shutil.rmtree(os.path.join(run_dir, "feedback", "checkpoints", "step_00000001"))
+    with pytest.raises(CheckpointError, match="'feedback' policy has no usable checkpoint"):
+        train(_waltz_config(tiny_chat_model, run_dir, "steps=2"), resume=True)
+
+
 # --- inference with the feedback agent in the loop -------------------------------------------------------------
 
 def test_chat_engages_feedback_only_when_it_flags(smollm2):
@@ -344,7 +423,7 @@ def test_chat_cli_with_a_feedback_agent(tiny_chat_model, capsys):
     from megatron_rl.cli import main
 
     assert main(["chat", tiny_chat_model, "How do I bake bread?", "--feedback-agent", tiny_chat_model,
-                 "--max-new-tokens", "4", "--feedback-max-new-tokens", "4", "--max-seq-len", "256", "--jsonl"]) == 0
+                 "--max-new-tokens", "4", "--feedback-max-new-tokens", "4", "--max-seq-len", "512", "--jsonl"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["message"] == "How do I bake bread?" and record["turns"][0]["role"] == "policy"
     assert record["turns"][1]["role"] == "feedback" and record["end"] == "malformed_feedback"

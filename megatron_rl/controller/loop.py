@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from megatron_rl.checkpoint.manager import CheckpointManager
+from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller import ranks
@@ -357,6 +357,25 @@ class Controller:
                 policy.engine.close()
 
 
+def policy_checkpoints(config: RunConfig, policy: PolicyExecutor) -> CheckpointManager:
+    """Checkpoints of a further policy of a multi-policy run (e.g. WaltzRL's feedback agent):
+    RUN_DIR/<name>/checkpoints, written at the same steps as the first policy's."""
+    return CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint)
+
+
+def load_policy_checkpoint(config: RunConfig, policy: PolicyExecutor, first_policy_checkpoint: str) -> int:
+    """Restore `policy`'s trainer from its checkpoint of the same step as `first_policy_checkpoint`
+    (the first policy's, which decides the step resumed from); return its weight version."""
+    manager = policy_checkpoints(config, policy)
+    path = os.path.join(manager.root, os.path.basename(first_policy_checkpoint))
+    problem = (f"{path} is missing" if not os.path.isfile(os.path.join(path, COMPLETE))
+               else CheckpointManager.validate(path))
+    if problem is not None:
+        raise CheckpointError(f"--resume: the {policy.name!r} policy has no usable checkpoint for the step of "
+                              f"{first_policy_checkpoint} ({problem}); both policies must resume from the same step")
+    return int(manager.load(path, policy.trainer)["version"])
+
+
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json.
 
@@ -386,8 +405,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             if driver:
                 print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
         else:
-            if len(controller.policies) > 1:
-                raise ValueError("--resume of a multi-policy (waltz) run is not supported yet; start a new run_dir")
+            for policy in controller.policies[1:]:  # before the first policy's load: its RNG state wins
+                policy.version = load_policy_checkpoint(config, policy, latest)
             saved = checkpoints.load(latest, controller.policy)
             start_step, controller.version = saved["step"], saved["version"]
             controller.policies[0].version = controller.version
@@ -407,6 +426,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
         truncate_jsonl(ledger_path, start_step)
         truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
+        truncate_jsonl(os.path.join(config.run_dir, "episodes.jsonl"), start_step)  # multi-agent episode records
         logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
         ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}
@@ -453,8 +473,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
                         tensors={"rollouts": controller.rollouts.state_dict()} if driver else None)
                     for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
-                        CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint).save(
-                            done, policy.trainer, {"version": policy.version}, tokenizer=controller.tokenizer)
+                        policy_checkpoints(config, policy).save(done, policy.trainer, {"version": policy.version},
+                                                                tokenizer=controller.tokenizer)
                 except Exception as exc:
                     # The previous checkpoint is intact; a transient failure (disk full, flaky mount)
                     # should not end a long run, but the last checkpoint of the run must exist.

@@ -138,6 +138,8 @@ class _Pending:
     """perf_counter() at submission."""
     futures: list[Future] = dataclasses.field(default_factory=list)
     """One future per sample (resolves to a Completion)."""
+    slot: int = 0
+    """Its position among the step's groups (with the step, it names the request and its seed)."""
 
 
 class RolloutProducer:
@@ -168,6 +170,7 @@ class RolloutProducer:
         self._in_flight: list[_Pending] = []
         self._skipped: dict[int, list[str]] = {}  # step -> ids of overlong prompts skipped while drawing it
         self._admitted_steps = 0  # training steps whose groups have been submitted
+        self._unsubmitted: list[_Pending] = []  # restored episode groups, submitted at the next admission
         self._reward_time = 0.0  # seconds spent scoring single-turn groups, cumulative
         self.episodes = episodes
         self.last_skipped: list[str] = []  # prompt ids skipped for the step next_groups returned last
@@ -222,14 +225,16 @@ class RolloutProducer:
         groups admitted together go to the engine in one submission (one scheduling decision, so
         deterministic mode sees the same batches on every run)."""
         requests, pending = [], []
+        for group in self._unsubmitted:  # restored from a checkpoint; already in _in_flight, in order
+            self._submit_episodes(group)
+        self._unsubmitted = []
         while self._admitted_steps <= trainer_version + self.config.max_staleness:
             step = self._admitted_steps
             for slot, (index, prompt, ids) in enumerate(self._draw(step)):
-                # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
-                seed = (self.seed * 1_000_003 + step * 1009 + slot) % (2 ** 31)
+                seed = self._group_seed(step, slot)
                 if self.episodes is not None:
-                    group = _Pending(index, prompt, step, time.perf_counter())
-                    group.futures = self.episodes.submit(prompt, f"s{step}-p{slot}-{prompt.prompt_id}", seed)
+                    group = _Pending(index, prompt, step, time.perf_counter(), slot=slot)
+                    self._submit_episodes(group)
                     self._in_flight.append(group)
                     continue
                 requests.append(GenerateRequest(request_id=f"s{step}-p{slot}-{prompt.prompt_id}", prompt_ids=ids,
@@ -245,6 +250,15 @@ class RolloutProducer:
         for i, group in enumerate(pending):
             group.futures = futures[i * n:(i + 1) * n]
         self._in_flight.extend(pending)
+
+    def _group_seed(self, step: int, slot: int) -> int:
+        # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
+        return (self.seed * 1_000_003 + step * 1009 + slot) % (2 ** 31)
+
+    def _submit_episodes(self, group: _Pending) -> None:
+        group.submitted = time.perf_counter()
+        group.futures = self.episodes.submit(group.prompt, f"s{group.step}-p{group.slot}-{group.prompt.prompt_id}",
+                                             self._group_seed(group.step, group.slot))
 
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
@@ -321,11 +335,17 @@ class RolloutProducer:
 
         Responses still being generated are finished first (under the engine's current weights, as
         they would have been), so the saved buffer holds whole samples with their per-token versions;
-        a resumed run consumes them exactly as the interrupted run would have. Groups of a custom
-        episode producer are not buffered (such runs do not resume yet): only their count is kept."""
+        a resumed run consumes them exactly as the interrupted run would have. Groups of an episode
+        producer (multi-turn, multi-agent) keep only their prompt, step and slot: a resumed run
+        generates them again, with the same seeds, under the restored weights (so no prompt is lost or
+        repeated, but their samples are those of the resumed weights, not of the interrupted run)."""
         self.drain()
+        skipped = {str(step): ids for step, ids in self._skipped.items()}
         if self.episodes is not None:
-            return {}, {"admitted_steps": self._admitted_steps, "groups": [], "unbuffered_groups": len(self._in_flight)}
+            groups = [{"index": p.index, "prompt_id": p.prompt.prompt_id, "step": p.step, "slot": p.slot}
+                      for p in self._in_flight]
+            return {}, {"admitted_steps": self._admitted_steps, "groups": [], "episode_groups": groups,
+                        "skipped": skipped}
         columns: dict[str, list] = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "weight_versions": []}
         groups = []
         for pending in self._in_flight:
@@ -346,8 +366,7 @@ class RolloutProducer:
                    "output_ids": torch.tensor(columns["output_ids"], dtype=torch.int64),
                    "output_logprobs": torch.tensor(columns["output_logprobs"], dtype=torch.float64),
                    "weight_versions": torch.tensor(columns["weight_versions"], dtype=torch.int64)}
-        metadata = {"admitted_steps": self._admitted_steps, "groups": groups,
-                    "skipped": {str(step): ids for step, ids in self._skipped.items()}}
+        metadata = {"admitted_steps": self._admitted_steps, "groups": groups, "skipped": skipped}
         return tensors, metadata
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
@@ -363,13 +382,22 @@ class RolloutProducer:
             offsets[name] = start + count
             return tensors[name][start:start + count].tolist()
 
-        restored = []
-        for group in metadata["groups"]:
+        def restore(group: dict[str, Any]) -> _Pending:
             index = int(group["index"])
             if not 0 <= index < len(dataset) or dataset[index].prompt_id != group["prompt_id"]:
                 raise DataError(f"checkpoint rollout buffer: prompt {group['prompt_id']!r} (data set index {index}) "
                                 f"is not in the training data any more (the data or its config changed)")
-            pending = _Pending(index, dataset[index], int(group["step"]), time.perf_counter())
+            return _Pending(index, dataset[index], int(group["step"]), time.perf_counter(),
+                            slot=int(group.get("slot", 0)))
+
+        episode_groups = metadata.get("episode_groups", [])
+        if episode_groups and self.episodes is None:
+            raise DataError("checkpoint rollout buffer: it holds multi-agent episode groups, but this run has no "
+                            "episode producer (was it written by a WaltzRL run?)")
+        restored = [restore(group) for group in episode_groups]
+        self._unsubmitted = list(restored)  # the engines get their restored weights before the next admission
+        for group in metadata["groups"]:
+            pending = restore(group)
             for sample in group["samples"]:
                 future: Future = Future()
                 if "error" in sample:
