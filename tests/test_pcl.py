@@ -183,6 +183,60 @@ def test_pcl_in_the_asynchronous_loop_selects_with_a_value_model_one_more_step_b
     assert max(r["rollout/staleness_max"] for r in steps) == 1
 
 
+def _value_checkpoint(run_dir, step):
+    from safetensors.torch import load_file
+
+    path = os.path.join(run_dir, "value", "checkpoints", f"step_{step:08d}")
+    weights = load_file(os.path.join(path, "model", "mp_rank_00_000", "model.safetensors"))
+    optimizer = torch.load(os.path.join(path, "optimizer", "rank_00000.pt"), weights_only=True)
+    return weights, optimizer
+
+
+def _adam_moments(optimizer_record):
+    return [t for state in optimizer_record["optimizer"]["optimizer"]["state"].values() for t in state.values()
+            if torch.is_tensor(t) and t.dim()]
+
+
+def test_resumed_pcl_run_restores_the_value_model_and_its_optimizer(tmp_path, tiny_chat_model):
+    import shutil
+
+    from megatron_rl.checkpoint.manager import CheckpointError
+    from megatron_rl.controller.loop import train
+
+    pcl = ("curriculum.kind=pcl", "curriculum.value.trainer.micro_batch_size=4", "curriculum.value.head_lr=1e-2",
+           "checkpoint.every_steps=1", "eval.after_training=false")
+    straight = str(tmp_path / "straight")
+    train(_config(tiny_chat_model, straight, "steps=3", *pcl))
+    interrupted = str(tmp_path / "interrupted")
+    train(_config(tiny_chat_model, interrupted, "steps=1", *pcl))
+    saved_weights, saved_optimizer = _value_checkpoint(interrupted, 1)
+    assert "value_head.weight" in saved_weights and bool(saved_weights["value_head.weight"].abs().sum() > 0)
+    assert saved_optimizer["step_count"] == 1 and _adam_moments(saved_optimizer)
+    unusable = str(tmp_path / "unusable")
+    shutil.copytree(interrupted, unusable)
+
+    train(_config(tiny_chat_model, interrupted, "steps=3", *pcl), resume=True)
+    # The resumed run continued from the saved V: its step-3 value model (weights, head, Adam moments)
+    # is bit-identical to the uninterrupted run's, and so is every curriculum metric after the resume.
+    for step in (2, 3):
+        expected, actual = _value_checkpoint(straight, step), _value_checkpoint(interrupted, step)
+        assert expected[0].keys() == actual[0].keys()
+        for name in expected[0]:
+            assert torch.equal(expected[0][name], actual[0][name]), (step, name)
+        assert expected[1]["step_count"] == actual[1]["step_count"] == step
+        for a, b in zip(_adam_moments(expected[1]), _adam_moments(actual[1]), strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(_value_checkpoint(interrupted, 3)[0]["value_head.weight"], saved_weights["value_head.weight"])
+    curriculum = lambda run: [{k: v for k, v in r.items() if k.startswith(("curriculum/", "value/")) and "time" not in k}
+                              for r in _steps(run)]  # noqa: E731
+    assert json.dumps(curriculum(interrupted)) == json.dumps(curriculum(straight))  # NaN-safe equality
+
+    # Without the value model's checkpoint the run refuses to resume (a fresh V would change the curriculum).
+    shutil.rmtree(os.path.join(unusable, "value", "checkpoints", "step_00000001"))
+    with pytest.raises(CheckpointError, match="'value' executor"):
+        train(_config(tiny_chat_model, unusable, "steps=3", *pcl), resume=True)
+
+
 @pytest.mark.parametrize("kind", ["dynamic_sampling", "prefilter"])
 def test_baseline_selectors_generate_what_they_promise(tmp_path, tiny_chat_model, kind):
     from megatron_rl.controller.loop import train

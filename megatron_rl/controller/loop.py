@@ -23,7 +23,7 @@ from tqdm import tqdm
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
-from megatron_rl.controller.curriculum import build_selector
+from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
@@ -321,7 +321,9 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         else:
             if len(controller.policies) > 1:
                 raise ValueError("--resume of a multi-policy (waltz) run is not supported yet; start a new run_dir")
+            load_executors(controller.selector, config.run_dir, config.checkpoint, latest)  # first: the run's RNG wins
             saved = checkpoints.load(latest, controller.policy)
+            controller.selector.load_state_dict(saved.get("curriculum", {}))
             start_step, controller.version = saved["step"], saved["version"]
             controller.policies[0].version = controller.version
             controller.stream.load_state_dict(saved["data"])
@@ -373,8 +375,10 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 tick = time.perf_counter()
                 segment = state["wall_time_s"] + (tick - started)
                 try:
+                    save_executors(controller.selector, config.run_dir, config.checkpoint, done, controller.tokenizer)
                     checkpoints.save(done, controller.policy, {
                         "version": controller.version, "data": controller.stream.state_dict(),
+                        "curriculum": controller.selector.state_dict(),
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
                         tensors={"rollouts": controller.rollouts.state_dict()})
                     for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
