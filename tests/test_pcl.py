@@ -104,9 +104,11 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
     # Padding after the prompt must not change V (the state after the last prompt token is read).
     with torch.no_grad():
         value.network.value_head.weight.normal_()
-    alone = value.predict([prompts[2]])
+    # (predict orders prompts by length and trims each micro-batch: values come back in prompt order)
+    alone = torch.cat([value.predict([p]) for p in prompts])
     together = value.predict(prompts)
-    torch.testing.assert_close(alone, together[2:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(alone, together, atol=1e-5, rtol=0)
+    assert len(set(together.tolist())) == len(prompts)
     with torch.no_grad():  # a random head saturates the sigmoid; fit from a small one
         value.network.value_head.weight.mul_(1e-3)
     together = value.predict(prompts)
@@ -119,6 +121,13 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
         last = value.update(prompts, targets)["value/loss"]
     assert last < 0.1 * first
     assert float((value.predict(prompts) - targets).abs().max()) < 0.1
+
+    # Its weights (what a checkpoint holds) are the backbone plus the head; a copy predicts the same.
+    copy = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch, seed=1))
+    copy.load_shard(value.shard_state())
+    torch.testing.assert_close(copy.predict(prompts), value.predict(prompts), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="scalar head is missing"):
+        copy.load_shard({k: v for k, v in value.shard_state().items() if not k.startswith("value_head.")})
 
 
 def test_truncated_value_model_keeps_the_first_layers(tiny_arch):
