@@ -202,7 +202,7 @@ def _value_checkpoint(run_dir, step):
 
 
 def _adam_moments(optimizer_record):
-    return [t for state in optimizer_record["optimizer"]["optimizer"]["state"].values() for t in state.values()
+    return [t for state in optimizer_record["optimizer"]["state"].values() for t in state.values()
             if torch.is_tensor(t) and t.dim()]
 
 
