@@ -2,6 +2,7 @@
 the RL loop (none / prefilter / dynamic_sampling / pcl) on a tiny model."""
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -126,6 +127,15 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
     copy = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch, seed=1))
     copy.load_shard(value.shard_state())
     torch.testing.assert_close(copy.predict(prompts), value.predict(prompts), atol=0, rtol=0)
+    # ... and its optimizer state loads back (the head's param groups, which differ from the backbone's
+    # only in their learning rate, must not be confused with them), so both take the same next step.
+    saved = io.BytesIO()  # through bytes, as in a checkpoint (a live state dict shares Adam's step tensors)
+    torch.save(value.optimizer.state_dict(), saved)
+    saved.seek(0)
+    copy.optimizer.load_state_dict(torch.load(saved, weights_only=True))
+    copy.update(prompts, targets), value.update(prompts, targets)
+    for mine, theirs in zip(copy.model.parameters(), value.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
     with pytest.raises(ValueError, match="scalar head is missing"):
         copy.load_shard({k: v for k, v in value.shard_state().items() if not k.startswith("value_head.")})
 

@@ -24,6 +24,7 @@ tokens[:, :-1], so the extra pad keeps the last prompt token inside it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
@@ -118,9 +119,15 @@ class ValueTrainer(MegatronTrainer):
         from megatron.core.optimizer.optimizer_config import ParamKey
         from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
-        lr = self.value_config.head_lr
+        head_lr, backbone_lr = self.value_config.head_lr, self.config.lr
         overrides = dict(get_standard_config_overrides(config=opt_config) or {})
-        overrides[ParamKey(name="*value_head*")] = ParamGroupOverride(max_lr=lr, min_lr=lr)
+        if head_lr == backbone_lr:
+            return overrides or None  # one schedule for all: the head joins the backbone's groups
+        # The scheduler reads max_lr/min_lr. lr_mult (the head's rate as a multiple of the backbone's)
+        # changes no rate in Megatron; it is part of the key that matches saved param groups to the
+        # optimizer's on checkpoint load, where groups differing only in max_lr would be confused.
+        overrides[ParamKey(name="*value_head*")] = ParamGroupOverride(
+            max_lr=head_lr, min_lr=head_lr, lr_mult=head_lr / backbone_lr if backbone_lr > 0 else math.inf)
         return overrides
 
     # --- batches ----------------------------------------------------------------------------------
