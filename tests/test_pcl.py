@@ -2,6 +2,7 @@
 the RL loop (none / prefilter / dynamic_sampling / pcl) on a tiny model."""
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -104,9 +105,11 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
     # Padding after the prompt must not change V (the state after the last prompt token is read).
     with torch.no_grad():
         value.network.value_head.weight.normal_()
-    alone = value.predict([prompts[2]])
+    # (predict orders prompts by length and trims each micro-batch: values come back in prompt order)
+    alone = torch.cat([value.predict([p]) for p in prompts])
     together = value.predict(prompts)
-    torch.testing.assert_close(alone, together[2:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(alone, together, atol=1e-5, rtol=0)
+    assert len(set(together.tolist())) == len(prompts)
     with torch.no_grad():  # a random head saturates the sigmoid; fit from a small one
         value.network.value_head.weight.mul_(1e-3)
     together = value.predict(prompts)
@@ -119,6 +122,22 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
         last = value.update(prompts, targets)["value/loss"]
     assert last < 0.1 * first
     assert float((value.predict(prompts) - targets).abs().max()) < 0.1
+
+    # Its weights (what a checkpoint holds) are the backbone plus the head; a copy predicts the same.
+    copy = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch, seed=1))
+    copy.load_shard(value.shard_state())
+    torch.testing.assert_close(copy.predict(prompts), value.predict(prompts), atol=0, rtol=0)
+    # ... and its optimizer state loads back (the head's param groups, which differ from the backbone's
+    # only in their learning rate, must not be confused with them), so both take the same next step.
+    saved = io.BytesIO()  # through bytes, as in a checkpoint (a live state dict shares Adam's step tensors)
+    torch.save(value.optimizer.state_dict(), saved)
+    saved.seek(0)
+    copy.optimizer.load_state_dict(torch.load(saved, weights_only=True))
+    copy.update(prompts, targets), value.update(prompts, targets)
+    for mine, theirs in zip(copy.model.parameters(), value.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="scalar head is missing"):
+        copy.load_shard({k: v for k, v in value.shard_state().items() if not k.startswith("value_head.")})
 
 
 def test_truncated_value_model_keeps_the_first_layers(tiny_arch):
@@ -181,6 +200,60 @@ def test_pcl_in_the_asynchronous_loop_selects_with_a_value_model_one_more_step_b
     assert [r["curriculum/candidate_value_std"] == 0 for r in steps] == [True, True, False]
     assert [r["rollout/generated_samples_total"] for r in steps] == [8, 16, 24]
     assert max(r["rollout/staleness_max"] for r in steps) == 1
+
+
+def _value_checkpoint(run_dir, step):
+    from safetensors.torch import load_file
+
+    path = os.path.join(run_dir, "value", "checkpoints", f"step_{step:08d}")
+    weights = load_file(os.path.join(path, "model", "mp_rank_00_000", "model.safetensors"))
+    optimizer = torch.load(os.path.join(path, "optimizer", "rank_00000.pt"), weights_only=True)
+    return weights, optimizer
+
+
+def _adam_moments(optimizer_record):
+    return [t for state in optimizer_record["optimizer"]["state"].values() for t in state.values()
+            if torch.is_tensor(t) and t.dim()]
+
+
+def test_resumed_pcl_run_restores_the_value_model_and_its_optimizer(tmp_path, tiny_chat_model):
+    import shutil
+
+    from megatron_rl.checkpoint.manager import CheckpointError
+    from megatron_rl.controller.loop import train
+
+    pcl = ("curriculum.kind=pcl", "curriculum.value.trainer.micro_batch_size=4", "curriculum.value.head_lr=1e-2",
+           "checkpoint.every_steps=1", "eval.after_training=false")
+    straight = str(tmp_path / "straight")
+    train(_config(tiny_chat_model, straight, "steps=3", *pcl))
+    interrupted = str(tmp_path / "interrupted")
+    train(_config(tiny_chat_model, interrupted, "steps=1", *pcl))
+    saved_weights, saved_optimizer = _value_checkpoint(interrupted, 1)
+    assert "value_head.weight" in saved_weights and bool(saved_weights["value_head.weight"].abs().sum() > 0)
+    assert saved_optimizer["step_count"] == 1 and _adam_moments(saved_optimizer)
+    unusable = str(tmp_path / "unusable")
+    shutil.copytree(interrupted, unusable)
+
+    train(_config(tiny_chat_model, interrupted, "steps=3", *pcl), resume=True)
+    # The resumed run continued from the saved V: its step-3 value model (weights, head, Adam moments)
+    # is bit-identical to the uninterrupted run's, and so is every curriculum metric after the resume.
+    for step in (2, 3):
+        expected, actual = _value_checkpoint(straight, step), _value_checkpoint(interrupted, step)
+        assert expected[0].keys() == actual[0].keys()
+        for name in expected[0]:
+            assert torch.equal(expected[0][name], actual[0][name]), (step, name)
+        assert expected[1]["step_count"] == actual[1]["step_count"] == step
+        for a, b in zip(_adam_moments(expected[1]), _adam_moments(actual[1]), strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(_value_checkpoint(interrupted, 3)[0]["value_head.weight"], saved_weights["value_head.weight"])
+    curriculum = lambda run: [{k: v for k, v in r.items() if k.startswith(("curriculum/", "value/")) and "time" not in k}
+                              for r in _steps(run)]  # noqa: E731
+    assert json.dumps(curriculum(interrupted)) == json.dumps(curriculum(straight))  # NaN-safe equality
+
+    # Without the value model's checkpoint the run refuses to resume (a fresh V would change the curriculum).
+    shutil.rmtree(os.path.join(unusable, "value", "checkpoints", "step_00000001"))
+    with pytest.raises(CheckpointError, match="'value' executor"):
+        train(_config(tiny_chat_model, unusable, "steps=3", *pcl), resume=True)
 
 
 @pytest.mark.parametrize("kind", ["dynamic_sampling", "prefilter"])

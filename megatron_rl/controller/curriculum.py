@@ -22,13 +22,17 @@ Kinds (`curriculum.kind`):
 
 The value model is its own executor (`ValueTrainer`): on the policy trainer's ranks and process groups,
 with its own weights and optimizer; in the disaggregated placement its updates, like the policy's,
-overlap the generator process's generation.
+overlap the generator process's generation. A selector's executors (`executors()`) are checkpointed
+with the run, each under RUN_DIR/<name>/checkpoints (`save_executors` / `load_executors`), and its
+plain state (`state_dict()`) inside the run's checkpoint, so a resumed PCL run continues with the
+value model and optimizer state it had.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -80,6 +84,17 @@ class PromptSelector:
 
     def observe(self, groups: list[Group], step: int) -> dict[str, float]:
         return {}
+
+    def executors(self) -> dict[str, Any]:
+        """Trainers the selector owns, by name: checkpointed with the run (`save_executors`)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state saved in the run's checkpoint and restored on resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class Prefilter(PromptSelector):
@@ -160,6 +175,18 @@ class PCLSelector(PromptSelector):
         }
         return [indexed[i] for i in chosen]
 
+    def executors(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def state_dict(self) -> dict[str, Any]:
+        # Predictions of prompts drawn but not yet observed (asynchronous runs), and the run's
+        # (predicted, realised) pairs behind curriculum/value_explained_variance_run.
+        return {"predicted": dict(self._predicted), "history": [list(pair) for pair in self._history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._predicted = dict(state.get("predicted", {}))
+        self._history = [tuple(pair) for pair in state.get("history", [])]
+
     def observe(self, groups: list[Group], step: int) -> dict[str, float]:
         metrics = dict(self._draw_metrics.pop(step, {}))
         groups = [g for g in groups if _rewards(g)]
@@ -182,6 +209,35 @@ class PCLSelector(PromptSelector):
                                          pad_token_id=self.tokenizer.pad_token_id))
         metrics["curriculum/value_update_time"] = time.perf_counter() - start
         return metrics
+
+
+def save_executors(selector: PromptSelector, run_dir: str, config, step: int, tokenizer=None) -> None:
+    """Checkpoint step `step` of each of the selector's executors (weights, optimizer, scheduler) under
+    RUN_DIR/<name>/checkpoints, as the run's further policies are. Call it before the run's own
+    checkpoint of that step: that one's `latest` pointer commits the step, so a resumable step always
+    has its executors' checkpoints."""
+    from megatron_rl.checkpoint.manager import CheckpointManager
+
+    for name, trainer in selector.executors().items():
+        CheckpointManager(os.path.join(run_dir, name), config).save(step, trainer, {"executor": name},
+                                                                    tokenizer=tokenizer)
+
+
+def load_executors(selector: PromptSelector, run_dir: str, config, checkpoint: str) -> None:
+    """Restore the selector's executors from their checkpoints of the same step as the run's
+    `checkpoint` (a step directory). Call it before loading the run's checkpoint (whose RNG state must
+    be the one that stays). A missing or unusable executor checkpoint is an error naming it: resuming
+    with a fresh value model would silently change the curriculum."""
+    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
+
+    for name, trainer in selector.executors().items():
+        manager = CheckpointManager(os.path.join(run_dir, name), config)
+        path = os.path.join(manager.root, os.path.basename(os.path.normpath(checkpoint)))
+        problem = manager.validate(path) if os.path.isfile(os.path.join(path, "COMPLETE")) else "no complete checkpoint"
+        if problem is not None:
+            raise CheckpointError(f"{path}: the '{name}' executor's checkpoint for {checkpoint} is unusable "
+                                  f"({problem}); the run cannot resume with its state")
+        manager.load(path, trainer)
 
 
 def build_value_model(config: ValueModelConfig, *, policy_arch, policy_state, pg_collection):

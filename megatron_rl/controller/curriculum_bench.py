@@ -11,8 +11,13 @@ round, like one PCL step), so later rounds measure a value model that has seen d
 
     ratio = mean dynamic-sampling identification time / mean PCL identification time   (rounds after warm-up)
 
-Options: rounds (4), warmup (1), and any dotted config override (rollout.prompts_per_step=8,
-curriculum.candidates_factor=4, rollout.samples_per_prompt=8, rollout.max_new_tokens=32, ...).
+The value model is the recipe's (`curriculum.value`: its first `num_layers` layers of the policy).
+`reference_layers=30,4` adds value models of those depths, built and trained the same way and scored
+on the same candidates, each with its own time, ratio and selection quality (`references`): what the
+depth buys in selection quality and costs in time.
+
+Options: rounds (4), warmup (1), reference_layers (none), and any dotted config override
+(rollout.prompts_per_step=8, curriculum.candidates_factor=4, curriculum.value.num_layers=30, ...).
 """
 from __future__ import annotations
 
@@ -27,12 +32,16 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "config
 
 
 def bench_pcl(options: dict) -> dict:
+    import dataclasses
+
     from megatron_rl.algorithms.pcl import has_mixed_rewards, select_closest_to_target, value_targets
+    from megatron_rl.controller.curriculum import build_value_model
     from megatron_rl.controller.loop import Controller
     from megatron_rl.run_config import RunConfig
 
     rounds = int(options.get("rounds", 4))
     warmup = int(options.get("warmup", 1))
+    reference_layers = [int(n) for n in str(options.get("reference_layers", "")).split(",") if n.strip()]
     overrides = [f"{k}={v}" for k, v in options.items() if "." in k]
     with tempfile.TemporaryDirectory() as root:
         config = load_yaml(RunConfig, RECIPE, [f"run_dir={root}", "curriculum.kind=pcl", "logging.wandb=disabled",
@@ -41,15 +50,29 @@ def bench_pcl(options: dict) -> dict:
         try:
             selector, tokenizer = controller.selector, controller.tokenizer
             m, k = config.rollout.prompts_per_step, config.curriculum.candidates_factor
+            # Reference value models of other depths, built like the recipe's (same initial weights,
+            # head, optimizer) and scored on the same candidates: what the depth costs in selection.
+            models = {"value": selector.value}
+            if reference_layers:
+                from megatron_rl.checkpoints_tools import load_pretrained
+
+                policy = load_pretrained(config.model.path)
+                for layers in reference_layers:
+                    models[f"layers_{layers}"] = build_value_model(
+                        dataclasses.replace(config.curriculum.value, num_layers=layers),
+                        policy_arch=policy.arch, policy_state=policy.state, pg_collection=controller.policy.pg)
+                del policy
             rows = []
             for round_index in range(rounds):
                 candidates = controller.stream.next(k * m)
-
-                start = time.perf_counter()
-                values = selector.value.predict([tokenizer.encode_chat(p.messages) for p in candidates],
-                                                pad_token_id=tokenizer.pad_token_id)
-                chosen = select_closest_to_target(values, m, config.curriculum.target)
-                pcl_time = time.perf_counter() - start
+                picks, times, predicted = {}, {}, {}
+                for name, model in models.items():
+                    start = time.perf_counter()
+                    values = model.predict([tokenizer.encode_chat(p.messages) for p in candidates],
+                                           pad_token_id=tokenizer.pad_token_id)
+                    picks[name] = select_closest_to_target(values, m, config.curriculum.target)
+                    times[name] = time.perf_counter() - start
+                    predicted[name] = values
 
                 start = time.perf_counter()
                 groups = controller.rollouts.rollout(candidates, tag=f"bench{round_index}", seed=round_index)
@@ -58,30 +81,40 @@ def bench_pcl(options: dict) -> dict:
                 dynamic_time = time.perf_counter() - start
 
                 pass_rates = value_targets([r or [0.0] for r in rewards])
-                row = {"pcl_s": pcl_time, "dynamic_sampling_s": dynamic_time,
+                row = {"pcl_s": times["value"], "dynamic_sampling_s": dynamic_time,
                        "mixed_fraction_candidates": len(mixed) / len(candidates),
-                       "mixed_fraction_pcl_selected": len(set(chosen) & set(mixed)) / len(chosen),
                        "dynamic_sampling_found": min(len(mixed), m),
-                       "value_mean": float(values.mean()), "pass_rate_mean": float(pass_rates.mean())}
+                       "value_mean": float(predicted["value"].mean()), "pass_rate_mean": float(pass_rates.mean())}
+                for name in models:
+                    row[f"{name}_s"] = times[name]
+                    row[f"{name}_mixed"] = len(set(picks[name]) & set(mixed)) / len(picks[name])
+                row["mixed_fraction_pcl_selected"] = row["value_mixed"]
                 rows.append(row)
-                print(f"round {round_index}: PCL {pcl_time:.2f} s, dynamic sampling {dynamic_time:.2f} s "
+                print(f"round {round_index}: PCL {times['value']:.2f} s, dynamic sampling {dynamic_time:.2f} s "
                       f"({len(candidates)} candidates x {config.rollout.samples_per_prompt}); mixed: "
                       f"{row['mixed_fraction_candidates']:.2f} of candidates, "
-                      f"{row['mixed_fraction_pcl_selected']:.2f} of PCL's picks", flush=True)
-                selector.value.update([tokenizer.encode_chat(p.messages) for p in candidates], pass_rates,
-                                      pad_token_id=tokenizer.pad_token_id)
+                      + ", ".join(f"{row[name + '_mixed']:.2f} of {name}'s picks ({times[name]:.2f} s)"
+                                  for name in models), flush=True)
+                for model in models.values():
+                    model.update([tokenizer.encode_chat(p.messages) for p in candidates], pass_rates,
+                                 pad_token_id=tokenizer.pad_token_id)
         finally:
             controller.close()
 
     measured = rows[warmup:] or rows
     mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
+    references = [{"value_layers": models[name].arch.num_layers, "identify_s": round(mean(f"{name}_s"), 3),
+                   "ratio": round(mean("dynamic_sampling_s") / mean(f"{name}_s"), 2),
+                   "mixed_fraction_selected": round(mean(f"{name}_mixed"), 3)}
+                  for name in models if name != "value"]
     return {
         "ratio": round(mean("dynamic_sampling_s") / mean("pcl_s"), 2),
         "pcl_identify_s": round(mean("pcl_s"), 3), "dynamic_sampling_identify_s": round(mean("dynamic_sampling_s"), 2),
         "candidates": k * m, "selected": m, "samples_per_prompt": config.rollout.samples_per_prompt,
         "max_new_tokens": config.rollout.max_new_tokens, "value_layers": selector.value.arch.num_layers,
+        "policy_layers": controller.policy.arch.num_layers,
         "mixed_fraction_candidates": round(mean("mixed_fraction_candidates"), 3),
         "mixed_fraction_pcl_selected": round(mean("mixed_fraction_pcl_selected"), 3),
         "mixed_fraction_pcl_selected_last_round": round(rows[-1]["mixed_fraction_pcl_selected"], 3),
-        "rounds_measured": len(measured), "paper_ratios": [12.1, 16.9],
+        "rounds_measured": len(measured), "references": references, "paper_ratios": [12.1, 16.9],
     }

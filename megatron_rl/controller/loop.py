@@ -24,7 +24,7 @@ from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, Checkpoint
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller import ranks
-from megatron_rl.controller.curriculum import build_selector
+from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
@@ -407,7 +407,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         else:
             for policy in controller.policies[1:]:  # before the first policy's load: its RNG state wins
                 policy.version = load_policy_checkpoint(config, policy, latest)
+            if driver:  # the curriculum's executors (PCL's value model; single-rank runs only)
+                load_executors(controller.selector, config.run_dir, config.checkpoint, latest)
             saved = checkpoints.load(latest, controller.policy)
+            if driver:
+                controller.selector.load_state_dict(saved.get("curriculum", {}))
             start_step, controller.version = saved["step"], saved["version"]
             controller.policies[0].version = controller.version
             if driver:
@@ -468,8 +472,12 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 tick = time.perf_counter()
                 segment = state["wall_time_s"] + (tick - started)
                 try:
+                    if driver:  # before the run's own checkpoint, which commits the step
+                        save_executors(controller.selector, config.run_dir, config.checkpoint, done,
+                                       controller.tokenizer)
                     checkpoints.save(done, controller.policy, {
                         "version": controller.version, "data": controller.stream.state_dict() if driver else None,
+                        "curriculum": controller.selector.state_dict() if driver else None,
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
                         tensors={"rollouts": controller.rollouts.state_dict()} if driver else None)
                     for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints

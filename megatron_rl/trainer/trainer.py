@@ -336,10 +336,11 @@ class MegatronTrainer:
                         num_microbatches=len(micro), seq_length=seq,
                         micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
 
-    def _forward_only(self, batch: TrainBatch, on_hidden, key: str) -> torch.Tensor | None:
+    def _forward_only(self, batch: TrainBatch, on_hidden, key: str, trim: bool = False) -> torch.Tensor | None:
         """Concatenated `key` outputs of a forward-only pass (last stage; None elsewhere). Pads the batch
         with copies of its first row up to a multiple of micro_batch_size (pipelines need equal
-        micro-batches) and drops them again."""
+        micro-batches) and drops them again. `trim` as in `_run_schedule` (`on_hidden` then sees each
+        micro-batch's columns up to its last loss position only)."""
         rows = batch.batch_size
         padded_rows = -(-rows // self.config.micro_batch_size) * self.config.micro_batch_size
         if padded_rows != rows:
@@ -348,7 +349,7 @@ class MegatronTrainer:
         self._check_batch(batch)
         self.model.eval()
         try:
-            outputs = self._run_schedule(batch, on_hidden, forward_only=True)
+            outputs = self._run_schedule(batch, on_hidden, forward_only=True, trim=trim)
         finally:
             self.model.train()
         return torch.cat([o[key] for o in outputs])[:rows] if self.is_last_stage else None

@@ -13,6 +13,9 @@ rewards. The head starts at weight 0 and bias 0 (every prompt predicted 0.5, the
 and has its own learning rate: with Adam, a 1e-5 step on one bias moves the prediction by ~1e-5, far
 too slow to follow a policy that changes every step.
 
+Its checkpoints (`shard_state` / `load_shard`) are the backbone's Megatron shards plus `value_head.*`
+on the last stage; `load_hf_state` loads a backbone (policy or pretrained weights) and keeps the head.
+
 Prompt batches reuse `TrainBatch`: row b is the prompt's tokens followed by one pad token, and
 loss_mask[b, P_b] = 1 marks the position after the prompt; the value is read from the hidden state
 that predicts that position, i.e. the state after the last prompt token (the model's input is
@@ -21,11 +24,13 @@ tokens[:, :-1], so the extra pad keeps the last prompt token inside it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
 
 from megatron_rl.algorithms.pcl import value_loss
+from megatron_rl.checkpoints_tools.megatron_layout import hf_to_megatron
 from megatron_rl.config import require
 from megatron_rl.models import ModelArch
 from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
@@ -114,9 +119,15 @@ class ValueTrainer(MegatronTrainer):
         from megatron.core.optimizer.optimizer_config import ParamKey
         from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
-        lr = self.value_config.head_lr
+        head_lr, backbone_lr = self.value_config.head_lr, self.config.lr
         overrides = dict(get_standard_config_overrides(config=opt_config) or {})
-        overrides[ParamKey(name="*value_head*")] = ParamGroupOverride(max_lr=lr, min_lr=lr)
+        if head_lr == backbone_lr:
+            return overrides or None  # one schedule for all: the head joins the backbone's groups
+        # The scheduler reads max_lr/min_lr. lr_mult (the head's rate as a multiple of the backbone's)
+        # changes no rate in Megatron; it is part of the key that matches saved param groups to the
+        # optimizer's on checkpoint load, where groups differing only in max_lr would be confused.
+        overrides[ParamKey(name="*value_head*")] = ParamGroupOverride(
+            max_lr=head_lr, min_lr=head_lr, lr_mult=head_lr / backbone_lr if backbone_lr > 0 else math.inf)
         return overrides
 
     # --- batches ----------------------------------------------------------------------------------
@@ -146,25 +157,60 @@ class ValueTrainer(MegatronTrainer):
         logit = self.network.value_head(state.to(self.network.value_head.weight.dtype)).squeeze(-1).float()
         return torch.sigmoid(logit) if self.value_config.head == "sigmoid" else logit
 
+    # --- weights: the backbone plus the head ------------------------------------------------------
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's Megatron-named backbone weights plus, on the last stage, `value_head.weight` and
+        `value_head.bias` (what a checkpoint of the value model must hold)."""
+        state = super().shard_state()
+        if self.network.value_head is not None:
+            state.update({f"{HEAD}.{k}": v for k, v in self.network.value_head.state_dict().items()})
+        return state
+
+    def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        """Inverse of `shard_state`: the head is required on the last stage (a checkpoint without it is
+        not a value model's)."""
+        head = {k[len(HEAD) + 1:]: v for k, v in shard.items() if k.startswith(HEAD + ".")}
+        if (self.network.value_head is not None) != bool(head):
+            raise ValueError(f"value model weights (tp={self.tp_rank}, pp={self.pp_rank}): "
+                             + ("the scalar head is missing" if not head else "a scalar head on a non-last stage"))
+        if head:
+            with torch.no_grad():
+                self.network.value_head.load_state_dict(head)
+        super().load_shard({k: v for k, v in shard.items() if not k.startswith(HEAD + ".")})
+
+    def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
+        """HF-named backbone weights (a policy's or a pretrained model's); the head is left as it is."""
+        super().load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.tp_rank])
+
     # --- executor operations ----------------------------------------------------------------------
     @torch.no_grad()
     def predict(self, prompts: list[list[int]], pad_token_id: int = 0) -> torch.Tensor:
-        """[N] float32 V(x) of each prompt (CPU, on every rank of this replica), one forward pass."""
+        """[N] float32 V(x) of each prompt (CPU, on every rank of this replica), one forward pass.
+
+        Prompts are ordered by length and each micro-batch is cut after its longest prompt, so padding
+        costs little (prompts of a mixture differ in length by up to ~2x); V does not depend on the
+        order or the padding (the state after each prompt's last token is read)."""
         from megatron_rl.trainer import cpu_compat
 
-        batch = self.prompt_batch(prompts, pad_token_id=pad_token_id)
+        order = _by_length(prompts)
+        batch = self.prompt_batch([prompts[i] for i in order], pad_token_id=pad_token_id)
 
         def on_hidden(hidden, tokens, mb):
             return hidden.new_zeros(()), {"values": self._values(hidden, mb.loss_mask)}
 
         with cpu_compat.redirect_cuda_to_cpu():
-            result = self._forward_only(batch, on_hidden, "values")
-            return self._broadcast_from_last_stage(result, (batch.batch_size,), torch.float32)[:len(prompts)]
+            result = self._forward_only(batch, on_hidden, "values", trim=True)
+            values = self._broadcast_from_last_stage(result, (batch.batch_size,), torch.float32)[:len(prompts)]
+        return values[_inverse(order)]
 
     def update(self, prompts: list[list[int]], targets: torch.Tensor, pad_token_id: int = 0) -> dict[str, float]:
-        """`updates_per_step` optimizer steps of sum_i (V(x_i) - target_i)^2 / N over these prompts.
-        Metrics: value/loss (of the last step, before its update), value/grad_norm, value/update_time."""
-        batch = self.prompt_batch(prompts, targets, pad_token_id=pad_token_id)
+        """`updates_per_step` optimizer steps of sum_i (V(x_i) - target_i)^2 / N over these prompts
+        (ordered by length and trimmed per micro-batch, like `predict`; the loss is a sum over prompts,
+        so the order does not change it). Metrics: value/loss (of the last step, before its update),
+        value/grad_norm, value/update_time."""
+        order = _by_length(prompts)
+        targets = torch.as_tensor(targets, dtype=torch.float32)
+        batch = self.prompt_batch([prompts[i] for i in order], targets[order], pad_token_id=pad_token_id)
         count = len(prompts)
 
         def head_loss(hidden, tokens, mb):
@@ -175,6 +221,21 @@ class ValueTrainer(MegatronTrainer):
 
         metrics: dict[str, float] = {}
         for _ in range(self.value_config.updates_per_step):
-            metrics = self.train_step_on_hidden(batch, head_loss)
+            metrics = self.train_step_on_hidden(batch, head_loss, trim=True)
         return {"value/loss": metrics["train/loss"], "value/grad_norm": metrics["train/grad_norm"],
                 "value/update_time": metrics["perf/train_step_time"]}
+
+
+HEAD = "value_head"
+"""Name prefix of the scalar head's tensors in `ValueTrainer.shard_state` (and its checkpoints)."""
+
+
+def _by_length(prompts: list[list[int]]) -> list[int]:
+    """Prompt indices, shortest first (stable: equal lengths keep their order)."""
+    return sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+
+def _inverse(order: list[int]) -> torch.Tensor:
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return inverse
