@@ -238,9 +238,10 @@ def test_slurm_launch_splits_nodes_and_builds_the_commands(tmp_path, tiny_arch):
     assert launch.count("http://node") == 128
 
 
-def test_train_refuses_a_multi_rank_launch_the_loop_cannot_drive(monkeypatch, capsys):
+def test_train_refuses_on_several_ranks_what_the_multi_rank_loop_cannot_drive(monkeypatch, capsys):
     from megatron_rl.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "16")
-    assert main(["train", os.path.join(REPO, "examples", "configs", "quickstart.yaml")]) == 2
-    assert "launched on 16 ranks" in capsys.readouterr().err
+    assert main(["train", os.path.join(REPO, "examples", "configs", "pcl_arith.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "this run has 16 trainer ranks" in err and "curriculum.kind=pcl" in err
