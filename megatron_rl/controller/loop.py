@@ -525,8 +525,6 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
 def _latest_checkpoint(checkpoints: CheckpointManager) -> str | None:
     """The checkpoint to resume from, chosen (and validated) once by the driver for every rank; a
     CheckpointError (no usable checkpoint) is raised on every rank alike."""
-    from megatron_rl.checkpoint.manager import CheckpointError
-
     found: tuple[str, str | None] | None = None
     if ranks.is_driver():
         try:
