@@ -32,6 +32,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from megatron_rl.controller.core_share import CoreShare
 from megatron_rl.models import ModelArch
 from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_requests, wait_all
 from megatron_rl.rollout.native import NativeEngineConfig, weight_arena_layout
@@ -50,7 +51,8 @@ class WeightMismatchError(RuntimeError):
 
 
 def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active: int, version: int,
-            config: NativeEngineConfig, tokenizer, requests: mp.Queue, results: mp.Queue, threads: int) -> None:
+            config: NativeEngineConfig, tokenizer, requests: mp.Queue, results: mp.Queue, threads: int,
+            core_share=None) -> None:
     torch.set_num_threads(threads)
     _exit_with_parent(arenas)
     from megatron_rl.rollout.native import NativeEngine
@@ -58,7 +60,7 @@ def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active
     try:
         buffers = [SharedBuckets.attach(descriptor).buckets[0].buffer for descriptor in arenas]
         engine = NativeEngine(arch, None, weight_arena=buffers[active], tokenizer=tokenizer, version=version,
-                              config=dataclasses.replace(config, num_threads=threads))
+                              config=dataclasses.replace(config, num_threads=threads), core_share=core_share)
     except BaseException:
         results.put(("fatal", traceback.format_exc()))
         return
@@ -141,8 +143,11 @@ class GeneratorProcess:
 
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], *, tokenizer=None,
                  config: NativeEngineConfig | None = None, threads: int = 1, verify_weights: bool = False,
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, core_share: CoreShare | None = None):
+        """`core_share`: lend cores between this generator and the trainer process that owns it
+        (controller/core_share.py); the trainer takes its side with `trainer_cores`."""
         self.arch = arch
+        self.core_share = core_share
         self.config = config or NativeEngineConfig()
         self.tokenizer = tokenizer
         self.threads = threads
@@ -171,7 +176,8 @@ class GeneratorProcess:
         self._results = self._ctx.Queue()
         self._process = self._ctx.Process(
             target=_worker, args=(self.arch, self.shared_weights, self._active, self._version, self.config,
-                                  self.tokenizer, self._requests, self._results, self.threads), daemon=True)
+                                  self.tokenizer, self._requests, self._results, self.threads,
+                                  self.core_share.for_role("generator") if self.core_share else None), daemon=True)
         self._process.start()
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -202,6 +208,11 @@ class GeneratorProcess:
             if unfinished:
                 self._requests.put(("submit", unfinished))
         self._replies.put(("restarted",))
+
+    @property
+    def trainer_cores(self) -> CoreShare | None:
+        """The trainer's side of the core share (None: fixed split)."""
+        return self.core_share.for_role("trainer") if self.core_share else None
 
     @property
     def alive(self) -> bool:

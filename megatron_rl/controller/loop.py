@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, Checkpoint
 from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller import ranks
+from megatron_rl.controller.core_share import CoreShare
 from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
@@ -105,8 +107,11 @@ def make_engine(config: RunConfig, model):
         from megatron_rl.controller.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
+        lend = rollout.lend_idle_cores and config.waltz is None and int(os.environ.get("WORLD_SIZE", "1")) == 1
+        cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
         return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
-                                threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync)
+                                threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,
+                                core_share=cores)
     return NativeEngine(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer,
                         config=config.engine)
 
@@ -166,6 +171,10 @@ class Controller:
         self.policy = load_policy(config.model.path, config.trainer, pretrained=model)
         self.is_driver = ranks.is_driver()
         self.engine = make_engine(config, model) if self.is_driver else None
+        # A generator process on this host's cores: train on the cores it leaves idle too.
+        self.cores: CoreShare | None = getattr(self.engine, "trainer_cores", None)
+        if self.cores is not None:
+            self.policy.before_micro_batch = self.cores.apply
         value_from_policy = config.curriculum.kind == "pcl"  # PCL's value model starts from the policy's weights
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
                                        policy_arch=model.arch, policy_state=model.state if value_from_policy else None,
@@ -301,23 +310,26 @@ class Controller:
         groups, metrics = self._next_groups()
         self.last_prompt_ids = [g.prompt.prompt_id for g in groups]
         generated = time.perf_counter()
-        sync_time = train_time = response_tokens = 0.0
-        for policy in self.policies:
-            own = groups if len(self.policies) == 1 else [
-                dataclasses.replace(g, samples=[s for s in g.samples if s.role == policy.name]) for g in groups]
-            prefix = "" if policy is self.policies[0] else f"{policy.name}/"
-            policy_metrics = self._train_policy(policy, own)
-            train_time += policy_metrics.pop("perf/train_time")
-            response_tokens += policy_metrics["rollout/response_tokens"]
-            metrics.update({prefix + k: v for k, v in policy_metrics.items()})
-        trained = time.perf_counter()
-        if self.is_driver:
-            metrics.update(self.selector.observe(groups, step=self.version))
-        observed = time.perf_counter()
-        for policy in self.policies:
-            if self.trains(policy, self.version):
-                policy.version += 1
-                sync_time += self.sync_weights(policy)
+        # The trainer works from here to the end of the weight sync; a core-sharing generator runs on
+        # its own share meanwhile and on every core while the trainer waits for rollouts.
+        with self.cores.working() if self.cores is not None else contextlib.nullcontext():
+            sync_time = train_time = response_tokens = 0.0
+            for policy in self.policies:
+                own = groups if len(self.policies) == 1 else [
+                    dataclasses.replace(g, samples=[s for s in g.samples if s.role == policy.name]) for g in groups]
+                prefix = "" if policy is self.policies[0] else f"{policy.name}/"
+                policy_metrics = self._train_policy(policy, own)
+                train_time += policy_metrics.pop("perf/train_time")
+                response_tokens += policy_metrics["rollout/response_tokens"]
+                metrics.update({prefix + k: v for k, v in policy_metrics.items()})
+            trained = time.perf_counter()
+            if self.is_driver:
+                metrics.update(self.selector.observe(groups, step=self.version))
+            observed = time.perf_counter()
+            for policy in self.policies:
+                if self.trains(policy, self.version):
+                    policy.version += 1
+                    sync_time += self.sync_weights(policy)
         self.version += 1
         elapsed = time.perf_counter() - start
         reward_time = self.rollouts.reward_time - reward_before if self.is_driver else 0.0

@@ -583,10 +583,15 @@ class NativeEngine:
 
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | NamedTensors | None, *,
                  tokenizer: Any = None, config: NativeEngineConfig | None = None, version: int = 0,
-                 eos_token_ids: Sequence[int] | None = None, weight_arena: torch.Tensor | None = None):
+                 eos_token_ids: Sequence[int] | None = None, weight_arena: torch.Tensor | None = None,
+                 core_share: Any = None):
         """`state`: HF-named weights to copy in. Or `weight_arena`: a flat buffer laid out by
-        `weight_arena_layout` that already holds the weights, used in place (e.g. shared memory)."""
+        `weight_arena_layout` that already holds the weights, used in place (e.g. shared memory).
+        `core_share`: the generator's side of a core share with a trainer process on the same host
+        (controller/core_share.py: `set_busy(bool)`, `apply()`): each step runs on the cores the
+        trainer is not using, and an idle engine says so."""
         self.config = config = config or NativeEngineConfig()
+        self.core_share = core_share
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = config.device
@@ -963,6 +968,8 @@ class NativeEngine:
                 self._admit()
                 plan = self._plan()
         self._resolve(finished)
+        if self.core_share is not None:
+            self.core_share.set_busy(plan is not None)
         if plan is None:
             with self._model_lock:
                 self.weights.pack_pending()  # idle: finish re-packing adopted weights now
@@ -975,6 +982,8 @@ class NativeEngine:
             if not runnable:
                 return True
             try:
+                if self.core_share is not None:
+                    self._stats[f"steps_on_{self.core_share.apply()}_threads"] += 1
                 self.weights.pack_pending(limit=2)  # after an adopt: re-pack a little per step
                 tokens, logprobs = self._execute(plan)
                 error = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,9 @@ class MegatronTrainer:
         self.arch = arch
         self.config = config
         self.step_count = 0
+        # Called before each micro-batch's forward (and so before its backward): a CPU trainer that
+        # shares its host's cores with a generator process re-takes its thread count here.
+        self.before_micro_batch: Callable[[], Any] | None = None
         with cpu_compat.redirect_cuda_to_cpu():
             self._build(pg_collection, hf_state)
 
@@ -325,6 +328,8 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb: TrainBatch = next(data_iterator)
+            if self.before_micro_batch is not None:
+                self.before_micro_batch()
             tokens = mb.tokens.to(device)
             inputs = tokens[:, :-1]
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
