@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.controller.launch import run_distributed
+from megatron_rl.trainer.parallel import free_port
 from tests.test_loop import _config
 
 
@@ -22,7 +23,7 @@ def _train(rank, world_size, model_path, run_dir, extra):
     from megatron_rl.controller.loop import train
 
     summary = train(_config(model_path, run_dir, *extra))
-    return summary.final_metrics
+    return summary.final_metrics if summary is not None else None  # None: a generator rank
 
 
 def _checkpoint(run_dir):
@@ -210,3 +211,20 @@ def test_a_rank_failing_its_checkpoint_files_fails_the_save_on_every_rank(tmp_pa
     checkpoints = os.path.join(root, "checkpoints")
     assert sorted(os.listdir(checkpoints)) == ["latest", "step_00000001"]  # no step 2, no .tmp left
     assert open(os.path.join(checkpoints, "latest")).read().strip() == "step_00000001"
+
+
+def test_generator_ranks_of_the_launch_serve_the_trainer_ranks(tmp_path, tiny_chat_model):
+    """One launch of four ranks: two TP trainer ranks, two generator ranks fed over torch.distributed.
+    On-policy (max_staleness 0), so the trainer's log-probs equal the generators' behaviour log-probs
+    only if every broadcast weight sync reached both generators (lr 1e-3 moves the weights far)."""
+    run_dir = str(tmp_path / "ranks")
+    extra = ["cluster.generator.launch_ranks=2", "trainer.parallel.tensor_parallel=2", "steps=3",
+             f"cluster.generator.weight_update_group_port={free_port()}", "rollout.prompts_per_step=4"]
+    metrics = run_distributed(_train, 4, tiny_chat_model, run_dir, extra)
+    assert metrics[2] is None and metrics[3] is None  # generator ranks serve, they do not train
+    assert metrics[0]["train/version"] == 3.0 and metrics[0]["train/grad_norm"] > 0
+    assert metrics[0]["train/logprob_mismatch"] < 1e-4
+    checkpoint = _checkpoint(run_dir)
+    assert {"mp_rank_00_000", "mp_rank_01_000"} <= set(os.listdir(os.path.join(checkpoint, "model")))
+    assert {"timeline_rank0.json", "timeline_rank1.json"} == {
+        f for f in os.listdir(run_dir) if f.startswith("timeline")}

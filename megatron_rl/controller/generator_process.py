@@ -89,7 +89,11 @@ def _exit_with_parent(arenas: tuple[SharedBucketsDescriptor, ...]) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _serve_messages(engine, arenas: list[torch.Tensor], requests: mp.Queue, results: mp.Queue) -> None:
+def _serve_messages(engine, arenas: list[torch.Tensor], requests, results, handlers=None) -> None:
+    """The generator's side of a `RemoteEngine`: requests in, completions and replies out (queues with
+    get() / put()). `handlers`: further message kinds -> functions of the message (generator ranks)."""
+    handlers = handlers or {}
+
     def forward(sample_id: str, future: Future) -> None:
         try:
             results.put(("done", sample_id, future.result()))
@@ -126,6 +130,13 @@ def _serve_messages(engine, arenas: list[torch.Tensor], requests: mp.Queue, resu
                 results.put(("control", name, getattr(engine, name)(*args)))
             except BaseException as exc:
                 results.put(("control", name, exc))
+        elif kind in handlers:
+            try:
+                handlers[kind](message)
+            except BaseException:
+                results.put(("fatal", traceback.format_exc()))
+                engine.close()
+                return
         elif kind == "stop":
             engine.close()
             results.put(("stopped",))
@@ -138,106 +149,54 @@ class _Pending:
     futures: dict[str, Future]
 
 
-class GeneratorProcess:
-    """`RolloutEngine` whose engine runs in a child process (see module docstring)."""
+class RemoteEngine:
+    """`RolloutEngine` plumbing for a native engine served by `_serve_messages` at the other end of a
+    request queue and a result queue: futures per sample, replies, control calls. Subclasses say where
+    the engine lives and how weights reach it (a child process with shared memory: GeneratorProcess; a
+    generator rank of the launch over torch.distributed: generator_ranks.RankGenerator)."""
 
-    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], *, tokenizer=None,
-                 config: NativeEngineConfig | None = None, threads: int = 1, verify_weights: bool = False,
-                 start_timeout: float = 300.0, core_share: CoreShare | None = None):
-        """`core_share`: lend cores between this generator and the trainer process that owns it
-        (controller/core_share.py); the trainer takes its side with `trainer_cores`."""
-        self.arch = arch
-        self.core_share = core_share
-        self.config = config or NativeEngineConfig()
-        self.tokenizer = tokenizer
-        self.threads = threads
-        self.verify_weights = verify_weights
-        self.start_timeout = start_timeout
-        self._ctx = mp.get_context("spawn")
-        layout = weight_arena_layout(arch, torch.bfloat16 if self.config.dtype == "bf16" else torch.float32)
-        self._arenas = [SharedBuckets.create(layouts=[layout]) for _ in range(2)]
-        self._active = 0  # the arena the engine computes from; the other one receives the next version
-        self._views = [arena.views() for arena in self._arenas]
-        self._stage(state)
-        self._active = 1
+    _requests: Any
+    _results: Any
+
+    def __init__(self) -> None:
         self._version = 0
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # request id -> request and its per-sample futures
         self._replies: queue.Queue = queue.Queue()
-        self.restarts = 0
         self._closed = False
-        self._start()
+
+    def _start_receiver(self) -> None:
         self._receiver = threading.Thread(target=self._receive, name="generator-receiver", daemon=True)
         self._receiver.start()
 
-    # --- process management ---------------------------------------------------------------------
-    def _start(self) -> None:
-        self._requests = self._ctx.Queue()
-        self._results = self._ctx.Queue()
-        self._process = self._ctx.Process(
-            target=_worker, args=(self.arch, self.shared_weights, self._active, self._version, self.config,
-                                  self.tokenizer, self._requests, self._results, self.threads,
-                                  self.core_share.for_role("generator") if self.core_share else None), daemon=True)
-        self._process.start()
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            try:
-                message = self._results.get(timeout=1.0)
-            except queue.Empty:
-                if not self._process.is_alive():
-                    raise RuntimeError(f"generator process exited with code {self._process.exitcode} while starting")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("generator process did not start in time")
-                continue
-            if message[0] == "ready":
-                self.pid = message[1]
-                return
-            raise RuntimeError(f"generator process failed to start:\n{message[1]}")
+    def _on_silence(self) -> None:
+        """Called when no message arrived for a while (a subclass checks its generator is alive)."""
 
-    def _restart(self) -> None:
-        """Replace a dead generator and resubmit every unfinished request."""
-        self.restarts += 1
-        try:
-            self._process.join(timeout=1.0)
-        except Exception:
-            pass
-        with self._lock:
-            self._start()
-            unfinished = [p.request for p in self._pending.values()
-                          if any(not f.done() for f in p.futures.values())]
-            if unfinished:
-                self._requests.put(("submit", unfinished))
-        self._replies.put(("restarted",))
-
-    @property
-    def trainer_cores(self) -> CoreShare | None:
-        """The trainer's side of the core share (None: fixed split)."""
-        return self.core_share.for_role("trainer") if self.core_share else None
-
-    @property
-    def alive(self) -> bool:
-        return self._process.is_alive()
+    def _on_broken_channel(self) -> bool:
+        """The result channel failed; True to keep receiving (after a restart)."""
+        return False
 
     def _receive(self) -> None:
         while not self._closed:
             try:
                 message = self._results.get(timeout=0.5)
             except queue.Empty:
-                if not self._closed and not self._process.is_alive():
-                    self._restart()
+                if not self._closed:
+                    self._on_silence()
                 continue
             except (EOFError, OSError):
-                if self._closed:
+                if self._closed or not self._on_broken_channel():
                     return
-                self._restart()
                 continue
             kind = message[0]
             if kind in ("done", "failed"):
                 self._resolve(kind, message[1], message[2])
             elif kind == "fatal":
-                self._replies.put(RuntimeError(f"generator process failed:\n{message[1]}"))
+                self._replies.put(RuntimeError(f"generator failed:\n{message[1]}"))
             else:
                 self._replies.put(message)
+                if kind == "stopped":
+                    return
 
     def _resolve(self, kind: str, sample_id: str, value: Any) -> None:
         with self._lock:
@@ -293,6 +252,122 @@ class GeneratorProcess:
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest, timeout: float | None = None) -> list[Completion]:
         return self.wait(self.submit(requests), timeout)
 
+    def _control(self, name: str, *args):
+        send = lambda: self._requests.put(("control", name, args))  # noqa: E731
+        send()
+        _, _, value = self._reply("control", resend=send)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def pause(self) -> None:
+        self._control("pause")
+
+    def resume(self) -> None:
+        self._control("resume")
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        self._control("abort", None if request_ids is None else list(request_ids))
+
+    def flush_cache(self) -> bool:
+        return self._control("flush_cache")
+
+    def health(self) -> dict[str, Any]:
+        return self._control("health")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class GeneratorProcess(RemoteEngine):
+    """`RolloutEngine` whose engine runs in a child process (see module docstring)."""
+
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], *, tokenizer=None,
+                 config: NativeEngineConfig | None = None, threads: int = 1, verify_weights: bool = False,
+                 start_timeout: float = 300.0, core_share: CoreShare | None = None):
+        """`core_share`: lend cores between this generator and the trainer process that owns it
+        (controller/core_share.py); the trainer takes its side with `trainer_cores`."""
+        self.arch = arch
+        self.core_share = core_share
+        self.config = config or NativeEngineConfig()
+        self.tokenizer = tokenizer
+        self.threads = threads
+        self.verify_weights = verify_weights
+        self.start_timeout = start_timeout
+        self._ctx = mp.get_context("spawn")
+        layout = weight_arena_layout(arch, torch.bfloat16 if self.config.dtype == "bf16" else torch.float32)
+        self._arenas = [SharedBuckets.create(layouts=[layout]) for _ in range(2)]
+        self._active = 0  # the arena the engine computes from; the other one receives the next version
+        self._views = [arena.views() for arena in self._arenas]
+        self._stage(state)
+        self._active = 1
+        super().__init__()
+        self.restarts = 0
+        self._start()
+        self._start_receiver()
+
+    # --- process management ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self._requests = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._process = self._ctx.Process(
+            target=_worker, args=(self.arch, self.shared_weights, self._active, self._version, self.config,
+                                  self.tokenizer, self._requests, self._results, self.threads,
+                                  self.core_share.for_role("generator") if self.core_share else None), daemon=True)
+        self._process.start()
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                message = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"generator process exited with code {self._process.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("generator process did not start in time")
+                continue
+            if message[0] == "ready":
+                self.pid = message[1]
+                return
+            raise RuntimeError(f"generator process failed to start:\n{message[1]}")
+
+    def _restart(self) -> None:
+        """Replace a dead generator and resubmit every unfinished request."""
+        self.restarts += 1
+        try:
+            self._process.join(timeout=1.0)
+        except Exception:
+            pass
+        with self._lock:
+            self._start()
+            unfinished = [p.request for p in self._pending.values()
+                          if any(not f.done() for f in p.futures.values())]
+            if unfinished:
+                self._requests.put(("submit", unfinished))
+        self._replies.put(("restarted",))
+
+    @property
+    def trainer_cores(self) -> CoreShare | None:
+        """The trainer's side of the core share (None: fixed split)."""
+        return self.core_share.for_role("trainer") if self.core_share else None
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def _on_silence(self) -> None:
+        if not self._process.is_alive():
+            self._restart()
+
+    def _on_broken_channel(self) -> bool:
+        self._restart()
+        return True
+
     @property
     def shared_weights(self) -> tuple[SharedBucketsDescriptor, ...]:
         """The two weight arenas (shared memory): trainer ranks attach them and write their shards
@@ -347,28 +422,8 @@ class GeneratorProcess:
         self.commit_weights(version, expected=items)
         return count
 
-    def _control(self, name: str, *args):
-        send = lambda: self._requests.put(("control", name, args))  # noqa: E731
-        send()
-        _, _, value = self._reply("control", resend=send)
-        if isinstance(value, BaseException):
-            raise value
-        return value
-
-    def pause(self) -> None:
-        self._control("pause")
-
-    def resume(self) -> None:
-        self._control("resume")
-
-    def abort(self, request_ids: Iterable[str] | None = None) -> None:
-        self._control("abort", None if request_ids is None else list(request_ids))
-
-    def flush_cache(self) -> bool:
-        return self._control("flush_cache")
-
     def health(self) -> dict[str, Any]:
-        status = self._control("health")
+        status = super().health()
         return {**status, "process_alive": self.alive, "restarts": self.restarts, "pid": self.pid}
 
     def kill(self) -> None:
@@ -390,9 +445,3 @@ class GeneratorProcess:
             for arena in self._arenas:
                 arena.unlink()
         self._receiver.join(timeout=2)
-
-    def __enter__(self) -> "GeneratorProcess":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -26,6 +26,7 @@ from megatron_rl.checkpoints_tools import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller import ranks
 from megatron_rl.controller.core_share import CoreShare
+from megatron_rl.controller.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
 from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.controller.rollouts import RolloutProducer, evaluate
@@ -35,7 +36,6 @@ from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import RunConfig
-from megatron_rl.trainer.parallel import init_distributed
 from megatron_rl.trainer.trainer import MegatronTrainer, load_policy
 from megatron_rl.weight_sync.channel import make_weight_channel
 
@@ -90,6 +90,10 @@ def make_engine(config: RunConfig, model):
     """The generator executor for the configured placement (see RolloutConfig.placement)."""
     rollout = config.rollout
     generator = config.cluster.generator
+    if generator.launch_ranks:  # generator ranks of this launch (controller/generator_ranks.py)
+        from megatron_rl.controller.generator_ranks import generator_rank_pool
+
+        return generator_rank_pool(config)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
         import socket
 
@@ -107,7 +111,7 @@ def make_engine(config: RunConfig, model):
         from megatron_rl.controller.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
-        lend = rollout.lend_idle_cores and config.waltz is None and int(os.environ.get("WORLD_SIZE", "1")) == 1
+        lend = rollout.lend_idle_cores and config.waltz is None and ranks.world_size() == 1
         cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
         return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
                                 threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,
@@ -214,8 +218,9 @@ class Controller:
                                             selector=self.selector, episodes=episodes)
             self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
+        remote_generators = bool(config.cluster.generator.launch_ranks or config.cluster.generator.urls)
         self.offload = (rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
-                        and len(self.policies) == 1)
+                        and len(self.policies) == 1 and not remote_generators)
         self._host = "cpu"
         self._device = self.policy._device()
         if self.offload:
@@ -388,7 +393,7 @@ def load_policy_checkpoint(config: RunConfig, policy: PolicyExecutor, first_poli
     return int(manager.load(path, policy.trainer)["version"])
 
 
-def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
+def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
     """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json.
 
     Launched directly it is a world of one; under torchrun / srun every trainer rank calls it, and
@@ -399,8 +404,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     on resume it is cut back to the checkpoint's step like metrics.jsonl, so after any number of
     crashes and resumes it lists every consumed prompt exactly once."""
     started = time.perf_counter()
-    check_multi_rank_support(config, int(os.environ.get("WORLD_SIZE", "1")))
-    init_distributed(config.trainer.parallel)
+    generator_ranks = config.cluster.generator.launch_ranks
+    check_multi_rank_support(config, trainer_world_size(generator_ranks))
+    if join_launch(config.trainer.parallel, generator_ranks).role == "generator":
+        serve_generator_rank(config, current_launch())
+        return None
     driver = ranks.is_driver()
     os.makedirs(config.run_dir, exist_ok=True)
     if driver:

@@ -136,9 +136,17 @@ class GeneratorGroupConfig:
     urls: list[str] = dataclasses.field(default_factory=list)
     """Base URLs of the engines' SGLang servers (set by examples/slurm_common.sh on a cluster); empty:
     the engine runs inside this process as rollout.placement says."""
+    launch_ranks: int = 0
+    """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
+    world each run a native engine (one device each) and serve the driver over torch.distributed,
+    with weights broadcast to them after every step (controller/generator_ranks.py). The other ranks
+    train. 0: generators are SGLang servers (`urls`) or local (rollout.placement)."""
 
     def __post_init__(self) -> None:
         require(self.num_engines >= 1, "num_engines", "must be >= 1")
+        require(self.launch_ranks >= 0, "launch_ranks", "must be >= 0")
+        require(not (self.launch_ranks and self.urls), "launch_ranks",
+                "generator ranks in the launch and SGLang server urls are two different generator groups; set one")
         require(self.engine_tp >= 1, "engine_tp", "must be >= 1")
         require(self.fp8_block_size >= 1, "fp8_block_size", "must be >= 1")
         require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")

@@ -32,11 +32,20 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                              timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
     """Join (rank 0: create) a process group outside the default world, with SGLang's rendezvous:
     a TCP store at master_address:master_port, prefixed by group_name."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import rendezvous
 
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
                                               timeout=timeout))
     store.set_timeout(timeout)
+    return group_on_store(store, rank, world_size, group_name=group_name, backend=backend, timeout=timeout)
+
+
+def group_on_store(store, rank: int, world_size: int, *, group_name: str, backend: str,
+                   timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+    """A process group of `world_size` ranks outside the default world, rendezvousing on `store` under
+    the prefix `group_name`. Its ranks are its own (0 .. world_size - 1): pass them as `src` / `dst`."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
     store = PrefixStore(group_name, store)
     # torch renamed pg_options to backend_options (2.6); pass whichever this torch has.
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
@@ -152,6 +161,10 @@ class BroadcastWeightSender:
                 total += payload.numel() * payload.element_size()
             calls.join()
             count += 1
+        # Receivers that stage buckets (generator ranks) apply them all at once here; SGLang has
+        # applied each bucket as it arrived.
+        _run_all([lambda e=e: e.finish_weights_update(version) for e in self.engines
+                  if hasattr(e, "finish_weights_update")]).join()
         return {"weight_sync/bytes": float(total), "weight_sync/buckets": float(count)}
 
     def close(self) -> None:
