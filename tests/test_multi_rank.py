@@ -117,6 +117,22 @@ def test_unsupported_multi_rank_features_fail_before_set_up(tiny_chat_model, tmp
         check_multi_rank_support(config, 4)
 
 
+def test_bad_generator_rank_layouts_are_named(tiny_chat_model, tmp_path, monkeypatch):
+    from megatron_rl.config import ConfigError
+    from megatron_rl.controller.generator_ranks import join_launch, trainer_world_size
+
+    with pytest.raises(ConfigError, match="launch_ranks.*SGLang server urls"):
+        _config(tiny_chat_model, str(tmp_path), "cluster.generator.launch_ranks=1",
+                "cluster.generator.urls=[http://gen:30000]")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert trainer_world_size(1) == 1
+    with pytest.raises(ConfigError, match="launch_ranks=2 leaves no trainer rank in a launch of 2 ranks"):
+        trainer_world_size(2)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="needs a launch of several ranks"):
+        join_launch(_config(tiny_chat_model, str(tmp_path)).trainer.parallel, 1)
+
+
 def test_data_parallel_shares_partition_the_padded_batch():
     from megatron_rl.types import TrainBatch
 
