@@ -67,8 +67,15 @@ def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active
     results.put(("ready", os.getpid()))
     # The engine computes on this process's main thread (run_forever); a second thread only moves
     # messages, so torch keeps one OpenMP pool and steps never wait for a hand-off.
-    threading.Thread(target=_serve_messages, args=(engine, buffers, requests, results), daemon=True).start()
+    server = threading.Thread(target=_serve_messages, args=(engine, buffers, requests, results), daemon=True)
+    server.start()
     engine.run_forever()
+    server.join(timeout=10)  # it has sent its last reply
+    results.close()
+    results.join_thread()
+    # Skip interpreter finalization: torch's C++ destructors abort ("terminate called without an active
+    # exception") on the thread pools the engine's steps left behind.
+    os._exit(0)
 
 
 def _exit_with_parent(arenas: tuple[SharedBucketsDescriptor, ...]) -> None:
