@@ -31,12 +31,10 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                              group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl",
                              timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
     """Join (rank 0: create) a process group outside the default world, with SGLang's rendezvous:
-    a TCP store at master_address:master_port, prefixed by group_name."""
-    from torch.distributed.distributed_c10d import rendezvous
-
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    a TCP store at master_address:master_port (rank 0 serves it), prefixed by group_name."""
+    # The store is built directly: torch's tcp:// rendezvous turns rank 0 into a client as well inside a
+    # torchrun worker (it expects torchrun's own agent store), and the group would never form.
+    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
     return group_on_store(store, rank, world_size, group_name=group_name, backend=backend, timeout=timeout)
 
 
