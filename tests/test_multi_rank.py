@@ -121,6 +121,36 @@ def test_unsupported_multi_rank_features_fail_before_set_up(tiny_chat_model, tmp
         check_multi_rank_support(config, 4)
 
 
+def _failing_generator_rank(rank, world_size, model_path, run_dir):
+    from megatron_rl.controller.generator_ranks import generator_rank_pool, join_launch, serve_generator_rank
+    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+
+    config = _config(model_path, run_dir, "cluster.generator.launch_ranks=1")
+    role = join_launch(config.trainer.parallel, 1)
+    if role.role == "generator":
+        serve_generator_rank(config, role)
+        return "served"
+    pool = generator_rank_pool(config)
+    [rank_engine] = pool.engines
+    futures = pool.submit([GenerateRequest(request_id="long", prompt_ids=[1, 2, 3],
+                                           sampling=SamplingParams(max_new_tokens=400, temperature=1.0, seed=0))])
+    try:  # a tensor the engine does not have makes the generator rank's weight handler fail
+        rank_engine.update_weights({"model.no_such_weight": torch.zeros(2)}, version=1)
+    except RuntimeError as exc:
+        raised = str(exc)
+    else:
+        raised = ""
+    return raised, repr(futures[0].exception(timeout=60))
+
+
+def test_a_failing_generator_rank_fails_its_requests_instead_of_hanging(tmp_path, tiny_chat_model):
+    driver, generator = run_distributed(_failing_generator_rank, 2, tiny_chat_model, str(tmp_path))
+    raised, request_error = driver
+    assert "generator failed" in raised and "model.no_such_weight" in raised
+    assert "generator failed" in request_error
+    assert generator == "served"  # the generator rank ended its service instead of hanging
+
+
 def test_bad_generator_rank_layouts_are_named(tiny_chat_model, tmp_path, monkeypatch):
     from megatron_rl.config import ConfigError
     from megatron_rl.controller.generator_ranks import join_launch, trainer_world_size

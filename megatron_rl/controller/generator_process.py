@@ -183,6 +183,11 @@ class RemoteEngine:
         """The result channel failed; True to keep receiving (after a restart)."""
         return False
 
+    def _on_fatal(self, error: RuntimeError) -> None:
+        """The generator failed; whoever waits for a reply gets the error (a restarted process then
+        finishes the pending requests)."""
+        self._replies.put(error)
+
     def _receive(self) -> None:
         while not self._closed:
             try:
@@ -199,7 +204,7 @@ class RemoteEngine:
             if kind in ("done", "failed"):
                 self._resolve(kind, message[1], message[2])
             elif kind == "fatal":
-                self._replies.put(RuntimeError(f"generator failed:\n{message[1]}"))
+                self._on_fatal(RuntimeError(f"generator failed:\n{message[1]}"))
             else:
                 self._replies.put(message)
                 if kind == "stopped":

@@ -144,6 +144,16 @@ class RankGenerator(RemoteEngine):
         self._requests = self._results = RecordLink(link_group, peer=1, last={"stopped", "fatal"})
         self._start_receiver()
 
+    def _on_fatal(self, error: RuntimeError) -> None:
+        # A generator rank is not restarted (the launch owns it): every waiting request fails now.
+        super()._on_fatal(error)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for request in pending.values():
+            for future in request.futures.values():
+                if not future.done():
+                    future.set_exception(error)
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
         self._requests.put(("join_weights", master_address, master_port, rank_offset, world_size, group_name, backend))
