@@ -16,8 +16,9 @@ too slow to follow a policy that changes every step.
 Why V learned slowly with a plain Linear head on the raw state (measured: explained variance -0.5..0
 over a 12-step run, candidates' V within +-0.03 of each other while realised rewards spread 0..1):
 the state after the last prompt token is that of the chat template's closing tokens, the same for
-every prompt, so its prompt-independent part dwarfs the prompt-dependent part (the mean feature's
-norm is ~20x a prompt's deviation from it; see `FeatureStandardizer`). A zero-initialised head moved
+every prompt, so its prompt-independent part dwarfs the prompt-dependent part (SmolLM2-135M, 10
+layers, arithmetic prompts: the mean state's norm is 13x a prompt's mean deviation from it, mean
+pairwise cosine 0.993). A zero-initialised head moved
 by Adam (every coordinate ~lr per step) then mostly moves the shared component, i.e. all predictions
 together, and learns the per-prompt differences that selection needs only after many steps. Fixes,
 each optional in `ValueModelConfig` (paper: a regression head, details unspecified):
