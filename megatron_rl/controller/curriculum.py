@@ -18,7 +18,8 @@ Kinds (`curriculum.kind`):
 - pcl:              Prompt Curriculum Learning (Gao, Kim, Sun et al. 2025, arXiv 2510.01135): a value
                     model scores k*m candidates in one forward pass, the m with V(x) closest to tau are
                     generated, and V is regressed on their observed mean rewards after the step, so it
-                    lags the policy by one step.
+                    lags the policy by one step (optionally with a replay of the most recent earlier
+                    pairs, `curriculum.value.replay_prompts`: a departure for small m).
 
 The value model is its own executor (`ValueTrainer`): on the policy trainer's ranks and process groups,
 with its own weights and optimizer; in the disaggregated placement its updates, like the policy's,
