@@ -98,7 +98,10 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
     from megatron_rl.trainer.value import ValueModelConfig, ValueTrainer
     from tests.helpers import near_uniform_state
 
-    config = ValueModelConfig(trainer=TrainerConfig(lr=1e-3, micro_batch_size=4), head_lr=1e-2)
+    # The paper's plain regression head (no standardisation, no prior): value/loss is then exactly the
+    # error of the predictions `predict` made before the update.
+    config = ValueModelConfig(trainer=TrainerConfig(lr=1e-3, micro_batch_size=4), head_lr=1e-2,
+                              standardize_features=False, mean_reward_prior=False)
     value = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [3, 3, 3], [5]]
     torch.testing.assert_close(value.predict(prompts), torch.full((6,), 0.5))  # zero-initialised head
@@ -140,6 +143,93 @@ def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
         copy.load_shard({k: v for k, v in value.shard_state().items() if not k.startswith("value_head.")})
 
 
+def test_value_head_statistics_merge_exactly_and_standardise_its_input():
+    from megatron_rl.trainer.value import STANDARDIZE_EPS, ValueHead
+
+    torch.manual_seed(0)
+    head = ValueHead(6, torch.float32, standardize=True)
+    states = 3.0 + 0.01 * torch.randn(23, 6) * torch.arange(1, 7)  # a large shared part, small differences
+    for chunk in torch.split(states, [5, 1, 9, 8]):
+        head.observe_features(chunk)
+    reference = states.double()
+    torch.testing.assert_close(head.statistics["feature_mean"], reference.mean(0))
+    torch.testing.assert_close(head.statistics["feature_var"], reference.var(0, unbiased=False))
+    assert float(head.statistics["feature_count"]) == 23
+    with torch.no_grad():
+        head.weight.normal_()
+        head.bias.fill_(0.3)
+    head.statistics["prior"].fill_(-1.0)
+    expected = ((states - states.mean(0)) / (states.var(0, unbiased=False) + STANDARDIZE_EPS).sqrt()) @ head.weight[0] + 0.3 - 1.0
+    torch.testing.assert_close(head(states), expected, atol=1e-4, rtol=1e-4)
+    # Standardised inputs differ by O(1) between states, the raw ones by O(0.01).
+    assert float(head(states).std()) > 0.5
+    raw = ValueHead(6, torch.float32, standardize=False)
+    raw.load_state_dict(head.state_dict())
+    raw.observe_features(states)  # a no-op without standardisation
+    assert float(raw.statistics["feature_count"]) == 0
+    torch.testing.assert_close(raw(states), states @ head.weight[0] + 0.3, atol=1e-5, rtol=1e-5)
+
+
+def _shared_suffix_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 3-7 distinct tokens followed by a long suffix they all share (as a chat template's
+    closing tokens are): the state after the last token is mostly the suffix's."""
+    generator = torch.Generator().manual_seed(seed)
+    suffix = [7, 8, 9, 10, 11, 12, 13, 14]
+    return [torch.randint(20, 200, (3 + i % 5,), generator=generator).tolist() + suffix for i in range(count)]
+
+
+def _fit(value, prompts, targets, updates):
+    for _ in range(updates):
+        value.update(prompts, targets)
+    return explained_variance(value.predict(prompts), targets), float((value.predict(prompts) - targets).abs().max())
+
+
+def test_value_model_fits_fixed_prompt_targets_within_a_few_updates(tiny_arch):
+    """V (standardised head, mean-reward prior, the recipe's backbone rate) fits 12 fixed prompt ->
+    mean-reward targets within 15 updates, on prompts that share a long suffix as chat prompts do.
+    (That the raw head learns far more slowly shows on the real model's states, whose shared part is
+    ~20x the per-prompt part; a tiny random model's are not so lopsided, and there both fit.)"""
+    from megatron_rl.trainer.trainer import TrainerConfig
+    from megatron_rl.trainer.value import ValueModelConfig, ValueTrainer
+    from tests.helpers import near_uniform_state
+
+    prompts = _shared_suffix_prompts(12)
+    targets = torch.tensor([0.0, 0.125, 0.25, 0.875, 0.5, 0.0, 1.0, 0.375, 0.125, 0.75, 0.0, 0.25])
+    backbone = TrainerConfig(lr=1e-5, micro_batch_size=4)  # the recipe's rates: the head does the fitting
+    fixed = ValueTrainer(tiny_arch, ValueModelConfig(trainer=backbone, head_lr=1e-2),
+                         hf_state=near_uniform_state(tiny_arch))
+    torch.testing.assert_close(fixed.predict(prompts), torch.full((12,), 0.5))  # untrained: tau everywhere
+    first_loss = fixed.update(prompts, targets)["value/loss"]
+    # The prior: after one update V's mean is already near the targets' mean (0.354), not at 0.5.
+    assert abs(float(fixed.predict(prompts).mean()) - float(targets.mean())) < 0.05
+    explained, worst = _fit(fixed, prompts, targets, 14)
+    assert explained > 0.9 and worst < 0.2, (explained, worst)
+    assert fixed.update(prompts, targets)["value/loss"] < 0.1 * first_loss
+
+    # A copy from its checkpoint state (backbone, head and the head's statistics) predicts the same;
+    # a state without the statistics is refused.
+    copy = ValueTrainer(tiny_arch, ValueModelConfig(trainer=backbone, head_lr=1e-2),
+                        hf_state=near_uniform_state(tiny_arch, seed=1))
+    copy.load_shard(fixed.shard_state())
+    torch.testing.assert_close(copy.predict(prompts), fixed.predict(prompts), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="statistics"):
+        copy.load_shard({k: v for k, v in fixed.shard_state().items() if k != "value_head.feature_var"})
+
+
+def test_mean_reward_prior_sets_v_to_the_targets_mean_before_any_learning(tiny_arch):
+    from megatron_rl.trainer.trainer import TrainerConfig
+    from megatron_rl.trainer.value import PRIOR_CLIP, ValueModelConfig, ValueTrainer
+    from tests.helpers import near_uniform_state
+
+    prompts = _shared_suffix_prompts(5)
+    for head, targets, expected in (("sigmoid", [0.1, 0.3, 0.2, 0.4, 0.0], 0.2), ("linear", [2.0, -1.0, 0.5, 0.5, 3.0], 1.0),
+                                    ("sigmoid", [0.0] * 5, PRIOR_CLIP)):
+        config = ValueModelConfig(trainer=TrainerConfig(lr=0.0, micro_batch_size=4), head_lr=0.0, head=head)
+        value = ValueTrainer(tiny_arch, config, hf_state=near_uniform_state(tiny_arch))
+        value.update(prompts, torch.tensor(targets))  # no learning (zero rates): only the prior moves
+        torch.testing.assert_close(value.predict(prompts), torch.full((5,), expected), atol=1e-6, rtol=0)
+
+
 def test_truncated_value_model_keeps_the_first_layers(tiny_arch):
     from megatron_rl.trainer.value import truncate_layers
     from tests.helpers import near_uniform_state
@@ -175,10 +265,12 @@ def test_pcl_selects_candidates_trains_the_value_model_and_counts_samples(tmp_pa
     from megatron_rl.controller.loop import train
 
     run_dir = str(tmp_path / "pcl")
-    train(_config(tiny_chat_model, run_dir, "curriculum.kind=pcl",
-                  "curriculum.value.trainer.micro_batch_size=4"))
+    train(_config(tiny_chat_model, run_dir, "steps=3", "curriculum.kind=pcl",
+                  "curriculum.value.trainer.micro_batch_size=4", "curriculum.value.replay_prompts=3"))
     steps = _steps(run_dir)
-    assert len(steps) == 2
+    assert len(steps) == 3
+    # V trains on the step's m = 2 groups plus up to 3 replayed pairs of earlier steps.
+    assert [r["curriculum/value_train_prompts"] for r in steps] == [2, 4, 5]
     for i, record in enumerate(steps):
         assert record["rollout/generated_samples_total"] == (i + 1) * 2 * 4  # only the m selected are generated
         for key in ("curriculum/value_explained_variance", "curriculum/predicted_reward_mean", "value/loss",
@@ -223,7 +315,7 @@ def test_resumed_pcl_run_restores_the_value_model_and_its_optimizer(tmp_path, ti
     from megatron_rl.controller.loop import train
 
     pcl = ("curriculum.kind=pcl", "curriculum.value.trainer.micro_batch_size=4", "curriculum.value.head_lr=1e-2",
-           "checkpoint.every_steps=1", "eval.after_training=false")
+           "curriculum.value.replay_prompts=3", "checkpoint.every_steps=1", "eval.after_training=false")
     straight = str(tmp_path / "straight")
     train(_config(tiny_chat_model, straight, "steps=3", *pcl))
     interrupted = str(tmp_path / "interrupted")
@@ -231,6 +323,7 @@ def test_resumed_pcl_run_restores_the_value_model_and_its_optimizer(tmp_path, ti
     saved_weights, saved_optimizer = _value_checkpoint(interrupted, 1)
     assert "value_head.weight" in saved_weights and bool(saved_weights["value_head.weight"].abs().sum() > 0)
     assert saved_optimizer["step_count"] == 1 and _adam_moments(saved_optimizer)
+    assert float(saved_weights["value_head.feature_count"]) == 2  # the head's statistics are saved with it
     unusable = str(tmp_path / "unusable")
     shutil.copytree(interrupted, unusable)
 
@@ -273,6 +366,23 @@ def test_baseline_selectors_generate_what_they_promise(tmp_path, tiny_chat_model
         # The pool is rolled out once before training, then m groups a step.
         assert [r["rollout/generated_samples_total"] for r in steps] == [6 * 4 + 8, 6 * 4 + 16]
         assert steps[0]["curriculum/prefilter_pool"] == 6
+
+
+def test_resumed_prefilter_run_keeps_its_filtered_prompts_and_position(tmp_path, tiny_chat_model, capsys):
+    from megatron_rl.controller.loop import train
+
+    prefilter = ("curriculum.kind=prefilter", "curriculum.prefilter_pool=6", "checkpoint.every_steps=1",
+                 "eval.after_training=false")
+    straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
+    train(_config(tiny_chat_model, straight, "steps=3", *prefilter))
+    train(_config(tiny_chat_model, interrupted, "steps=1", *prefilter))
+    capsys.readouterr()
+    train(_config(tiny_chat_model, interrupted, "steps=3", *prefilter), resume=True)
+    assert "prefilter: restored" in capsys.readouterr().out  # no second filtering rollout
+    prompts = lambda run: [json.loads(line)["prompts"] for line in open(os.path.join(run, "prompts.jsonl"))]  # noqa: E731
+    # The resumed run continues the filtered stream where it was: the same prompts as without the stop.
+    assert prompts(interrupted) == prompts(straight)
+    assert [r["rollout/generated_samples_total"] for r in _steps(interrupted)] == [6 * 4 + 8 * s for s in (1, 2, 3)]
 
 
 def test_mixture_source_interleaves_components_and_splits_the_heldout_set():

@@ -18,7 +18,8 @@ Kinds (`curriculum.kind`):
 - pcl:              Prompt Curriculum Learning (Gao, Kim, Sun et al. 2025, arXiv 2510.01135): a value
                     model scores k*m candidates in one forward pass, the m with V(x) closest to tau are
                     generated, and V is regressed on their observed mean rewards after the step, so it
-                    lags the policy by one step.
+                    lags the policy by one step (optionally with a replay of the most recent earlier
+                    pairs, `curriculum.value.replay_prompts`: a departure for small m).
 
 The value model is its own executor (`ValueTrainer`): on the policy trainer's ranks and process groups,
 with its own weights and optimizer; in the disaggregated placement its updates, like the policy's,
@@ -104,21 +105,43 @@ class Prefilter(PromptSelector):
         self.config = config
         self.data_config = data_config
         self.stream: PromptStream | None = None
+        self.kept_indices: list[int] = []  # prefiltered position -> training data set index
+        self._restored: dict[str, Any] | None = None
 
     def prepare(self, producer) -> dict[str, float]:
+        if self._restored is not None:  # a resumed run: the filtered subset and its cursor, no new rollouts
+            self._keep(producer.stream.dataset, [int(i) for i in self._restored["kept_indices"]])
+            self.stream.load_state_dict(self._restored["stream"])
+            print(f"prefilter: restored {len(self.kept_indices)} prompts from the checkpoint")
+            return {}
         start = time.perf_counter()
         pool = producer.stream.next_indexed(self.config.prefilter_pool)
         groups = producer.rollout([prompt for _, prompt in pool], tag="prefilter", seed=7919)
-        kept = [(index, g.prompt) for (index, _), g in zip(pool, groups) if has_mixed_rewards(_rewards(g))]
+        kept = [index for (index, _), g in zip(pool, groups) if has_mixed_rewards(_rewards(g))]
         if not kept:
             raise RuntimeError(f"curriculum.kind=prefilter: none of the {len(pool)} pool prompts had mixed rewards "
                                "under the initial policy; raise curriculum.prefilter_pool")
-        self.kept_indices = [index for index, _ in kept]  # prefiltered position -> training data set index
-        self.stream = PromptStream(PromptDataset("prefiltered", [prompt for _, prompt in kept]),
-                                   seed=self.data_config.shuffle_seed, shuffle=self.data_config.shuffle)
+        self._keep(producer.stream.dataset, kept)
         print(f"prefilter: kept {len(kept)} of {len(pool)} prompts ({time.perf_counter() - start:.1f} s)")
         return {"curriculum/prefilter_kept": float(len(kept)), "curriculum/prefilter_pool": float(len(pool)),
                 "curriculum/prefilter_time": time.perf_counter() - start}
+
+    def _keep(self, dataset: PromptDataset, indices: list[int]) -> None:
+        self.kept_indices = indices
+        self.stream = PromptStream(PromptDataset("prefiltered", [dataset[i] for i in indices]),
+                                   seed=self.data_config.shuffle_seed, shuffle=self.data_config.shuffle)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Which prompts passed the filter and where the filtered stream is: a resumed run continues
+        # with them instead of filtering again with the (by then trained) policy.
+        if self.stream is None:
+            return {}
+        return {"kept_indices": list(self.kept_indices), "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes effect in `prepare` (which needs the training data set); a state without the filtered
+        subset (a checkpoint from before it was saved) filters again."""
+        self._restored = state if state.get("kept_indices") else None
 
     def draw(self, stream: PromptStream, count: int, step: int) -> list[tuple[int, Prompt]]:
         if self.stream is None:
@@ -156,6 +179,7 @@ class PCLSelector(PromptSelector):
         self._predicted: dict[str, float] = {}  # prompt id -> V(x) at selection time
         self._draw_metrics: dict[int, dict[str, float]] = {}
         self._history: list[tuple[float, float]] = []  # (predicted, realised) over the run
+        self._replay: list[tuple[list[int], float]] = []  # recent (prompt tokens, mean reward), oldest first
 
     def draw(self, stream: PromptStream, count: int, step: int) -> list[tuple[int, Prompt]]:
         start = time.perf_counter()
@@ -179,13 +203,15 @@ class PCLSelector(PromptSelector):
         return {"value": self.value}
 
     def state_dict(self) -> dict[str, Any]:
-        # Predictions of prompts drawn but not yet observed (asynchronous runs), and the run's
-        # (predicted, realised) pairs behind curriculum/value_explained_variance_run.
-        return {"predicted": dict(self._predicted), "history": [list(pair) for pair in self._history]}
+        # Predictions of prompts drawn but not yet observed (asynchronous runs), the run's
+        # (predicted, realised) pairs behind curriculum/value_explained_variance_run, and V's replay.
+        return {"predicted": dict(self._predicted), "history": [list(pair) for pair in self._history],
+                "replay": [[list(tokens), target] for tokens, target in self._replay]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._predicted = dict(state.get("predicted", {}))
         self._history = [tuple(pair) for pair in state.get("history", [])]
+        self._replay = [(list(tokens), float(target)) for tokens, target in state.get("replay", [])]
 
     def observe(self, groups: list[Group], step: int) -> dict[str, float]:
         metrics = dict(self._draw_metrics.pop(step, {}))
@@ -205,9 +231,15 @@ class PCLSelector(PromptSelector):
             "curriculum/value_explained_variance_run": explained_variance(history[:, 0], history[:, 1]),
         })
         start = time.perf_counter()
-        metrics.update(self.value.update([self.tokenizer.encode_chat(g.prompt.messages) for g in groups], realised,
+        # V is regressed on this step's groups and the replay of earlier steps' (value.replay_prompts).
+        current = [(self.tokenizer.encode_chat(g.prompt.messages), float(r)) for g, r in zip(groups, realised.tolist())]
+        batch = current + self._replay
+        metrics.update(self.value.update([tokens for tokens, _ in batch], torch.tensor([t for _, t in batch]),
                                          pad_token_id=self.tokenizer.pad_token_id))
+        keep = self.config.value.replay_prompts
+        self._replay = (self._replay + current)[-keep:] if keep else []
         metrics["curriculum/value_update_time"] = time.perf_counter() - start
+        metrics["curriculum/value_train_prompts"] = float(len(batch))
         return metrics
 
 

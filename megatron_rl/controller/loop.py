@@ -162,7 +162,10 @@ class Controller:
     `train_step` in lockstep; rank 0, the driver, also holds the engines, the prompt stream and the
     rollout producer, and broadcasts each step's scored groups (controller/ranks.py)."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, *, prepare_selection: bool = True):
+        """`prepare_selection=False` leaves the curriculum's one-off preparation (`selector.prepare`,
+        e.g. pre-filtering's rollouts) to the caller: a resuming run calls it after restoring the
+        selector's state, which may make it unnecessary."""
         self.config = config
         random.seed(config.seed)
         torch.manual_seed(config.seed)
@@ -216,7 +219,8 @@ class Controller:
                                             seed=config.seed, timeline=self.timeline,
                                             max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
                                             selector=self.selector, episodes=episodes)
-            self.selection_metrics = self.selector.prepare(self.rollouts)
+            if prepare_selection:
+                self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
         remote_generators = bool(config.cluster.generator.launch_ranks or config.cluster.generator.urls)
         self.offload = (rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
@@ -416,7 +420,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
             json.dump(to_dict(config), f, indent=2)
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
     latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
-    controller = Controller(config)
+    controller = Controller(config, prepare_selection=latest is None)
     state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0, "nonfinite_steps": 0,
                              "nonfinite_in_a_row": 0, "skipped_prompts": 0, "checkpoint_failures": 0}
     start_step = 0
@@ -432,6 +436,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
             saved = checkpoints.load(latest, controller.policy)
             if driver:
                 controller.selector.load_state_dict(saved.get("curriculum", {}))
+                controller.selection_metrics = controller.selector.prepare(controller.rollouts)
             start_step, controller.version = saved["step"], saved["version"]
             controller.policies[0].version = controller.version
             if driver:

@@ -350,7 +350,7 @@ class RolloutProducer:
             groups = [{"index": p.index, "prompt_id": p.prompt.prompt_id, "step": p.step, "slot": p.slot}
                       for p in self._in_flight]
             return {}, {"admitted_steps": self._admitted_steps, "groups": [], "episode_groups": groups,
-                        "skipped": skipped}
+                        "skipped": skipped, "generated_samples": self.generated_samples}
         columns: dict[str, list] = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "weight_versions": []}
         groups = []
         for pending in self._in_flight:
@@ -371,7 +371,8 @@ class RolloutProducer:
                    "output_ids": torch.tensor(columns["output_ids"], dtype=torch.int64),
                    "output_logprobs": torch.tensor(columns["output_logprobs"], dtype=torch.float64),
                    "weight_versions": torch.tensor(columns["weight_versions"], dtype=torch.int64)}
-        metadata = {"admitted_steps": self._admitted_steps, "groups": groups, "skipped": skipped}
+        metadata = {"admitted_steps": self._admitted_steps, "groups": groups, "skipped": skipped,
+                    "generated_samples": self.generated_samples}
         return tensors, metadata
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
@@ -419,6 +420,8 @@ class RolloutProducer:
         self._in_flight = restored
         self._skipped = {int(step): list(ids) for step, ids in metadata.get("skipped", {}).items()}
         self._admitted_steps = int(metadata["admitted_steps"])
+        # rollout/generated_samples_total continues across a resume (older checkpoints: from 0)
+        self.generated_samples = int(metadata.get("generated_samples", 0))
 
 
 def _where(prompt: Prompt) -> str:
