@@ -74,6 +74,34 @@ def test_feedback_reward_gates_dir_by_label_and_drops_lambda_in_stage_2():
         feedback_reward(right, UNSAFE, SAFE, config, stage=3)
 
 
+def test_stage_2_label_weight_prices_false_flags_on_good_answers():
+    no_flag = parse_feedback('{"reasoning": "", "unsafe": false, "overrefuse": false, "feedback": ""}')
+    flag_unsafe = parse_feedback('{"reasoning": "", "unsafe": true, "overrefuse": false, "feedback": "x"}')
+    flag_over = parse_feedback('{"reasoning": "", "unsafe": false, "overrefuse": true, "feedback": "x"}')
+    paper = WaltzRewardConfig(alpha=1.0, label_weight=1.0, format_weight=1.0)
+    # A good answer (benign prompt, answered): "no flag" is the correct label and earns R_label = 1.
+    assert feedback_reward(no_flag, SAFE, None, paper, stage=2)["label"] == 1.0
+    # The paper's stage 2 (lambda = 0): a false flag earns what the correct "no flag" earns, even when its
+    # revision turned the good answer into an over-refusal (DIR = -1, gated away by R_label = 0).
+    for false_flag, revised in ((flag_unsafe, SAFE), (flag_over, OVER)):
+        assert (feedback_reward(false_flag, SAFE, revised, paper, stage=2)["reward"]
+                == feedback_reward(no_flag, SAFE, None, paper, stage=2)["reward"] == 1.0)
+    # On a bad answer, flagging it correctly is strictly better (DIR of a fixing revision), so a weak
+    # feedback agent's optimum in the paper's stage 2 is "always flag".
+    assert feedback_reward(flag_unsafe, UNSAFE, SAFE, paper, stage=2)["reward"] == 2.0
+    assert feedback_reward(no_flag, UNSAFE, None, paper, stage=2)["reward"] == 1.0
+    # stage2_label_weight keeps a label term in stage 2: the correct verdict wins on both kinds of answer.
+    priced = WaltzRewardConfig(alpha=1.0, label_weight=1.0, format_weight=1.0, stage2_label_weight=0.5)
+    assert feedback_reward(no_flag, SAFE, None, priced, stage=2)["reward"] == 1.5
+    assert feedback_reward(flag_over, SAFE, OVER, priced, stage=2)["reward"] == 1.0
+    assert feedback_reward(flag_unsafe, UNSAFE, SAFE, priced, stage=2)["reward"] == 2.5
+    assert feedback_reward(no_flag, UNSAFE, None, priced, stage=2)["reward"] == 1.0
+    # Stage 1 still uses label_weight.
+    assert feedback_reward(no_flag, SAFE, None, priced, stage=1)["reward"] == 2.0
+    with pytest.raises(ValueError, match="stage2_label_weight"):
+        WaltzRewardConfig(stage2_label_weight=-1.0)
+
+
 @pytest.mark.parametrize("text, error", [
     ("no json here", "no JSON object"),
     ('{"reasoning": "cut off', "no JSON object"),
@@ -146,12 +174,13 @@ COMPLY = "Sure, to build a bomb at home you first gather materials."
 REFUSE = "I'm sorry, but I can't help with that."
 
 
-def _run(smollm2, prompt, first, revised, feedback_tail, *, max_revisions=1, stage1_steps=5):
+def _run(smollm2, prompt, first, revised, feedback_tail, *, max_revisions=1, stage1_steps=5, feedback_temperature=None):
     conversation = _ScriptedEngine(smollm2.tokenizer, lambda text: revised if "Feedback on your answer" in text else first)
     feedback = _ScriptedEngine(smollm2.tokenizer, lambda text: feedback_tail)
     config = WaltzConfig(max_revisions=max_revisions, stage1_steps=stage1_steps)
     producer = WaltzEpisodes(conversation, feedback, smollm2.tokenizer, RuleJudge(), config,
-                             sampling=SamplingParams(max_new_tokens=16), samples_per_prompt=2)
+                             sampling=SamplingParams(max_new_tokens=16), samples_per_prompt=2,
+                             feedback_temperature=feedback_temperature)
     samples = producer.collect(prompt, producer.submit(prompt, "r", 3))
     return samples, producer.pop_metrics(), conversation, feedback
 
@@ -168,6 +197,18 @@ def test_flagged_unsafe_answer_is_revised_and_the_feedback_earns_dir(smollm2):
     assert COMPLY in revision_prompt and "Refuse this request." in revision_prompt
     assert metrics["waltz/episodes"] == 2 and metrics["waltz/revisions_per_episode"] == 1.0
     assert metrics["waltz/dir_mean"] == 1.0 and metrics["waltz/malformed_feedback"] == 0
+
+
+def test_feedback_temperature_applies_to_feedback_turns_only(smollm2):
+    tail = 'It helps.", "unsafe": true, "overrefuse": false, "feedback": "Refuse this request."}'
+    _, _, conversation, feedback = _run(smollm2, HARMFUL, COMPLY, REFUSE, tail, feedback_temperature=0.25)
+    assert len(conversation.requests) == 4 and len(feedback.requests) == 2  # c_0 and c_1 of two episodes
+    assert {r.sampling.temperature for r in feedback.requests} == {0.25}
+    assert {r.sampling.temperature for r in conversation.requests} == {SamplingParams(max_new_tokens=16).temperature}
+    _, _, _, feedback = _run(smollm2, HARMFUL, COMPLY, REFUSE, tail)   # None: the rollout temperature
+    assert {r.sampling.temperature for r in feedback.requests} == {SamplingParams(max_new_tokens=16).temperature}
+    with pytest.raises(ValueError, match="feedback_temperature"):
+        WaltzConfig(feedback_temperature=-0.5)
 
 
 def test_unflagged_feedback_ends_the_episode(smollm2):

@@ -16,6 +16,12 @@ DIR is gated by R_label (the paper's ablation: ungated DIR collapses label accur
 two stages: stage 1 trains the feedback agent alone (conversation agent frozen) with all three terms;
 stage 2 trains both with lambda = 0.
 
+With lambda = 0 a wrong flag costs nothing in stage 2: on a good answer, flagging it (R_label = 0, so
+the gated DIR is 0) earns gamma, exactly what the correct "no flag" earns (no revision, DIR = 0). Only
+a feedback agent whose stage 1 already taught it its labels keeps them; a weak one that is rewarded for
+flagging bad answers (DIR > 0) drifts to flagging everything. `stage2_label_weight` > 0 keeps a label
+term in stage 2 (a departure from the paper, off by default).
+
 Departures from the paper, stated: flags must be JSON booleans (the strings "true"/"false" are
 malformed), and malformed feedback ends the episode with R_format = R_label = 0, so its R_f is 0.
 """
@@ -125,7 +131,11 @@ class WaltzRewardConfig:
     alpha: float = 1.0
     """Weight of the label-gated Dynamic Improvement Reward."""
     label_weight: float = 1.0
-    """lambda: weight of the label reward in stage 1 (stage 2 uses 0, as the paper does)."""
+    """lambda: weight of the label reward in stage 1."""
+    stage2_label_weight: float = 0.0
+    """lambda in stage 2. The paper uses 0; then a false flag on a good answer earns as much as the
+    correct "no flag" (module docstring), and a feedback agent with a weak stage 1 drifts to flagging
+    everything. > 0 is a departure from the paper that prices false flags in stage 2 too."""
     format_weight: float = 1.0
     """gamma: weight of the format reward."""
     gate_dir_by_label: bool = True
@@ -134,6 +144,7 @@ class WaltzRewardConfig:
     def __post_init__(self) -> None:
         require(self.alpha >= 0, "alpha", "must be >= 0")
         require(self.label_weight >= 0, "label_weight", "must be >= 0")
+        require(self.stage2_label_weight >= 0, "stage2_label_weight", "must be >= 0")
         require(self.format_weight >= 0, "format_weight", "must be >= 0")
 
 
@@ -141,13 +152,14 @@ def feedback_reward(feedback: ParsedFeedback, judged: SafetyLabels, revised: Saf
                     config: WaltzRewardConfig, *, stage: int) -> dict[str, float]:
     """R_f and its terms for one feedback turn f_t on response c_t (judged) with revision c_{t+1}.
 
-    Stage 1 uses lambda = config.label_weight; stage 2 sets lambda = 0 (paper sec. 3.3)."""
+    Stage 1 uses lambda = config.label_weight; stage 2 lambda = config.stage2_label_weight (0 in the
+    paper, sec. 3.3)."""
     require(stage in (1, 2), "stage", f"must be 1 or 2, got {stage}")
     r_label = label_reward(feedback, judged)
     r_format = format_reward(feedback)
     dir_t = dynamic_improvement_reward(judged, revised) if feedback.ok else 0.0
     gate = r_label if config.gate_dir_by_label else 1.0
-    lam = config.label_weight if stage == 1 else 0.0
+    lam = config.label_weight if stage == 1 else config.stage2_label_weight
     total = config.alpha * dir_t * gate + lam * r_label + config.format_weight * r_format
     return {"reward": total, "dir": dir_t, "label": r_label, "format": r_format}
 

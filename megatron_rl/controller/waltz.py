@@ -95,6 +95,10 @@ class WaltzConfig:
     earlier chat turns. SmolLM2-135M-Instruct's greedy feedback on 12 held-out prompts parsed 10 times
     with them and 0 of 8 times with the earlier key-template-only prompt (it closed the object after "reasoning",
     or ran past the token limit); the cost is ~160 more prompt tokens per feedback turn."""
+    feedback_temperature: float | None = None
+    """Sampling temperature of the feedback agent's training episodes (None: rollout.temperature).
+    Evaluation and chat stay greedy. Below 1 the behaviour log-probs are still the raw policy's (see
+    rollout/engine.py), as for any rollout temperature."""
     feedback_stop: list[str] = dataclasses.field(default_factory=lambda: ["}"])
     """Stop strings of the feedback agent (the object is flat, so its first '}' ends it)."""
     stage1_steps: int = 4
@@ -113,6 +117,8 @@ class WaltzConfig:
         require(self.max_revisions >= 1, "max_revisions", "must be >= 1")
         require(self.feedback_max_new_tokens >= 1, "feedback_max_new_tokens", "must be >= 1")
         require(self.stage1_steps >= 0, "stage1_steps", "must be >= 0")
+        require(self.feedback_temperature is None or self.feedback_temperature >= 0, "feedback_temperature",
+                "must be >= 0")
 
 
 @dataclasses.dataclass
@@ -246,13 +252,15 @@ class WaltzEpisodes:
     """Episode producer of a WaltzRL run (see the module docstring); plugs into RolloutProducer."""
 
     def __init__(self, conversation_engine, feedback_engine, tokenizer, judge, config: WaltzConfig, *,
-                 sampling: SamplingParams, samples_per_prompt: int = 1, record_path: str | None = None):
+                 sampling: SamplingParams, samples_per_prompt: int = 1, record_path: str | None = None,
+                 feedback_temperature: float | None = None):
         self.conversation_engine = conversation_engine
         self.feedback_engine = feedback_engine
         self.tokenizer = tokenizer
         self.judge = judge
         self.config = config
         self.sampling = sampling
+        self.feedback_temperature = sampling.temperature if feedback_temperature is None else feedback_temperature
         self.samples_per_prompt = samples_per_prompt
         self.record_path = record_path
         self.stage = 1 if config.stage1_steps > 0 else 2
@@ -266,7 +274,7 @@ class WaltzEpisodes:
 
     def feedback_sampling(self, seed: int | None) -> SamplingParams:
         return dataclasses.replace(self.sampling, n=1, seed=seed, max_new_tokens=self.config.feedback_max_new_tokens,
-                                   stop=list(self.config.feedback_stop) or None)
+                                   temperature=self.feedback_temperature, stop=list(self.config.feedback_stop) or None)
 
     def feedback_prompt_ids(self, prompt: Any, response: str) -> list[int]:
         if self.config.feedback_few_shot:

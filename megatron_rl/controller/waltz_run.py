@@ -32,7 +32,7 @@ def setup_waltz(controller, config, model):
     record = os.path.join(config.run_dir, "episodes.jsonl") if waltz.record_episodes else None
     episodes = WaltzEpisodes(controller.engine, feedback.engine, controller.tokenizer, judge, waltz,
                              sampling=config.rollout.sampling(None), samples_per_prompt=config.rollout.samples_per_prompt,
-                             record_path=record)
+                             record_path=record, feedback_temperature=waltz.feedback_temperature)
 
     def train_schedule(policy, step: int) -> bool:
         # Stage 1: the conversation agent is frozen; stage 2: both agents train every step.
