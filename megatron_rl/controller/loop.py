@@ -111,7 +111,9 @@ def make_engine(config: RunConfig, model):
         from megatron_rl.controller.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
-        lend = rollout.lend_idle_cores and config.waltz is None and ranks.world_size() == 1
+        # Lending makes the thread count, and so floating-point summation order, depend on timing.
+        lend = (rollout.lend_idle_cores and not rollout.deterministic and config.waltz is None
+                and ranks.world_size() == 1)
         cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
         return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
                                 threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,

@@ -58,7 +58,8 @@ class RolloutConfig:
     """Disaggregated on one CPU host (single policy, one trainer rank): whichever of the trainer and
     the generator process is idle lends its cores to the other (controller/core_share.py), so a
     trainer waiting for rollouts or a generator waiting for admission wastes no core. False keeps
-    the fixed generator_threads / trainer_threads split."""
+    the fixed generator_threads / trainer_threads split, as `deterministic` runs always do (thread
+    counts that follow timing change floating-point summation order)."""
     weight_update: Literal["in_flight", "pause"] = "in_flight"
     """in_flight: new weights apply between two decode steps and unfinished responses continue under
     them (partial rollouts; each token records its version). pause: generation is paused for the
