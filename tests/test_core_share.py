@@ -63,3 +63,37 @@ def test_generator_process_follows_the_trainer(tiny_chat_model, restore_threads)
         while trainer.peer_busy() and time.monotonic() < deadline:  # an idle engine says so
             time.sleep(0.01)
         assert not trainer.peer_busy()
+
+
+def test_trainer_gives_back_a_core_within_a_micro_batch(tiny_arch, restore_threads):
+    """The trainer re-takes its share before every layer's forward and backward, so a generator that
+    starts work mid-micro-batch gets its core back within one layer, not at the next micro-batch."""
+    from megatron_rl.algorithms import LossConfig, make_loss_fn
+    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.types import TrainBatch
+
+    trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))
+    share = CoreShare(trainer_threads=1, generator_threads=1)
+    cores, generator = share.for_role("trainer"), share.for_role("generator")
+    seen: list[int] = []
+    generator_starts_at = [3]  # the generator gets work during the first micro-batch's forward
+
+    def between_layers():
+        if len(seen) in generator_starts_at:
+            generator.set_busy(True)
+        seen.append(cores.apply())
+
+    trainer.between_layers = between_layers
+    tokens = torch.randint(0, tiny_arch.vocab_size, (4, 8))
+    mask = torch.zeros(4, 8)
+    mask[:, 4:] = 1
+    batch = TrainBatch(tokens=tokens, loss_mask=mask, advantages=mask.clone(), behaviour_logprobs=torch.zeros(4, 8))
+    trainer.train_step(batch, make_loss_fn(LossConfig(name="aipo"), float(mask.sum())))
+    layers, micro_batches = tiny_arch.num_layers + 1, 2  # + the final layer norm
+    assert len(seen) == micro_batches * (1 + 2 * layers)  # per micro-batch: its start, each forward, each backward
+    assert seen[:3] == [2, 2, 2] and seen[3:] == [1] * (len(seen) - 3)
+    generator.set_busy(False)
+    generator_starts_at.clear()
+    seen.clear()
+    trainer.compute_logprobs(batch)
+    assert seen == [2] * micro_batches * (1 + layers)  # forward only: no backward boundaries

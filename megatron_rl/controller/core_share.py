@@ -7,9 +7,11 @@ almost linearly with cores here (1 -> 2 cores: 2.0x each, measured by `megatron-
 an idle core is lost throughput that overlap alone cannot win back.
 
 Each side publishes whether it has work in a shared flag and, at every point where torch's thread
-count can change cheaply (before each trainer micro-batch, before each engine decode step), runs on
-its own share while the other side is busy and on all the cores while the other side is idle. The
-flags live in shared memory (a `multiprocessing` RawArray inherited by the spawned generator).
+count can change cheaply (before each trainer layer's forward and backward, before each engine
+decode step), runs on its own share while the other side is busy and on all the cores while the
+other side is idle. The re-check has to be that frequent: a side still running on a core the other
+has just taken back oversubscribes the host, and its OpenMP barriers wait on a descheduled thread.
+The flags live in shared memory (a `multiprocessing` RawArray inherited by the spawned generator).
 """
 from __future__ import annotations
 

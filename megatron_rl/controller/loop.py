@@ -183,7 +183,7 @@ class Controller:
         # A generator process on this host's cores: train on the cores it leaves idle too.
         self.cores: CoreShare | None = getattr(self.engine, "trainer_cores", None)
         if self.cores is not None:
-            self.policy.before_micro_batch = self.cores.apply
+            self.policy.between_layers = self.cores.apply
         value_from_policy = config.curriculum.kind == "pcl"  # PCL's value model starts from the policy's weights
         self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
                                        policy_arch=model.arch, policy_state=model.state if value_from_policy else None,

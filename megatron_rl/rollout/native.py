@@ -209,6 +209,10 @@ class LlamaWeights:
             self.pack_pending()
         return True
 
+    @property
+    def packing_pending(self) -> bool:
+        return bool(self.pack_rows and self._pending_pack)
+
     def pack_pending(self, limit: int | None = None) -> bool:
         """Pack up to `limit` (default: all) of the layers still waiting; True if any are left."""
         if self.pack_rows:
@@ -971,8 +975,12 @@ class NativeEngine:
         if self.core_share is not None:
             self.core_share.set_busy(plan is not None)
         if plan is None:
-            with self._model_lock:
-                self.weights.pack_pending()  # idle: finish re-packing adopted weights now
+            with self._model_lock:  # idle: finish re-packing adopted weights now
+                if self.core_share is not None and self.weights.packing_pending:
+                    with self.core_share.working():  # on this side's share while the trainer trains
+                        self.weights.pack_pending()
+                else:
+                    self.weights.pack_pending()
             return bool(finished)
         with self._model_lock:
             with self._cv:

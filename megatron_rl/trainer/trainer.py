@@ -122,9 +122,12 @@ class MegatronTrainer:
         self.arch = arch
         self.config = config
         self.step_count = 0
-        # Called before each micro-batch's forward (and so before its backward): a CPU trainer that
-        # shares its host's cores with a generator process re-takes its thread count here.
-        self.before_micro_batch: Callable[[], Any] | None = None
+        # Called before each micro-batch and before each transformer layer's forward and backward: a CPU
+        # trainer that shares its host's cores with a generator process re-takes its thread count here.
+        # Per layer (tens of ms), not per micro-batch (seconds): a trainer still running on a core the
+        # generator has just taken back oversubscribes the host, and its OpenMP barriers then wait on a
+        # descheduled thread (measured: a 3.3 s micro-batch took 12 s).
+        self.between_layers: Callable[[], Any] | None = None
         with cpu_compat.redirect_cuda_to_cpu():
             self._build(pg_collection, hf_state)
 
@@ -164,6 +167,7 @@ class MegatronTrainer:
             model.output_layer.forward = _hidden_states_head
         if hf_state is not None:
             self.load_hf_state(hf_state)
+        self._hook_layer_boundaries(model)
         model = self._network(model)
         if self.params_dtype != torch.float32:
             model = Float16Module(self.tf_config, model)
@@ -190,6 +194,26 @@ class MegatronTrainer:
         """The module DDP wraps and trains: the GPTModel itself. Subclasses wrap it to add parameters
         (e.g. the value model's scalar head) that the optimizer and gradient buffers must include."""
         return gpt
+
+    def _hook_layer_boundaries(self, model) -> None:
+        """Call `between_layers` before each layer's forward and, through a gradient hook on its
+        output, before its backward (both free when `between_layers` is None)."""
+        def before(*_):
+            if self.between_layers is not None:
+                self.between_layers()
+
+        def after_forward(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if self.between_layers is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(before)
+
+        decoder = getattr(model, "decoder", None)
+        blocks = list(getattr(decoder, "layers", []))
+        if getattr(decoder, "final_layernorm", None) is not None:
+            blocks.append(decoder.final_layernorm)
+        for block in blocks:
+            block.register_forward_pre_hook(before)
+            block.register_forward_hook(after_forward)
 
     def _param_group_overrides(self, opt_config):
         """Megatron optimizer param-group overrides (None: Megatron's standard ones). Subclasses give
@@ -328,8 +352,8 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb: TrainBatch = next(data_iterator)
-            if self.before_micro_batch is not None:
-                self.before_micro_batch()
+            if self.between_layers is not None:
+                self.between_layers()
             tokens = mb.tokens.to(device)
             inputs = tokens[:, :-1]
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
