@@ -84,6 +84,11 @@ def bench_async(options: dict) -> dict:
         "async_staleness_mean": round(mean(overlapped, "rollout/staleness_mean"), 3),
         "async_trained_rows": round(mean(overlapped, "rollout/trained_samples"), 1),
         "sync_trained_rows": round(mean(sync, "rollout/trained_samples"), 1),
+        # The runs' samples differ (an async step trains on the previous version's samples, which
+        # shorten later as the policy learns), and so does the work behind each step time.
+        "sync_response_tokens": round(mean(sync, "rollout/response_tokens"), 1),
+        "alone_response_tokens": round(mean(alone, "rollout/response_tokens"), 1),
+        "async_response_tokens": round(mean(overlapped, "rollout/response_tokens"), 1),
         "steps_measured": len(overlapped), "generator_threads": generator_threads, "trainer_threads": trainer_threads,
     }
     if fixed:
