@@ -320,6 +320,12 @@ def test_safety_datasets_are_real_disjoint_and_labelled():
 # --- two policies through the one Controller ----------------------------------------------------------------
 
 QUICK_PREFILL = '{"reasoning": "r", "unsafe": false, "overrefuse": false, "feedback": "f"}'
+# The loop tests take the recipe's structure but need training steps that move the weights. A group baseline
+# (REINFORCE++-baseline, which an earlier recipe used) zeroes the advantage of every group whose samples got
+# equal rewards, as a random tiny model's 2-sample groups usually do; batch-normalised REINFORCE++ keeps a
+# nonzero advantage whenever rewards differ across the batch. Pinned so that a recipe change cannot silently
+# make the stale-sample and resumed-step checks below see no update.
+RECIPE_PINS = ("algorithm.advantage.group_baseline=false",)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
@@ -338,7 +344,7 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
         "waltz.feedback_max_new_tokens=6", "eval.max_new_tokens=6", "trainer.lr=1e-3", "trainer.micro_batch_size=4",
         "waltz.data.heldout_harmful=2", "waltz.data.heldout_benign_edgy=2", "waltz.data.heldout_benign=2",
-        "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1",
+        "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1", *RECIPE_PINS,
         f"rollout.max_staleness={max_staleness}", *prefill])
     summary = train(config)
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -375,7 +381,7 @@ def _waltz_config(model_path, run_dir, *extra):
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
         "waltz.feedback_max_new_tokens=6", "eval.max_new_tokens=6", "trainer.lr=1e-3", "trainer.micro_batch_size=4",
         "waltz.data.heldout_harmful=1", "waltz.data.heldout_benign_edgy=1", "waltz.data.heldout_benign=1",
-        "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1", "checkpoint.every_steps=1",
+        "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1", "checkpoint.every_steps=1", *RECIPE_PINS,
         f"waltz.feedback_prefill={json.dumps(QUICK_PREFILL)}", *extra])
 
 
@@ -396,7 +402,12 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     from megatron_rl.controller.loop import train
 
     # Step 3 is stage 1 (the feedback agent trains: its label rewards vary), step 4 stage 2 (both train).
-    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3", "checkpoint.keep_last=4"]
+    # One harmful and one benign training prompt, so every 2-prompt step holds both: the random model's
+    # off-topic text is a refusal, right on the harmful prompt (R_c = 1) and an over-refusal on the benign one
+    # (R_c = 0), so the conversation agent's one training step (4) has rewards that differ and moves its
+    # weights. With the recipe's larger mix, whether step 4 drew both kinds was luck of the draw.
+    extra = [f"rollout.max_staleness={max_staleness}", "steps=4", "waltz.stage1_steps=3", "checkpoint.keep_last=4",
+             "waltz.data.train_mix={harmful: 1, benign_edgy: 0, benign: 1}"]
     straight = str(tmp_path / "straight")
     train(_waltz_config(tiny_chat_model, straight, *extra))
     interrupted = str(tmp_path / "interrupted")
