@@ -971,22 +971,17 @@ class NativeEngine:
             if self._can_step() and not self._closing:
                 self._admit()
                 plan = self._plan()
-            update_waiting = bool(self._hold)
         self._resolve(finished)
         if self.core_share is not None:
             self.core_share.set_busy(plan is not None)
         if plan is None:
-            if update_waiting:  # a weight update waits for the model lock: re-packing these weights is moot
-                return bool(finished)
-            # Idle: re-pack adopted weights a few layers at a time, so that the next weight update waits
-            # for one chunk, not for the whole model (`bench sync`: engine load 0.47 s with the whole re-pack in the way, 0.05 s in chunks).
-            with self._model_lock:
+            with self._model_lock:  # idle: finish re-packing adopted weights now
                 if self.core_share is not None and self.weights.packing_pending:
                     with self.core_share.working():  # on this side's share while the trainer trains
-                        more = self.weights.pack_pending(limit=4)
+                        self.weights.pack_pending()
                 else:
-                    more = self.weights.pack_pending(limit=4)
-            return bool(finished) or more
+                    self.weights.pack_pending()
+            return bool(finished)
         with self._model_lock:
             with self._cv:
                 # an update, pause or close since planning: re-plan (planning has no side effects)
