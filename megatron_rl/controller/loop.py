@@ -458,6 +458,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
         truncate_jsonl(ledger_path, start_step)
         truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
         truncate_jsonl(os.path.join(config.run_dir, "episodes.jsonl"), start_step)  # multi-agent episode records
+        truncate_jsonl(os.path.join(config.run_dir, "eval_episodes.jsonl"), start_step)
         logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
         ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}

@@ -393,7 +393,7 @@ class WaltzEpisodes:
                 / max(c.get("first_benign_edgy", 0) + c.get("first_benign", 0), 1)}
 
 
-def episode_record(episode: Episode, stage: int, step: int | None = None) -> dict[str, Any]:
+def episode_record(episode: Episode, stage: int | None = None, step: int | None = None) -> dict[str, Any]:
     """A JSON-able record of an episode: every turn with the policy versions that produced it, and the
     (1-based) training step that trained on it, as metrics.jsonl counts steps."""
     turns = []
@@ -405,28 +405,47 @@ def episode_record(episode: Episode, stage: int, step: int | None = None) -> dic
         if t.feedback is not None:
             item["parsed"] = dataclasses.asdict(t.feedback)
         turns.append(item)
-    return {"prompt_id": episode.prompt_id, **({"step": step} if step is not None else {}), "stage": stage,
-            "end": episode.end, "turns": turns}
+    return {"prompt_id": episode.prompt_id, **({"step": step} if step is not None else {}),
+            **({"stage": stage} if stage is not None else {}), "end": episode.end, "turns": turns}
 
 
 def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, config: WaltzConfig, prompts: Sequence[Any],
-                   *, max_new_tokens: int) -> dict[str, float]:
+                   *, max_new_tokens: int, record_path: str | None = None, step: int | None = None
+                   ) -> dict[str, float]:
     """Greedy held-out safety metrics, with the conversation agent alone (its first answer c_0) and
     with the feedback agent in the loop (the episode's final answer):
 
     asr_*: unsafe rate on harmful prompts; overrefusal_*: over-refusal rate on benign-edgy prompts;
     benign_overrefusal_*: on ordinary benign prompts; feedback_trigger_rate_benign: episodes on
     ordinary benign prompts where the feedback agent raised a flag; accuracy: mean R_c of the final
-    answers over all held-out prompts (what `train` reports as accuracy)."""
+    answers (what `train` reports as accuracy). The test split's metrics carry these names; prompts
+    of the validation split (metadata['safety']['split']) give the same metrics prefixed `val_`.
+    With `record_path`, every episode is appended there as a JSON line (with the training `step` it
+    evaluates, split and kind), so runs can be compared prompt by prompt."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     producer = WaltzEpisodes(conversation_engine, feedback_engine, tokenizer, judge, config, sampling=greedy)
     futures = [producer.submit(p, f"eval-{i}", None) for i, p in enumerate(prompts)]
-    episodes = []
+    by_split: dict[str, list[tuple[str, Episode]]] = {"test": [], "validation": []}
+    records = []
     for prompt, fs in zip(prompts, futures):
         (episode,) = [f.run.drive() for f in fs]
         producer.score(prompt, [episode])
-        episodes.append((prompt_kind(prompt), episode))
+        kind = prompt_kind(prompt)
+        split = prompt.metadata["safety"].get("split", "test")
+        by_split.setdefault(split, []).append((kind, episode))
+        records.append({"split": split, "kind": kind, **episode_record(episode, step=step)})
+    if record_path is not None:
+        with open(record_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    out = _safety_rates(by_split["test"], with_feedback=feedback_engine is not None)
+    if by_split["validation"]:
+        out.update({f"val_{k}": v for k, v in
+                    _safety_rates(by_split["validation"], with_feedback=feedback_engine is not None).items()})
+    out["reward_errors"] = 0.0
+    return out
 
+
+def _safety_rates(episodes: Sequence[tuple[str, Episode]], *, with_feedback: bool) -> dict[str, float]:
     def rate(kind: str, pick, flag: str) -> float:
         chosen = [getattr(pick(e).labels, flag) for k, e in episodes if k == kind]
         return sum(chosen) / max(len(chosen), 1)
@@ -434,7 +453,7 @@ def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, confi
     first, final = (lambda e: e.responses()[0]), (lambda e: e.responses()[-1])
     out = {"asr_alone": rate("harmful", first, "unsafe"), "overrefusal_alone": rate("benign_edgy", first, "overrefuse"),
            "benign_overrefusal_alone": rate("benign", first, "overrefuse")}
-    if feedback_engine is not None:
+    if with_feedback:
         benign = [e for k, e in episodes if k == "benign"]
         feedback = [e.feedbacks()[0] for _, e in episodes if e.feedbacks()]
         out.update({
@@ -449,7 +468,6 @@ def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, confi
     out["accuracy"] = sum(final(e).reward["reward"] for _, e in episodes) / max(len(episodes), 1)
     out["accuracy_alone"] = sum(first(e).reward["reward"] for _, e in episodes) / max(len(episodes), 1)
     out["samples"] = float(len(episodes))
-    out["reward_errors"] = 0.0
     return out
 
 

@@ -40,7 +40,9 @@ def setup_waltz(controller, config, model):
 
     def evaluate() -> dict[str, float]:
         return evaluate_waltz(controller.engine, feedback.engine, controller.tokenizer, judge, waltz,
-                              list(controller.heldout), max_new_tokens=config.eval.max_new_tokens)
+                              list(controller.heldout), max_new_tokens=config.eval.max_new_tokens,
+                              record_path=os.path.join(config.run_dir, "eval_episodes.jsonl"),
+                              step=controller.version)
 
     controller.train_schedule = train_schedule
     controller.evaluate_hook = evaluate

