@@ -22,6 +22,7 @@ def restore_threads():
 
 
 def test_each_side_takes_every_core_while_the_other_idles(restore_threads):
+    torch.set_num_threads(2)  # neither share: so both changes below count, whatever ran before in this process
     share = CoreShare(trainer_threads=1, generator_threads=3)
     trainer, generator = share.for_role("trainer"), share.for_role("generator")
     assert (trainer.threads(), generator.threads()) == (4, 4)  # both idle

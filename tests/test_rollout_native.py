@@ -75,6 +75,27 @@ def test_continuous_batching_equals_running_alone(tiny_arch):
         assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < 1e-5
 
 
+def test_caller_driven_batches_do_not_depend_on_timing(tiny_arch):
+    """Under caller_driven the background thread starts nothing: two requests submitted 0.2 s apart
+    share their batches as if submitted together, bit for bit (WaltzRL's sync resume relies on it)."""
+    from megatron_rl.rollout.engine import caller_driven
+
+    a = GenerateRequest("a", prompt(1, 5), SamplingParams(temperature=0, max_new_tokens=6))
+    b = GenerateRequest("b", prompt(2, 9), SamplingParams(temperature=0, max_new_tokens=6))
+    with make_engine(tiny_arch) as engine:
+        together = engine.generate([a, b])
+        steps_together = engine.health()["steps"]
+        with caller_driven(engine):
+            first = engine.submit([a])
+            time.sleep(0.2)
+            assert not first[0].done()
+            apart = engine.wait(first + engine.submit([b]))
+        assert engine.health()["steps"] == 2 * steps_together
+        assert [c.output_logprobs for c in apart] == [c.output_logprobs for c in together]
+        (alone,) = engine.submit([a])  # outside the scope the background thread serves it
+        assert alone.result(timeout=60).output_ids == together[0].output_ids
+
+
 def test_prefix_sharing_gives_the_same_results(tiny_arch):
     base = prompt(3, 40)
     requests = [GenerateRequest(f"r{i}", base[:30 + i] + prompt(50 + i, 3), SamplingParams(temperature=0, max_new_tokens=6))

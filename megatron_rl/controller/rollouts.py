@@ -10,6 +10,7 @@ the trainer trains (LlamaRL's asynchronous off-policy mode, corrected by AIPO).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ from megatron_rl.config import require
 from megatron_rl.data.sources import DataError, Prompt, PromptStream
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rewards.registry import Reward, RewardResult
-from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams, caller_driven
 from megatron_rl.types import Completion
 
 
@@ -266,8 +267,23 @@ class RolloutProducer:
         group.futures = self.episodes.submit(group.prompt, f"s{group.step}-p{group.slot}-{group.prompt.prompt_id}",
                                              self._group_seed(group.step, group.slot))
 
+    def _steps_here(self) -> contextlib.ExitStack:
+        """Synchronous runs: the engines step only in this thread while a step's groups are admitted and
+        collected, so their batches (and the log-probs' last bits) do not depend on thread timing (see
+        rollout.engine.caller_driven). Asynchronous runs leave the background threads generating the
+        next steps' groups while the trainer trains."""
+        stack = contextlib.ExitStack()
+        if self.config.max_staleness == 0:
+            for engine in (self.episodes.engines if self.episodes is not None else [self.engine]):
+                stack.enter_context(caller_driven(engine))
+        return stack
+
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
+        with self._steps_here():
+            return self._next_groups(trainer_version)
+
+    def _next_groups(self, trainer_version: int) -> list[Group]:
         self._admit(trainer_version)
         step = self._in_flight[0].step
         batch = [pending for pending in self._in_flight if pending.step == step]
@@ -302,17 +318,18 @@ class RolloutProducer:
         """Generate and score `prompts` now with the engine's current weights, outside the training
         stream (pre-filtering, benchmarks). Samples like training does (rollout config, n per prompt)."""
         version = self.engine.version
-        futures = []
-        for index, prompt in enumerate(prompts):
-            request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
-                                      prompt_ids=self.tokenizer.encode_chat(prompt.messages),
-                                      sampling=self.config.sampling((seed * 1009 + index) % (2 ** 31)),
-                                      group_id=prompt.prompt_id)
-            futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
-        groups = []
-        for prompt, group_futures, submitted in futures:
-            completions = self.engine.wait(group_futures)
-            groups.append(Group(prompt, self._score(prompt, completions), version, time.perf_counter() - submitted))
+        futures, groups = [], []
+        with caller_driven(self.engine):  # submitted one by one, the prompts still share batches
+            for index, prompt in enumerate(prompts):
+                request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
+                                          prompt_ids=self.tokenizer.encode_chat(prompt.messages),
+                                          sampling=self.config.sampling((seed * 1009 + index) % (2 ** 31)),
+                                          group_id=prompt.prompt_id)
+                futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
+            for prompt, group_futures, submitted in futures:
+                completions = self.engine.wait(group_futures)
+                groups.append(Group(prompt, self._score(prompt, completions), version,
+                                    time.perf_counter() - submitted))
         return groups
 
     def drain(self) -> None:

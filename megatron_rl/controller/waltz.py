@@ -22,6 +22,7 @@ feedback agent in the loop.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -44,7 +45,7 @@ from megatron_rl.controller.rollouts import Sample
 from megatron_rl.data.safety import SafetyDataConfig
 from megatron_rl.rewards.registry import RewardResult
 from megatron_rl.rewards.safety_judge import JudgeConfig, prompt_kind
-from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
+from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams, caller_driven
 from megatron_rl.trainer.trainer import TrainerConfig
 from megatron_rl.types import Completion
 
@@ -296,6 +297,11 @@ class WaltzEpisodes:
                 messages.append({"role": "user", "content": REVISION_USER.format(feedback=turn.feedback.feedback)})
         return self.tokenizer.encode_chat(messages)
 
+    @property
+    def engines(self) -> list:
+        """The engines the episodes run on (RolloutProducer holds their background threads in sync runs)."""
+        return [e for e in (self.conversation_engine, self.feedback_engine) if e is not None]
+
     # --- the EpisodeProducer interface ---------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """The stage (and so lambda) of the step whose episodes are collected next."""
@@ -424,11 +430,14 @@ def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, confi
     evaluates, split and kind), so runs can be compared prompt by prompt."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     producer = WaltzEpisodes(conversation_engine, feedback_engine, tokenizer, judge, config, sampling=greedy)
-    futures = [producer.submit(p, f"eval-{i}", None) for i, p in enumerate(prompts)]
+    with contextlib.ExitStack() as steps_here:  # batches independent of thread timing (engine.caller_driven)
+        for engine in producer.engines:
+            steps_here.enter_context(caller_driven(engine))
+        futures = [producer.submit(p, f"eval-{i}", None) for i, p in enumerate(prompts)]
+        episodes = [f.run.drive() for fs in futures for f in fs]
     by_split: dict[str, list[tuple[str, Episode]]] = {"test": [], "validation": []}
     records = []
-    for prompt, fs in zip(prompts, futures):
-        (episode,) = [f.run.drive() for f in fs]
+    for prompt, episode in zip(prompts, episodes):
         producer.score(prompt, [episode])
         kind = prompt_kind(prompt)
         split = prompt.metadata["safety"].get("split", "test")

@@ -22,10 +22,11 @@ temperature 1 without truncation (the default SamplingParams).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from concurrent.futures import Future
-from typing import Any, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, ContextManager, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -327,3 +328,14 @@ def fan_out_samples(call: Any, samples: list[Future]) -> None:
         return
     for future, completion in zip(samples, call.result()):
         future.set_result(completion)
+
+
+def caller_driven(engine: Any) -> ContextManager:
+    """While open, an in-process engine runs steps only in threads that wait on its results, never
+    in its background thread. Requests submitted one by one (WaltzRL's episodes, each turn from the
+    previous turn's callback) then share batches by the order of submission alone, not by thread
+    timing, and since a row's last bits depend on its batch, a synchronous run is reproducible bit
+    for bit (a resumed run ends with the weights of an uninterrupted one). Engines that compute
+    elsewhere (servers, generator processes) batch as requests arrive: a no-op for them."""
+    hold = getattr(engine, "caller_driven", None)
+    return hold() if hold is not None else contextlib.nullcontext()

@@ -39,6 +39,7 @@ computed under the old weights (the usual partial-rollout semantics of asynchron
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -47,7 +48,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -718,6 +719,19 @@ class NativeEngine:
                 self._callers -= 1
                 self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def caller_driven(self) -> Iterator[None]:
+        """Keep the background thread idle while open: steps run only in threads inside `wait` /
+        `generate` (see rollout.engine.caller_driven)."""
+        with self._cv:
+            self._callers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._callers -= 1
+                self._cv.notify_all()
+
     def _steps_while(self, keep_going) -> None:
         """Run engine steps on this thread (the caller holds the driver lock) while there is work and
         `keep_going()`; a failing step kills the engine (every waiter gets the error) and re-raises."""
@@ -996,12 +1010,11 @@ class NativeEngine:
                 # an update, pause or close since planning: re-plan (planning has no side effects)
                 runnable = not (self._paused or self._hold or self._closing) and self._epoch == plan.epoch
                 version = self._version
-            if not runnable:
+            if not runnable or self.weights.packing_pending:  # weights adopted since the check above
                 return True
             try:
                 if self.core_share is not None:
                     self._stats[f"steps_on_{self.core_share.apply()}_threads"] += 1
-                self.weights.pack_pending(limit=2)  # after an adopt: re-pack a little per step
                 tokens, logprobs = self._execute(plan)
                 error = None
             except Exception as exc:  # a bug or out-of-memory: fail this step's requests, keep serving
