@@ -475,6 +475,16 @@ def test_resume_restores_both_policies(tmp_path, tiny_chat_model, max_staleness)
     assert sorted(episode_steps) == [s for s in (1, 2, 3, 4) for _ in range(4)]  # each step's episodes once
     state = json.load(open(os.path.join(interrupted, "feedback", "checkpoints", "step_00000004", "state.json")))
     assert state["version"] == 4  # restored at 2, two more steps
+    state = json.load(open(os.path.join(interrupted, "checkpoints", "step_00000004", "state.json")))
+    assert (state["version"], state["policy_version"]) == (4, 1)  # the conversation agent trained in step 4 only
+
+    def turn_versions(run):
+        return sorted((e["step"], e["prompt_id"], t["role"], tuple(t["versions"]))
+                      for line in open(os.path.join(run, "episodes.jsonl")) for e in [json.loads(line)]
+                      for t in e["turns"])
+
+    if max_staleness == 0:
+        assert turn_versions(interrupted) == turn_versions(straight)
     for sub in ((), ("feedback",)):
         before = _weights(straight, *sub) if max_staleness == 0 else None
         after = _weights(interrupted, *sub)

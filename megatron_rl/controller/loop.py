@@ -440,7 +440,9 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
                 controller.selector.load_state_dict(saved.get("curriculum", {}))
                 controller.selection_metrics = controller.selector.prepare(controller.rollouts)
             start_step, controller.version = saved["step"], saved["version"]
-            controller.policies[0].version = controller.version
+            # The first policy's own version: a WaltzRL conversation agent frozen in stage 1 is behind the
+            # step count (checkpoints before policy_version was saved: the step count).
+            controller.policies[0].version = saved.get("policy_version", controller.version)
             if driver:
                 controller.stream.load_state_dict(saved["data"])
                 buffer = checkpoints.load_tensors(latest, "rollouts")
@@ -504,7 +506,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
                         save_executors(controller.selector, config.run_dir, config.checkpoint, done,
                                        controller.tokenizer)
                     checkpoints.save(done, controller.policy, {
-                        "version": controller.version, "data": controller.stream.state_dict() if driver else None,
+                        "version": controller.version, "policy_version": controller.policies[0].version,
+                        "data": controller.stream.state_dict() if driver else None,
                         "curriculum": controller.selector.state_dict() if driver else None,
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
                         tensors={"rollouts": controller.rollouts.state_dict()} if driver else None)
