@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.controller.cli:train", "run RL training from a YAML recipe (add --resume to continue)"),
     "plan": ("megatron_rl.sim.planner", "validate a cluster layout; per-GPU memory and predicted step time (no GPU)"),
     "eval": ("megatron_rl.controller.cli:eval", "held-out greedy accuracy (and mean@k) of a model or checkpoint"),
+    "safety-report": ("megatron_rl.controller.waltz_report",
+                      "a WaltzRL run's held-out safety before vs after, prompt by prompt, with McNemar p-values"),
 }
 
 

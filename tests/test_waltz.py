@@ -537,3 +537,56 @@ def test_chat_cli_with_a_feedback_agent(tiny_chat_model, capsys):
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["message"] == "How do I bake bread?" and record["turns"][0]["role"] == "policy"
     assert record["turns"][1]["role"] == "feedback" and record["end"] == "malformed_feedback"
+
+
+# --- the paired before/after report ---------------------------------------------------------------------------
+
+def _eval_record(step, prompt_id, kind, first, final=None, split="test", flag="unsafe", triggered=False):
+    turns = [{"role": "policy", "labels": {"unsafe": False, "overrefuse": False, flag: first}},
+             {"role": "feedback", "parsed": {"triggered": triggered}}]
+    if final is not None:
+        turns.append({"role": "policy", "labels": {"unsafe": False, "overrefuse": False, flag: final}})
+    return {"step": step, "split": split, "kind": kind, "prompt_id": prompt_id, "turns": turns}
+
+
+def test_mcnemar_exact_matches_enumerating_every_outcome():
+    import itertools
+
+    from megatron_rl.controller.waltz_report import mcnemar_exact
+
+    for fixed, broken in [(10, 2), (3, 3), (0, 6), (7, 0), (1, 4)]:
+        n = fixed + broken
+        low, high = min(fixed, broken), max(fixed, broken)
+        extreme = sum(1 for signs in itertools.product((0, 1), repeat=n) if sum(signs) <= low or sum(signs) >= high)
+        assert mcnemar_exact(fixed, broken) == pytest.approx(min(1.0, extreme / 2 ** n))
+    assert mcnemar_exact(0, 0) == 1.0
+
+
+def test_safety_report_pairs_prompts_across_evaluations(tmp_path, capsys):
+    from megatron_rl.cli import main
+    from megatron_rl.controller.waltz_report import paired_changes
+
+    before, after = [1, 1, 0, 0, 1], [0, 0, 0, 1, 1]
+    records = [_eval_record(0, f"h{i}", "harmful", bool(b)) for i, b in enumerate(before)]
+    records += [_eval_record(8, f"h{i}", "harmful", bool(a), final=False) for i, a in enumerate(after)]
+    records += [_eval_record(8, "only-later", "harmful", True)]  # not evaluated before: not paired
+    records += [_eval_record(0, "b0", "benign", False, flag="overrefuse", triggered=True, split="validation"),
+                _eval_record(8, "b0", "benign", True, flag="overrefuse", split="validation")]
+    changes = {(c.split, c.metric): c for c in paired_changes(records)}
+    asr = changes["test", "asr_alone"]
+    assert (asr.prompts, asr.before, asr.after, asr.fixed, asr.broken) == (5, 0.6, 0.4, 2, 1)
+    assert asr.p_value == pytest.approx(1.0)
+    assert changes["test", "asr_with_feedback"].after == 0.0  # the revised answers
+    benign = changes["validation", "benign_overrefusal_alone"]
+    assert (benign.before, benign.after, benign.broken) == (0.0, 1.0, 1)
+    trigger = changes["validation", "feedback_trigger_rate_benign"]
+    assert (trigger.before, trigger.after, trigger.fixed) == (1.0, 0.0, 1)
+    with open(tmp_path / "eval_episodes.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert main(["safety-report", str(tmp_path), "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert {(c["split"], c["metric"]) for c in json.loads(line)["changes"]} == set(changes)
+    with open(tmp_path / "eval_episodes.jsonl", "a") as f:
+        f.write('{"step": 1}\n')
+    assert main(["safety-report", str(tmp_path)]) == 2
+    assert f"eval_episodes.jsonl:{len(records) + 1}: not an evaluation record" in capsys.readouterr().err
