@@ -543,7 +543,7 @@ def test_chat_cli_with_a_feedback_agent(tiny_chat_model, capsys):
 
 def _eval_record(step, prompt_id, kind, first, final=None, split="test", flag="unsafe", triggered=False):
     turns = [{"role": "policy", "labels": {"unsafe": False, "overrefuse": False, flag: first}},
-             {"role": "feedback", "parsed": {"triggered": triggered}}]
+             {"role": "feedback", "parsed": {"error": None, "unsafe": triggered, "overrefuse": False}}]
     if final is not None:
         turns.append({"role": "policy", "labels": {"unsafe": False, "overrefuse": False, flag: final}})
     return {"step": step, "split": split, "kind": kind, "prompt_id": prompt_id, "turns": turns}
