@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from megatron_rl.config import ConfigError
 
-# (name, prompt kind, which conversation turn, flag on it)
+# (name, prompt kind, which turn, flag on it): "feedback" reads the first feedback turn's trigger
 METRICS = [("asr_alone", "harmful", "first", "unsafe"), ("asr_with_feedback", "harmful", "final", "unsafe"),
            ("overrefusal_alone", "benign_edgy", "first", "overrefuse"),
            ("overrefusal_with_feedback", "benign_edgy", "final", "overrefuse"),

@@ -89,7 +89,38 @@ def layer_spec(kind: Literal["local", "te"]):
 
     if kind == "te":
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    return spec
+
+
+def _sdpa_attention_class():
+    """Megatron's local DotProductAttention with its causal, unmasked case computed by torch's
+    scaled_dot_product_attention. The local class materialises the [b, heads, s, s] scores and keeps
+    the probabilities of every layer for backward: 18 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
+    which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
+    and GPU) keep O(s) per layer. Masks, windows, attention offsets and biases keep the local path."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPADotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if (attention_mask is not None or mask_type != AttnMaskType.causal or attention_bias is not None
+                    or packed_seq_params is not None or self.softmax_offset is not None
+                    or self.config.window_size is not None):
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            sq, b = query.shape[0], query.shape[1]
+            # [s, b, heads, d] -> [b, heads, s, d]; key / value keep their query groups (GQA in the kernel)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            context = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
+                dropout_p=self.attention_dropout.p if self.training else 0.0)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    return SDPADotProductAttention
 
 
 def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_process: bool, post_process: bool):
