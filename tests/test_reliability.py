@@ -472,6 +472,23 @@ def test_partial_checkpoint_from_a_killed_save_is_ignored(checkpointed_run, tmp_
     assert manager.latest().endswith("step_00000002")
 
 
+def test_metrics_of_the_checkpointed_step_survive_a_kill_before_they_were_logged(checkpointed_run, tmp_path,
+                                                                                 tiny_chat_model):
+    """A kill after the checkpoint of step 2 committed and before step 2's metrics line was written:
+    the resumed run writes that line from the checkpoint, so metrics.jsonl still has every step once."""
+    copy, _, _ = _copy(checkpointed_run, tmp_path)
+    path = os.path.join(copy, "metrics.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    logged_step_2 = [r for r in records if r["step"] == 2][0]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records if r["step"] < 2)
+    train(_config(tiny_chat_model, copy, "steps=3", "checkpoint.keep_last=2"), resume=True)
+    resumed = [json.loads(line) for line in open(path)]
+    assert [r["step"] for r in resumed if "train/loss" in r] == [1, 2, 3]
+    restored = [r for r in resumed if r["step"] == 2][0]
+    assert restored["train/loss"] == logged_step_2["train/loss"]
+
+
 class Exploit:
     """Any class: unpickling it would run code of the file's choosing."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -386,6 +387,13 @@ def policy_checkpoints(config: RunConfig, policy: PolicyExecutor) -> CheckpointM
     return CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint)
 
 
+def _has_step(path: str, step: int) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        return any(json.loads(line).get("step") == step for line in f if line.strip())
+
+
 def load_policy_checkpoint(config: RunConfig, policy: PolicyExecutor, first_policy_checkpoint: str) -> int:
     """Restore `policy`'s trainer from its checkpoint of the same step as `first_policy_checkpoint`
     (the first policy's, which decides the step resumed from); return its weight version."""
@@ -426,6 +434,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
     state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0, "nonfinite_steps": 0,
                              "nonfinite_in_a_row": 0, "skipped_prompts": 0, "checkpoint_failures": 0}
     start_step = 0
+    resumed_step_metrics: dict[str, float] | None = None
     if resume:
         if latest is None:
             if driver:
@@ -440,6 +449,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
                 controller.selector.load_state_dict(saved.get("curriculum", {}))
                 controller.selection_metrics = controller.selector.prepare(controller.rollouts)
             start_step, controller.version = saved["step"], saved["version"]
+            resumed_step_metrics = saved.get("step_metrics")
             # The first policy's own version: a WaltzRL conversation agent frozen in stage 1 is behind the
             # step count (checkpoints before policy_version was saved: the step count).
             controller.policies[0].version = saved.get("policy_version", controller.version)
@@ -462,6 +472,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
         truncate_jsonl(os.path.join(config.run_dir, "episodes.jsonl"), start_step)  # multi-agent episode records
         truncate_jsonl(os.path.join(config.run_dir, "eval_episodes.jsonl"), start_step)
         logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
+        if resumed_step_metrics and not _has_step(os.path.join(config.run_dir, "metrics.jsonl"), start_step):
+            logger.log(start_step, resumed_step_metrics)  # killed after the checkpoint, before its metrics line
         ledger = open(ledger_path, "a", encoding="utf-8")
     metrics: dict[str, float] = {}
     try:
@@ -507,6 +519,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
                                        controller.tokenizer)
                     checkpoints.save(done, controller.policy, {
                         "version": controller.version, "policy_version": controller.policies[0].version,
+                        "step_metrics": {k: float(v) for k, v in metrics.items()
+                                         if isinstance(v, (int, float)) and math.isfinite(v)} if driver else None,
                         "data": controller.stream.state_dict() if driver else None,
                         "curriculum": controller.selector.state_dict() if driver else None,
                         "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
