@@ -97,7 +97,7 @@ def layer_spec(kind: Literal["local", "te"]):
 def _sdpa_attention_class():
     """Megatron's local DotProductAttention with its causal, unmasked case computed by torch's
     scaled_dot_product_attention. The local class materialises the [b, heads, s, s] scores and keeps
-    the probabilities of every layer for backward: 18 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
+    the probabilities of every layer for backward: ~17 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
     which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
     and GPU) keep O(s) per layer. Masks, windows, attention offsets and biases keep the local path."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
