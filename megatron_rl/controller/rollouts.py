@@ -272,11 +272,9 @@ class RolloutProducer:
         collected, so their batches (and the log-probs' last bits) do not depend on thread timing (see
         rollout.engine.caller_driven). Asynchronous runs leave the background threads generating the
         next steps' groups while the trainer trains."""
-        stack = contextlib.ExitStack()
-        if self.config.max_staleness == 0:
-            for engine in (self.episodes.engines if self.episodes is not None else [self.engine]):
-                stack.enter_context(caller_driven(engine))
-        return stack
+        if self.config.max_staleness > 0:
+            return contextlib.ExitStack()
+        return caller_driven(*(self.episodes.engines if self.episodes is not None else [self.engine]))
 
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""

@@ -22,7 +22,6 @@ feedback agent in the loop.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
@@ -430,9 +429,7 @@ def evaluate_waltz(conversation_engine, feedback_engine, tokenizer, judge, confi
     evaluates, split and kind), so runs can be compared prompt by prompt."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     producer = WaltzEpisodes(conversation_engine, feedback_engine, tokenizer, judge, config, sampling=greedy)
-    with contextlib.ExitStack() as steps_here:  # batches independent of thread timing (engine.caller_driven)
-        for engine in producer.engines:
-            steps_here.enter_context(caller_driven(engine))
+    with caller_driven(*producer.engines):  # batches independent of thread timing
         futures = [producer.submit(p, f"eval-{i}", None) for i, p in enumerate(prompts)]
         episodes = [f.run.drive() for fs in futures for f in fs]
     by_split: dict[str, list[tuple[str, Episode]]] = {"test": [], "validation": []}

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import math
 from concurrent.futures import Future
-from typing import Any, ContextManager, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -330,12 +330,16 @@ def fan_out_samples(call: Any, samples: list[Future]) -> None:
         future.set_result(completion)
 
 
-def caller_driven(engine: Any) -> ContextManager:
-    """While open, an in-process engine runs steps only in threads that wait on its results, never
+def caller_driven(*engines: Any) -> contextlib.ExitStack:
+    """While open, in-process engines run steps only in threads that wait on their results, never
     in its background thread. Requests submitted one by one (WaltzRL's episodes, each turn from the
     previous turn's callback) then share batches by the order of submission alone, not by thread
     timing, and since a row's last bits depend on its batch, a synchronous run is reproducible bit
     for bit (a resumed run ends with the weights of an uninterrupted one). Engines that compute
     elsewhere (servers, generator processes) batch as requests arrive: a no-op for them."""
-    hold = getattr(engine, "caller_driven", None)
-    return hold() if hold is not None else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for engine in engines:
+        hold = getattr(engine, "caller_driven", None)
+        if hold is not None:
+            stack.enter_context(hold())
+    return stack
