@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -137,3 +138,66 @@ def test_killed_generator_mid_run_loses_no_prompt(tmp_path, tiny_chat_model):
         assert consumed == expected  # every prompt consumed exactly once, in order, despite the crash
     finally:
         controller.close()
+
+
+def _scored_groups(model, prompts: list[str], samples: int) -> list:
+    """Sampled completions of `prompts` from `model`, rewarded 0, 1, 2, ... within each group."""
+    from megatron_rl.controller.rollouts import Group, Sample
+    from megatron_rl.rewards.registry import RewardResult
+    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+
+    tokenizer = model.tokenizer
+    requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=tokenizer.encode_chat([{"role": "user", "content": p}]),
+                                sampling=SamplingParams(max_new_tokens=8, temperature=1.0, n=samples, seed=i))
+                for i, p in enumerate(prompts)]
+    with NativeEngine(model.arch, model.state, tokenizer=tokenizer, config=NativeEngineConfig(max_batch_size=8)) as engine:
+        completions = engine.generate(requests)
+    return [Group(prompt=None, samples=[Sample(c, "", RewardResult(reward=float(k)))
+                                        for k, c in enumerate(completions[samples * i:samples * (i + 1)])],
+                  requested_at_version=0) for i in range(len(prompts))]
+
+
+def test_kl_reference_is_a_frozen_copy_of_the_starting_policy(tmp_path, tiny_chat_model):
+    """algorithm.loss.kl_coef > 0 with the policy-gradient objective: pi_ref holds the starting weights
+    (forward only: no gradient buffers or optimizer state), stays put while the policy moves, and the
+    loss reports the k3 estimate of KL(pi || pi_ref) over the response tokens."""
+    from megatron_rl.algorithms.losses import kl_penalty
+    from megatron_rl.checkpoints_tools import load_pretrained
+    from megatron_rl.controller.objectives import PolicyGradientObjective
+    from megatron_rl.trainer.trainer import MegatronTrainer
+
+    config = _config(tiny_chat_model, str(tmp_path / "run"), "algorithm.loss.kl_coef=0.5", "trainer.lr=1e-2")
+    model = load_pretrained(tiny_chat_model)
+    policy = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
+    objective = PolicyGradientObjective(config, model.tokenizer, model, policy=policy)
+    reference = objective.reference_model
+    memory = reference.memory_bytes()
+    assert memory["params"] > 0 and memory["grads"] == 0 and memory["optimizer"] == 0
+
+    groups = _scored_groups(model, ["What is 17 + 25?", "Write a haiku about the sea."], samples=4)
+    step, loss_fn = objective.prepare_step(groups, trainer_version=0)
+    mask = step.batch.loss_mask.bool()
+    start = policy.compute_logprobs(step.batch)
+    assert torch.allclose(step.batch.reference_logprobs[mask], start[mask], atol=1e-6)
+    with pytest.raises(RuntimeError, match="frozen"):
+        reference.train_step(step.batch, loss_fn)
+    assert policy.train_step(step.batch, loss_fn)["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    policy.train_step(step.batch, loss_fn)
+
+    again, loss_fn = objective.prepare_step(groups, trainer_version=2)
+    assert torch.equal(again.batch.reference_logprobs, step.batch.reference_logprobs)
+    moved = policy.compute_logprobs(again.batch)
+    assert (moved[mask] - start[mask]).abs().max() > 1e-3
+    kl = kl_penalty(moved, start, "k3") * mask
+    micro = config.trainer.micro_batch_size  # the trainer averages each micro-batch's token mean
+    expected = torch.stack([kl[r:r + micro].sum() / mask[r:r + micro].sum() for r in range(0, len(kl), micro)]).mean()
+    assert policy.train_step(again.batch, loss_fn)["train/kl_ref"] == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_loop_with_a_kl_penalty_reports_its_divergence_from_the_start(tmp_path, tiny_chat_model):
+    run_dir = str(tmp_path / "run")
+    train(_config(tiny_chat_model, run_dir, "algorithm.loss.kl_coef=0.1", "steps=2", "checkpoint.every_steps=0"))
+    steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    kl = [r["train/kl_ref"] for r in steps if "train/kl_ref" in r]
+    assert len(kl) == 2 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 1e-7

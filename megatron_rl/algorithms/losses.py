@@ -64,7 +64,8 @@ class LossConfig:
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """tis: truncate (weight min(w, C)) or mask (tokens with w > C get weight 0, "masked IS")."""
     kl_coef: float = 0.0
-    """Coefficient of the KL(pi || pi_ref) penalty in the loss (0: no reference model needed)."""
+    """Coefficient of the KL(pi || pi_ref) penalty in the loss. > 0: the objective keeps a frozen,
+    forward-only copy of the starting weights as pi_ref (one extra forward per step); 0: none."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (Schulman, "Approximating KL divergence", 2020): k1 = log pi - log ref,
     k2 = (log pi - log ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1."""

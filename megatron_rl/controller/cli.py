@@ -62,7 +62,7 @@ def run_eval(args: argparse.Namespace) -> int:
             from megatron_rl.rewards.likelihood import evaluate_likelihood
             from megatron_rl.trainer.trainer import MegatronTrainer
 
-            scorer = MegatronTrainer(model.arch, config.trainer, hf_state=model.state)
+            scorer = MegatronTrainer(model.arch, config.trainer, hf_state=model.state, frozen=True)
             result.update(evaluate_likelihood(engine, scorer, model.tokenizer, list(heldout),
                                               config.eval.likelihood, seed=config.seed))
         if "accuracy" in metrics:

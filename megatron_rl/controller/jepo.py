@@ -19,6 +19,7 @@ from megatron_rl.algorithms import compute_advantages
 from megatron_rl.algorithms.jepo import JepoTrainBatch, make_jepo_loss_fn, make_sft_loss_fn
 from megatron_rl.config import require
 from megatron_rl.controller.batching import StepBatch, rollout_metrics
+from megatron_rl.controller.objectives import frozen_reference, reference_logprobs
 from megatron_rl.data.sources import DataError, PromptDataset
 from megatron_rl.rewards.likelihood import cut_at_marker, reference_ids
 from megatron_rl.types import TrainBatch
@@ -114,13 +115,7 @@ class JepoObjective(_ReferenceObjective):
                     f"must not stop at the answer marker in mode {self.jepo.mode!r}: the verifier needs the "
                     f"model's own answer after it")
         self.marker_ids = tokenizer.encode(" " + self.jepo.answer_marker)
-        self.reference_model = None
-        if config.algorithm.loss.kl_coef > 0 and policy is not None:
-            from megatron_rl.trainer.trainer import MegatronTrainer
-
-            # The frozen reference shares the policy's process groups (never stepped, forward only).
-            self.reference_model = MegatronTrainer(model.arch, config.trainer, pg_collection=policy.pg,
-                                                   hf_state=model.state)
+        self.reference_model = frozen_reference(config, model, policy)
 
     def prepare_step(self, groups, trainer_version):
         cfg, jepo, n = self.config, self.jepo, self.n
@@ -182,11 +177,8 @@ class JepoObjective(_ReferenceObjective):
                                behaviour_logprobs=behaviour_lp, answer_mask=answer_mask,
                                verifier_rows=verifier_rows, group_size=n)
         if cfg.algorithm.loss.kl_coef > 0:
-            if self.reference_model is None:
-                raise RuntimeError("algorithm.loss.kl_coef > 0 needs the JEPO objective built with the policy "
-                                   "(its frozen reference shares the policy's process groups)")
-            batch.reference_logprobs = self.reference_model.compute_logprobs(TrainBatch(tokens=tokens,
-                                                                                        loss_mask=loss_mask))
+            batch.reference_logprobs = reference_logprobs(self.reference_model, TrainBatch(tokens=tokens,
+                                                                                           loss_mask=loss_mask))
         metrics = self._metrics(groups, trainer_version, len(rows))
         jepo_rows = sum(n for v in verified if not v)
         metrics["rollout/marker_fraction"] = marker_found / max(jepo_rows, 1)

@@ -53,6 +53,7 @@ class PolicyGradientObjective:
     def __init__(self, config, tokenizer, model=None, policy=None):
         self.config = config
         self.pad_token_id = tokenizer.pad_token_id
+        self.reference_model = frozen_reference(config, model, policy)
 
     def prepare_data(self, train, heldout):
         return train, heldout
@@ -68,4 +69,24 @@ class PolicyGradientObjective:
                                 and loss.entropy_coef == 0)
         if step.batch is None:
             return step, None
+        if loss.kl_coef > 0:
+            step.batch.reference_logprobs = reference_logprobs(self.reference_model, step.batch)
         return step, make_loss_fn(loss, compute_normalizer(step.full_loss_mask, loss))
+
+
+def frozen_reference(config, model, policy):
+    """The KL penalty's pi_ref (`algorithm.loss.kl_coef > 0`): a forward-only copy of the starting
+    weights on the policy's own ranks and process groups (one extra forward per step, no backward).
+    None without a KL term. A resumed run rebuilds it from `model`, the starting weights again."""
+    if config.algorithm.loss.kl_coef <= 0 or policy is None:  # (an objective built only to filter data)
+        return None
+    from megatron_rl.trainer.trainer import MegatronTrainer
+
+    return MegatronTrainer(model.arch, policy.config, pg_collection=policy.pg, hf_state=model.state, frozen=True)
+
+
+def reference_logprobs(reference_model, batch):
+    if reference_model is None:
+        raise RuntimeError("algorithm.loss.kl_coef > 0 needs a reference model: build the objective with the "
+                           "pretrained model and the policy trainer (policy=...), whose process groups it shares")
+    return reference_model.compute_logprobs(batch)

@@ -25,7 +25,8 @@ def setup_waltz(controller, config, model):
     trainer = MegatronTrainer(feedback_model.arch, trainer_config, pg_collection=controller.policy.pg,
                               hf_state=feedback_model.state)
     engine = make_engine(config, feedback_model)
-    objective = PolicyGradientObjective(dataclasses.replace(config, trainer=trainer_config), controller.tokenizer)
+    objective = PolicyGradientObjective(dataclasses.replace(config, trainer=trainer_config), controller.tokenizer,
+                                        feedback_model, policy=trainer)
     feedback = PolicyExecutor("feedback", trainer, engine, objective, controller.weight_channel(trainer, engine))
     controller.policies.append(feedback)
     judge = build_judge(waltz.judge, config.engine)

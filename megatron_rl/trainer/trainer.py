@@ -118,9 +118,12 @@ class MegatronTrainer:
     """One rank's share of a Megatron-core GPT policy, with its optimizer and schedules."""
 
     def __init__(self, arch: ModelArch, config: TrainerConfig, *, pg_collection=None,
-                 hf_state: dict[str, torch.Tensor] | None = None):
+                 hf_state: dict[str, torch.Tensor] | None = None, frozen: bool = False):
+        """`frozen`: a forward-only copy (e.g. the reference model of a KL penalty): no gradient
+        buffers, optimizer or LR schedule, so it costs only its weights."""
         self.arch = arch
         self.config = config
+        self.frozen = frozen
         self.step_count = 0
         # Called before each micro-batch and before each transformer layer's forward and backward: a CPU
         # trainer that shares its host's cores with a generator process re-takes its thread count here.
@@ -171,6 +174,10 @@ class MegatronTrainer:
         model = self._network(model)
         if self.params_dtype != torch.float32:
             model = Float16Module(self.tf_config, model)
+        if self.frozen:
+            model.requires_grad_(False)
+            self.model = model
+            return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cfg.use_distributed_optimizer)
         self.model = DistributedDataParallel(self.tf_config, ddp_config, model, pg_collection=self.pg)
@@ -281,6 +288,8 @@ class MegatronTrainer:
 
     # --- colocated offload ------------------------------------------------------------------------
     def _optimizer_state(self) -> list[dict]:
+        if self.frozen:
+            return []
         wrappers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [state for w in wrappers for state in w.optimizer.state.values()]
 
@@ -289,8 +298,8 @@ class MegatronTrainer:
         copies, which Megatron keeps as optimizer state when training in bf16)."""
         size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
         params = list(self.model.parameters())
-        grads = [b.grad_data for b in getattr(self.model, "buffers", [])] or [p.main_grad for p in params
-                                                                              if getattr(p, "main_grad", None) is not None]
+        grads = [] if self.frozen else [b.grad_data for b in getattr(self.model, "buffers", [])] or [
+            p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
         states = [t for state in self._optimizer_state() for t in state.values() if torch.is_tensor(t) and t.dim()]
         return {"params": size(params), "grads": size(grads), "optimizer": size(states)}
 
@@ -440,6 +449,8 @@ class MegatronTrainer:
         (loss share, metrics)` turns a micro-batch's final hidden states into its share of the global
         loss (the contract of the loss hook in the module docstring). `trim`: micro-batches end at
         their last `loss_positions()` column."""
+        if self.frozen:
+            raise RuntimeError("a frozen trainer (forward only) cannot take an optimizer step")
         self._check_batch(batch)
         num_micro = batch.batch_size // self.config.micro_batch_size
         # Megatron divides each micro-batch loss by their count and averages gradients over DP; the
