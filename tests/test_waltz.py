@@ -361,7 +361,7 @@ def test_validation_split_is_drawn_first_and_kept_apart():
 
 QUICK_PREFILL = '{"reasoning": "r", "unsafe": false, "overrefuse": false, "feedback": "f"}'
 # The loop tests take the recipe's structure but need training steps that move the weights. A group baseline
-# (REINFORCE++-baseline, which an earlier recipe used) zeroes the advantage of every group whose samples got
+# (REINFORCE++-baseline, which the recipe uses) zeroes the advantage of every group whose samples got
 # equal rewards, as a random tiny model's 2-sample groups usually do; batch-normalised REINFORCE++ keeps a
 # nonzero advantage whenever rewards differ across the batch. Pinned so that a recipe change cannot silently
 # make the stale-sample and resumed-step checks below see no update.
