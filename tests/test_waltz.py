@@ -379,6 +379,8 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
     # Sync: the random model's feedback never parses (all malformed, counted, never a crash).
     # Async: a prefill that is already a whole object, so the format reward is 1 and labels vary.
     prefill = [] if max_staleness == 0 else [f"waltz.feedback_prefill={json.dumps(QUICK_PREFILL)}"]
+    # Async also carries a KL penalty: each agent keeps its own frozen reference.
+    kl = [] if max_staleness == 0 else ["algorithm.loss.kl_coef=0.01"]
     config = load_yaml(RunConfig, recipe, [
         f"model.path={tiny_chat_model}", f"run_dir={run_dir}", "steps=3", "waltz.stage1_steps=1",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
@@ -386,7 +388,7 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
         "waltz.data.heldout_harmful=2", "waltz.data.heldout_benign_edgy=2", "waltz.data.heldout_benign=2",
         "waltz.data.validation_harmful=1", "waltz.data.validation_benign_edgy=1", "waltz.data.validation_benign=1",
         "logging.wandb=disabled", "logging.plots=false", "engine.num_threads=1", *RECIPE_PINS,
-        f"rollout.max_staleness={max_staleness}", *prefill])
+        f"rollout.max_staleness={max_staleness}", *prefill, *kl])
     summary = train(config)
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in records if "waltz/stage" in r]
@@ -405,6 +407,10 @@ def test_waltz_trains_both_policies_sync_and_async(tmp_path, tiny_chat_model, ma
         # Stale samples of a policy that has trained since: the importance weight pi/mu departs from 1.
         assert max(abs(r[key] - 1) for r in steps[1:]
                    for key in ("train/is_weight_mean", "feedback/train/is_weight_mean")) > 1e-6
+        # Each agent's first update starts from its reference's weights; the feedback agent has moved since.
+        assert steps[0]["feedback/train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+        assert steps[1]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+        assert steps[2]["feedback/train/kl_ref"] > 1e-7
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
     assert len(episodes) >= 12 and all(turn["versions"] for e in episodes for turn in e["turns"])
     assert {"eval/asr_alone", "eval/asr_with_feedback", "eval/feedback_trigger_rate_benign",
