@@ -1,4 +1,5 @@
-"""Training steps at TP=2, PP=2 and DP=2 give the same losses as TP=1 on the same data (tiny model)."""
+"""Training steps at TP=2, PP=2 and DP=2 give the same losses as TP=1 on the same data (tiny model), and a
+frozen forward-only copy on the same process groups gives the same log-probs as at TP=1."""
 from __future__ import annotations
 
 import torch
@@ -38,10 +39,12 @@ def _train_worker(rank, world_size, arch, tp, pp, state, batch):
 
     losses = [trainer.train_step(local, lm_loss)["train/loss"] for _ in range(STEPS)]
     final = trainer.compute_logprobs(local)
+    # A frozen copy of the starting weights on the same process groups (a KL penalty's reference).
+    start = MegatronTrainer(arch, config, pg_collection=trainer.pg, hf_state=state, frozen=True).compute_logprobs(local)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, final))
+    dist.all_gather_object(gathered, (dp_rank, (final, start)))
     by_dp = dict(gathered)
-    return losses, torch.cat([by_dp[d] for d in range(dp)])
+    return losses, *(torch.cat([by_dp[d][k] for d in range(dp)]) for k in (0, 1))
 
 
 def _run(arch, tp, pp, world):
@@ -50,13 +53,15 @@ def _run(arch, tp, pp, world):
 
 
 def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
-    reference_losses, reference_logprobs = _run(tiny_arch, 1, 1, 1)
+    reference_losses, reference_logprobs, reference_start = _run(tiny_arch, 1, 1, 1)
     assert reference_losses[-1] < reference_losses[0]  # it is learning, so the comparison means something
+    assert (reference_logprobs - reference_start).abs().max() > 1e-3
     for tp, pp, world in [(2, 1, 2), (1, 2, 2), (1, 1, 2)]:
-        losses, logprobs = _run(tiny_arch, tp, pp, world)
+        losses, logprobs, start = _run(tiny_arch, tp, pp, world)
         assert torch.allclose(torch.tensor(losses), torch.tensor(reference_losses), atol=1e-5, rtol=0), \
             f"TP={tp} PP={pp} world={world}: {losses} vs {reference_losses}"
         assert torch.allclose(logprobs, reference_logprobs, atol=1e-5), f"TP={tp} PP={pp} world={world}"
+        assert torch.allclose(start, reference_start, atol=1e-5), f"frozen copy at TP={tp} PP={pp} world={world}"
 
 
 def test_train_step_loss_equals_a_full_forward_of_the_padded_batch(tiny_arch):
