@@ -55,3 +55,22 @@ def near_uniform_state(arch, seed: int = 0) -> dict[str, torch.Tensor]:
 def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+def sampled_groups(model, prompts: list[str], samples: int, max_new_tokens: int) -> list:
+    """`samples` completions of each chat prompt sampled from `model` (a loaded pretrained model) by the
+    native engine, as scored groups rewarded 0, 1, 2, ... within each group."""
+    from megatron_rl.controller.rollouts import Group, Sample
+    from megatron_rl.rewards.registry import RewardResult
+    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+
+    tokenizer = model.tokenizer
+    requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=tokenizer.encode_chat([{"role": "user", "content": p}]),
+                                sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, n=samples, seed=i))
+                for i, p in enumerate(prompts)]
+    with NativeEngine(model.arch, model.state, tokenizer=tokenizer, config=NativeEngineConfig(max_batch_size=8)) as engine:
+        completions = engine.generate(requests)
+    return [Group(prompt=None, samples=[Sample(c, "", RewardResult(reward=float(k)))
+                                        for k, c in enumerate(completions[samples * i:samples * (i + 1)])],
+                  requested_at_version=0) for i in range(len(prompts))]

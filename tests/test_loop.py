@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from megatron_rl.config import load_yaml
 from megatron_rl.controller.loop import train
 from megatron_rl.run_config import RunConfig
+from tests.helpers import sampled_groups
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "quickstart.yaml")
 
@@ -140,24 +141,6 @@ def test_killed_generator_mid_run_loses_no_prompt(tmp_path, tiny_chat_model):
         controller.close()
 
 
-def _scored_groups(model, prompts: list[str], samples: int) -> list:
-    """Sampled completions of `prompts` from `model`, rewarded 0, 1, 2, ... within each group."""
-    from megatron_rl.controller.rollouts import Group, Sample
-    from megatron_rl.rewards.registry import RewardResult
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
-
-    tokenizer = model.tokenizer
-    requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=tokenizer.encode_chat([{"role": "user", "content": p}]),
-                                sampling=SamplingParams(max_new_tokens=8, temperature=1.0, n=samples, seed=i))
-                for i, p in enumerate(prompts)]
-    with NativeEngine(model.arch, model.state, tokenizer=tokenizer, config=NativeEngineConfig(max_batch_size=8)) as engine:
-        completions = engine.generate(requests)
-    return [Group(prompt=None, samples=[Sample(c, "", RewardResult(reward=float(k)))
-                                        for k, c in enumerate(completions[samples * i:samples * (i + 1)])],
-                  requested_at_version=0) for i in range(len(prompts))]
-
-
 def test_kl_reference_is_a_frozen_copy_of_the_starting_policy(tmp_path, tiny_chat_model):
     """algorithm.loss.kl_coef > 0 with the policy-gradient objective: pi_ref holds the starting weights
     (forward only: no gradient buffers or optimizer state), stays put while the policy moves, and the
@@ -175,7 +158,7 @@ def test_kl_reference_is_a_frozen_copy_of_the_starting_policy(tmp_path, tiny_cha
     memory = reference.memory_bytes()
     assert memory["params"] > 0 and memory["grads"] == 0 and memory["optimizer"] == 0
 
-    groups = _scored_groups(model, ["What is 17 + 25?", "Write a haiku about the sea."], samples=4)
+    groups = sampled_groups(model, ["What is 17 + 25?", "Write a haiku about the sea."], samples=4, max_new_tokens=8)
     step, loss_fn = objective.prepare_step(groups, trainer_version=0)
     mask = step.batch.loss_mask.bool()
     start = policy.compute_logprobs(step.batch)

@@ -92,22 +92,12 @@ def test_trainer_recomputes_the_engine_logprobs_of_a_rollout(smollm2, chat_promp
     """Identical weights (fp32, CPU): the Megatron trainer's log-probs of sampled responses equal the
     native engine's behaviour log-probs within 1e-4, which is what train/logprob_mismatch reports."""
     from megatron_rl.controller.batching import build_step_batch
-    from megatron_rl.controller.rollouts import Group, Sample
     from megatron_rl.algorithms import AdvantageConfig
-    from megatron_rl.rewards.registry import RewardResult
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from tests.helpers import sampled_groups
 
     tokenizer = smollm2.tokenizer
-    requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=tokenizer.encode_chat([{"role": "user", "content": p}]),
-                                sampling=SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=i))
-                for i, p in enumerate(chat_prompts[:4])]
-    with NativeEngine(smollm2.arch, smollm2.state, tokenizer=tokenizer, config=NativeEngineConfig(max_batch_size=8)) as engine:
-        completions = engine.generate(requests)
-    groups = [Group(prompt=None, samples=[Sample(c, "", RewardResult(reward=float(k)))
-                                          for k, c in enumerate(completions[2 * i:2 * i + 2])], requested_at_version=0)
-              for i in range(4)]
+    groups = sampled_groups(smollm2, chat_prompts[:4], samples=2, max_new_tokens=16)
     step = build_step_batch(groups, advantage=AdvantageConfig(), trainer_version=0, micro_batch_size=4,
                             pad_token_id=tokenizer.pad_token_id, drop_uninformative=False)
     trainer = MegatronTrainer(smollm2.arch, TrainerConfig(micro_batch_size=4), hf_state=smollm2.state)
