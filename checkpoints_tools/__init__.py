@@ -1,7 +1,4 @@
-"""Checkpoint conversion: GGUF / HF safetensors <-> Megatron layout at any TP/PP.
+"""Checkpoint conversion tools: GGUF / HF safetensors <-> Megatron layout at any TP/PP (`megatron-rl convert`).
 
-Installed as `megatron_rl.checkpoints_tools`. Entry point: `megatron-rl convert`.
+Installed as `megatron_rl.checkpoints_tools`. Reading every model format at run time is `megatron_rl/models/`.
 """
-from megatron_rl.checkpoints_tools.pretrained import Pretrained, load_pretrained
-
-__all__ = ["Pretrained", "load_pretrained"]

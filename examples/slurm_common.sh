@@ -44,7 +44,7 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 
 # --- layout from the recipe (the planner's numbers, as shell variables) ------------------------
-eval "$("$PYTHON" -m megatron_rl.sim.launch_env "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"})"
+eval "$("$PYTHON" -m megatron_rl.cli.launch_env "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"})"
 # -> GPUS_PER_NODE TRAINER_NODES GENERATOR_NODES ENGINES_PER_NODE ENGINE_TP ENGINE_PRECISION PLACEMENT
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${NODES[0]}

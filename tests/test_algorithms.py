@@ -315,7 +315,7 @@ def _normalizer_rank(rank, world_size, masks):
 
 
 def test_normalizer_sums_over_data_parallel_ranks():
-    from megatron_rl.controller.launch import run_distributed
+    from megatron_rl.placement.launch import run_distributed
 
     mask = random_inputs(8)[3]
     expected = [compute_normalizer(mask, LossConfig(aggregation=agg, max_response_tokens=8))

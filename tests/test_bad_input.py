@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, check_parallel_layout
-from megatron_rl.checkpoints_tools.pretrained import load_pretrained
+from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.config import ConfigError
-from megatron_rl.models import ModelArch, preset
+from megatron_rl.models.arch import ModelArch, preset
 
 
 def _cli(*args):
@@ -166,7 +166,8 @@ class _StubEngine:
 
 
 def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path):
-    from megatron_rl.controller.rollouts import RolloutConfig, RolloutProducer
+    from megatron_rl.controller.producer import RolloutProducer
+    from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
     from megatron_rl.rewards.registry import Reward, RewardConfig
 
@@ -192,7 +193,8 @@ def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path
 
 
 def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
-    from megatron_rl.controller.rollouts import RolloutConfig, RolloutProducer
+    from megatron_rl.controller.producer import RolloutProducer
+    from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
     from megatron_rl.rewards.registry import Reward, RewardConfig
 
@@ -254,7 +256,8 @@ def test_new_reliability_config_fields_are_validated(tmp_path):
 
 
 def test_http_server_binds_loopback_by_default(tiny_arch):
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.server import RolloutServer
     from tests.helpers import tiny_state
 

@@ -1,4 +1,4 @@
-"""Core lending between a trainer and its generator process on one CPU host (controller/core_share.py):
+"""Core lending between a trainer and its generator process on one CPU host (placement/core_share.py):
 each side runs on its own share while the other works and on every core while the other idles."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from megatron_rl.checkpoints_tools import load_pretrained
-from megatron_rl.controller.core_share import CoreShare
-from megatron_rl.controller.generator_process import GeneratorProcess
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.placement.core_share import CoreShare
+from megatron_rl.placement.generator_process import GeneratorProcess
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-from megatron_rl.rollout.native import NativeEngineConfig
+from megatron_rl.rollout.config import NativeEngineConfig
 
 
 @pytest.fixture

@@ -66,7 +66,8 @@ def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
     """Behaviour log-probs of an engine on fp8-rounded weights vs the trainer's log-probs of the same tokens
     (the two sides of train/logprob_mismatch): a real, small gap; with the exact weights it is ~0."""
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
     from megatron_rl.types import TrainBatch
     from megatron_rl.weight_sync.fp8 import quantization_error
@@ -98,7 +99,7 @@ def test_te_fp8_trainer_step_runs(tiny_arch):
     """TE FP8 (delayed scaling) trainer step on a GPU: finite loss, close to the bf16 step's."""
     pytest.importorskip("transformer_engine")
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
-    from megatron_rl.models import ModelArch
+    from megatron_rl.models.arch import ModelArch
     from megatron_rl.types import TrainBatch
     from tests.helpers import near_uniform_state
 
@@ -149,7 +150,7 @@ def test_fp8_checkpoint_for_engines(tmp_path, tiny_arch):
 
     from safetensors.torch import load_file
 
-    from megatron_rl.checkpoints_tools.pretrained import save_hf
+    from megatron_rl.checkpoints_tools.convert import save_hf
     from megatron_rl.weight_sync.fp8 import write_fp8_checkpoint
     from tests.helpers import tiny_state
 

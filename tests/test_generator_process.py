@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.checkpoints_tools import load_pretrained
-from megatron_rl.controller.generator_process import GeneratorProcess
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.placement.generator_process import GeneratorProcess
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.config import NativeEngineConfig
 
 
 @pytest.fixture(scope="module")

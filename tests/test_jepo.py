@@ -247,8 +247,8 @@ def test_missing_reference_is_an_error_naming_the_line_or_a_counted_skip(tmp_pat
 def test_reference_over_budget_is_an_error_or_a_counted_skip(tmp_path, tiny_chat_model):
     from types import SimpleNamespace
 
-    from megatron_rl.checkpoints_tools import load_pretrained
-    from megatron_rl.controller.jepo import JepoObjective
+    from megatron_rl.models.pretrained import load_pretrained
+    from megatron_rl.recipes.jepo.objective import JepoObjective
     from megatron_rl.data.sources import DataError, build_datasets
 
     path = _references(tmp_path, long_index=3)
@@ -332,7 +332,7 @@ def _length_judge(response, prompt, **kwargs):
 
 
 def test_cut_at_marker_keeps_the_shortest_prefix_with_the_marker():
-    from megatron_rl.rewards.likelihood import cut_at_marker, reference_ids
+    from megatron_rl.recipes.jepo.likelihood import cut_at_marker, reference_ids
 
     class Chars:  # one token per character
         eos_token_id = 0
@@ -372,8 +372,8 @@ def test_rows_are_prompt_chain_and_reference_with_separate_masks(missing_marker)
     from types import SimpleNamespace
 
     from megatron_rl.config import load_yaml
-    from megatron_rl.controller.jepo import JepoObjective
-    from megatron_rl.controller.rollouts import Group, Sample
+    from megatron_rl.recipes.jepo.objective import JepoObjective
+    from megatron_rl.controller.producer import Group, Sample
     from megatron_rl.data.sources import Prompt
     from megatron_rl.rewards.registry import RewardResult
     from megatron_rl.run_config import RunConfig

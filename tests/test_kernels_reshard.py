@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
-from megatron_rl.kernels import reshard as R
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.weight_sync import reshard as R
 from megatron_rl.kernels import triton_reshard
-from megatron_rl.models import ModelArch
+from megatron_rl.models.arch import ModelArch
 
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 
 needs_triton = pytest.mark.skipif(not triton_reshard.AVAILABLE, reason="triton not importable")
 
@@ -192,7 +192,7 @@ def test_reshard_to_buckets():
 
 
 def _gpu_bench_smoke_worker(rank, world_size):
-    from megatron_rl.kernels import gpu_bench
+    from megatron_rl.sim import gpu_kernels as gpu_bench
 
     bw = gpu_bench.copy_bandwidth(1 << 20, device="cpu")
     res = gpu_bench.bench_reshard(bw, _arch(heads=8, groups=8, vocab=300, hidden=32, ffn=64, layers=1), device="cpu")

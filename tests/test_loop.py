@@ -146,7 +146,7 @@ def test_kl_reference_is_a_frozen_copy_of_the_starting_policy(tmp_path, tiny_cha
     (forward only: no gradient buffers or optimizer state), stays put while the policy moves, and the
     loss reports the k3 estimate of KL(pi || pi_ref) over the response tokens."""
     from megatron_rl.algorithms.losses import kl_penalty
-    from megatron_rl.checkpoints_tools import load_pretrained
+    from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.controller.objectives import PolicyGradientObjective
     from megatron_rl.trainer.trainer import MegatronTrainer
 

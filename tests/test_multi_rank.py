@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 from megatron_rl.trainer.parallel import free_port
 from tests.test_loop import QUICKSTART, _config
 
@@ -96,7 +96,7 @@ def test_tensor_parallel_async_run_syncs_the_engine_and_resumes(tmp_path, tiny_c
 
 def _train_counting_full_loads(rank, world_size, model_path, run_dir, extra):
     """Train, counting how often this rank read a whole model (rather than its own shard)."""
-    import megatron_rl.checkpoints_tools.pretrained as pretrained
+    import megatron_rl.models.pretrained as pretrained
 
     loads = []
     real = pretrained.load_megatron
@@ -122,7 +122,7 @@ def test_unsupported_multi_rank_features_fail_before_set_up(tiny_chat_model, tmp
 
 
 def _failing_generator_rank(rank, world_size, model_path, run_dir):
-    from megatron_rl.controller.generator_ranks import generator_rank_pool, join_launch, serve_generator_rank
+    from megatron_rl.placement.generator_ranks import generator_rank_pool, join_launch, serve_generator_rank
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 
     config = _config(model_path, run_dir, "cluster.generator.launch_ranks=1")
@@ -153,7 +153,7 @@ def test_a_failing_generator_rank_fails_its_requests_instead_of_hanging(tmp_path
 
 def test_bad_generator_rank_layouts_are_named(tiny_chat_model, tmp_path, monkeypatch):
     from megatron_rl.config import ConfigError
-    from megatron_rl.controller.generator_ranks import join_launch, trainer_world_size
+    from megatron_rl.placement.generator_ranks import join_launch, trainer_world_size
 
     with pytest.raises(ConfigError, match="launch_ranks.*SGLang server urls"):
         _config(tiny_chat_model, str(tmp_path), "cluster.generator.launch_ranks=1",

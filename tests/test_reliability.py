@@ -230,7 +230,7 @@ def _loss(kind):
 
 @pytest.fixture(scope="module")
 def tiny_trainer(tiny_chat_model):
-    from megatron_rl.checkpoints_tools import load_pretrained
+    from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
 
     model = load_pretrained(tiny_chat_model)
@@ -285,7 +285,7 @@ def _dp_nonfinite_worker(rank, world_size, arch, state):
 
 
 def test_nonfinite_verdict_is_agreed_by_every_data_parallel_rank(tiny_arch):
-    from megatron_rl.controller.launch import run_distributed
+    from megatron_rl.placement.launch import run_distributed
     from tests.helpers import near_uniform_state
 
     results = run_distributed(_dp_nonfinite_worker, 2, tiny_arch, near_uniform_state(tiny_arch))
@@ -374,7 +374,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, tiny_chat_mode
         config = type("TrainerConfig", (), {"use_distributed_optimizer": False})()
 
         def __init__(self):
-            from megatron_rl.checkpoints_tools.pretrained import read_megatron_layout
+            from megatron_rl.models.pretrained import read_megatron_layout
 
             self.layout = read_megatron_layout(os.path.join(root, "step_00000003", "model"))
             self.optimizer = self.scheduler = type("S", (), {"state_dict": staticmethod(lambda: {})})()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
-from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.config import NativeEngineConfig
 from tests.helpers import prompt, tiny_state
 
 
@@ -41,7 +42,7 @@ def engine(request, tiny_arch):
         import shutil
         import tempfile
 
-        from megatron_rl.checkpoints_tools.pretrained import save_hf
+        from megatron_rl.checkpoints_tools.convert import save_hf
         from megatron_rl.rollout.sglang_engine import SGLangEngine
 
         path = tempfile.mkdtemp()

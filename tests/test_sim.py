@@ -64,7 +64,7 @@ def test_layout_rules_name_the_field(overrides, field, text):
 
 
 def test_recipes_model_shapes_match_presets():
-    from megatron_rl.models import ModelArch, preset
+    from megatron_rl.models.arch import ModelArch, preset
 
     for size in ("8b", "70b", "405b"):
         path = os.path.join(REPO, "examples", "configs", "models", f"llama3-{size}.json")
@@ -75,7 +75,7 @@ def test_recipes_model_shapes_match_presets():
 
 
 def test_decode_step_is_weight_streaming_plus_per_layer_costs():
-    from megatron_rl.models import preset
+    from megatron_rl.models.arch import preset
 
     hw, a = load_hardware("h100"), CostAssumptions()
     model = preset("llama3-70b")
@@ -96,7 +96,7 @@ def test_decode_step_is_weight_streaming_plus_per_layer_costs():
 
 def test_stage_parameters_match_megatron_model():
     """The planner's parameter count per rank equals the numel of a real Megatron GPTModel."""
-    from megatron_rl.models import preset
+    from megatron_rl.models.arch import preset
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
 
     arch = preset("tiny")
@@ -111,7 +111,7 @@ _MEMORY_ARCH = dict(vocab_size=4096, num_layers=4, hidden_size=256, ffn_hidden_s
 
 def _measure_step_worker(rank, world_size, rows, seq, micro):
     """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures)."""
-    from megatron_rl.models import ModelArch
+    from megatron_rl.models.arch import ModelArch
     from megatron_rl.sim.measure import measure_peak
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
     from megatron_rl.types import TrainBatch
@@ -131,8 +131,8 @@ def _measure_step_worker(rank, world_size, rows, seq, micro):
 def test_planner_memory_within_15_percent_of_measured_cpu_step():
     """Peak bytes of live tensors during a real Megatron train step on CPU (sim/measure.py: storages alive
     before the step + the running maximum of new storages during it) vs the planner's estimate."""
-    from megatron_rl.controller.launch import run_distributed
-    from megatron_rl.models import ModelArch
+    from megatron_rl.placement.launch import run_distributed
+    from megatron_rl.models.arch import ModelArch
 
     arch = ModelArch(**_MEMORY_ARCH)
     rows, seq, micro = 8, 256, 4
@@ -206,7 +206,7 @@ def test_slurm_launch_splits_nodes_and_builds_the_commands(tmp_path, tiny_arch):
         f"[ $(grep -c launch_server {log}) -ge 128 ] && break; sleep 0.1; done;; esac\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    from megatron_rl.checkpoints_tools.pretrained import save_hf
+    from megatron_rl.checkpoints_tools.convert import save_hf
     from tests.helpers import tiny_state
 
     model_dir = str(tmp_path / "ckpt")

@@ -9,7 +9,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from megatron_rl.controller.rollouts import RolloutConfig, RolloutProducer
+from megatron_rl.controller.producer import RolloutProducer
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.data.sources import DataConfig, PromptStream, SourceConfig, build_datasets
 from megatron_rl.rewards.registry import Reward, RewardConfig
 from megatron_rl.types import Completion

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.types import TrainBatch
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 from tests.helpers import near_uniform_state
 
 STEPS = 3

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import pytest
 
-from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
-from megatron_rl.checkpoints_tools.pretrained import convert, load_pretrained
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.checkpoints_tools.convert import convert
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.types import TrainBatch
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 
 
 def _chat_batch(tokenizer, prompts):

@@ -24,9 +24,9 @@ from megatron_rl.algorithms.waltz import (
     parse_feedback,
     training_stage,
 )
-from megatron_rl.controller.waltz import WaltzConfig, WaltzEpisodes, evaluate_waltz
+from megatron_rl.recipes.waltz.episodes import WaltzConfig, WaltzEpisodes, evaluate_waltz
 from megatron_rl.data.sources import DataError, Prompt
-from megatron_rl.rewards.safety_judge import (
+from megatron_rl.recipes.waltz.judge import (
     RefusalClassifier,
     RefusalClassifierConfig,
     RuleJudge,
@@ -298,7 +298,7 @@ def test_rule_judge_labels():
 
 
 def test_llm_judge_parses_verdicts_and_falls_back_to_the_rule_judge(smollm2):
-    from megatron_rl.rewards.safety_judge import LLMJudge
+    from megatron_rl.recipes.waltz.judge import LLMJudge
 
     def verdict(text):
         if "bake bread" in text:
@@ -313,7 +313,7 @@ def test_llm_judge_parses_verdicts_and_falls_back_to_the_rule_judge(smollm2):
 
 
 def test_safety_datasets_are_real_disjoint_and_labelled():
-    from megatron_rl.data.safety import SafetyDataConfig, build_safety_datasets, load_safety_prompts
+    from megatron_rl.recipes.waltz.data import SafetyDataConfig, build_safety_datasets, load_safety_prompts
 
     assert len(load_safety_prompts("advbench")) == 520
     assert len(load_safety_prompts("harmbench")) >= 195
@@ -331,7 +331,7 @@ def test_safety_datasets_are_real_disjoint_and_labelled():
 def test_validation_split_is_drawn_first_and_kept_apart():
     import hashlib
 
-    from megatron_rl.data.safety import SafetyDataConfig, build_safety_datasets
+    from megatron_rl.recipes.waltz.data import SafetyDataConfig, build_safety_datasets
 
     def ids(heldout, split):
         return [p.prompt_id for p in heldout if p.metadata["safety"]["split"] == split]
@@ -521,7 +521,7 @@ def test_resume_refuses_a_missing_feedback_checkpoint(tmp_path, tiny_chat_model)
 # --- inference with the feedback agent in the loop -------------------------------------------------------------
 
 def test_chat_engages_feedback_only_when_it_flags(smollm2):
-    from megatron_rl.controller.waltz import chat_with_feedback
+    from megatron_rl.recipes.waltz.episodes import chat_with_feedback
 
     tok = smollm2.tokenizer
     conversation = _ScriptedEngine(tok, lambda text: REFUSE if "Feedback on your answer" in text else COMPLY)
@@ -558,7 +558,7 @@ def _eval_record(step, prompt_id, kind, first, final=None, split="test", flag="u
 def test_mcnemar_exact_matches_enumerating_every_outcome():
     import itertools
 
-    from megatron_rl.controller.waltz_report import mcnemar_exact
+    from megatron_rl.recipes.waltz.report import mcnemar_exact
 
     for fixed, broken in [(10, 2), (3, 3), (0, 6), (7, 0), (1, 4)]:
         n = fixed + broken
@@ -570,7 +570,7 @@ def test_mcnemar_exact_matches_enumerating_every_outcome():
 
 def test_safety_report_pairs_prompts_across_evaluations(tmp_path, capsys):
     from megatron_rl.cli import main
-    from megatron_rl.controller.waltz_report import paired_changes
+    from megatron_rl.recipes.waltz.report import paired_changes
 
     before, after = [1, 1, 0, 0, 1], [0, 0, 0, 1, 1]
     records = [_eval_record(0, f"h{i}", "harmful", bool(b)) for i, b in enumerate(before)]

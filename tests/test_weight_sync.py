@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 from tests.helpers import near_uniform_state
 from tests.test_trainer_parallel import _data
 
 
 def _sync_worker(rank, world_size, arch, state, batch):
     import torch.distributed as dist
-    from megatron_rl.controller.generator_process import GeneratorProcess
-    from megatron_rl.rollout.native import NativeEngineConfig
+    from megatron_rl.placement.generator_process import GeneratorProcess
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.trainer.parallel import ParallelConfig
     from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
     from megatron_rl.rollout.native import NativeEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.controller.launch import run_distributed
+from megatron_rl.placement.launch import run_distributed
 from megatron_rl.trainer.parallel import free_port
 
 ENGINE_TP = [1, 2]
@@ -26,7 +26,7 @@ class _RecordingEngine:
 
 
 def _state(fp8):
-    from megatron_rl.models import preset
+    from megatron_rl.models.arch import preset
     from megatron_rl.weight_sync.fp8 import quantize_state
     from tests.helpers import tiny_state
 
@@ -89,7 +89,8 @@ def test_broadcast_weight_sync_bf16_and_fp8():
 
 def test_engine_pool_spreads_groups_and_updates_every_replica(tiny_arch):
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.pool import EnginePool
     from tests.helpers import prompt, tiny_state
 

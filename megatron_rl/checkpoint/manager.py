@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.checkpoints_tools.pretrained import shard_file, write_megatron_meta
+from megatron_rl.models.pretrained import shard_file, write_megatron_meta
 from megatron_rl.config import ConfigError, require
 
 COMPLETE = "COMPLETE"
@@ -114,7 +114,7 @@ class CheckpointManager:
         tensors, JSON-able metadata), read back with `load_tensors`), the manifest and the commit. On
         any rank's failure every rank raises, the temporary directory is removed and the previous
         checkpoint stays the latest."""
-        from megatron_rl.controller.ranks import all_ranks_agree, barrier, rank as global_rank
+        from megatron_rl.ranks import all_ranks_agree, barrier, rank as global_rank
 
         rank = global_rank()
         final = os.path.join(self.root, _step_name(step))

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from megatron_rl.algorithms import AdvantageConfig, compute_advantages, token_advantages
-from megatron_rl.controller.rollouts import Group
+from megatron_rl.controller.producer import Group
 from megatron_rl.types import TrainBatch
 
 

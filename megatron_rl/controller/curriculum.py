@@ -39,7 +39,7 @@ import torch
 
 from megatron_rl.algorithms.pcl import explained_variance, has_mixed_rewards, select_closest_to_target, value_targets
 from megatron_rl.config import require
-from megatron_rl.controller.rollouts import Group
+from megatron_rl.controller.producer import Group
 from megatron_rl.data.sources import Prompt, PromptDataset, PromptStream
 from megatron_rl.trainer.value import ValueModelConfig
 
@@ -274,7 +274,7 @@ def load_executors(selector: PromptSelector, run_dir: str, config, checkpoint: s
 
 def build_value_model(config: ValueModelConfig, *, policy_arch, policy_state, pg_collection):
     """The value executor, initialised from the policy's starting weights or from `config.init_from`."""
-    from megatron_rl.checkpoints_tools import load_pretrained
+    from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.trainer.value import ValueTrainer
 
     arch, state = policy_arch, policy_state

@@ -23,14 +23,14 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
-from megatron_rl.checkpoints_tools import load_pretrained
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.config import ConfigError, to_dict
-from megatron_rl.controller import ranks
-from megatron_rl.controller.core_share import CoreShare
-from megatron_rl.controller.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
+from megatron_rl import ranks
+from megatron_rl.placement.core_share import CoreShare
+from megatron_rl.placement.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
 from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
 from megatron_rl.controller.objectives import make_objective
-from megatron_rl.controller.rollouts import RolloutProducer, evaluate
+from megatron_rl.controller.producer import RolloutProducer, evaluate
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl, write_plots
 from megatron_rl.observability.timeline import Timeline
@@ -91,8 +91,8 @@ def make_engine(config: RunConfig, model):
     """The generator executor for the configured placement (see RolloutConfig.placement)."""
     rollout = config.rollout
     generator = config.cluster.generator
-    if generator.launch_ranks:  # generator ranks of this launch (controller/generator_ranks.py)
-        from megatron_rl.controller.generator_ranks import generator_rank_pool
+    if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
+        from megatron_rl.placement.generator_ranks import generator_rank_pool
 
         return generator_rank_pool(config)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
@@ -109,7 +109,7 @@ def make_engine(config: RunConfig, model):
         return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
                             **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
-        from megatron_rl.controller.generator_process import GeneratorProcess
+        from megatron_rl.placement.generator_process import GeneratorProcess
 
         torch.set_num_threads(rollout.trainer_threads)
         # Lending makes the thread count, and so floating-point summation order, depend on timing.
@@ -163,7 +163,7 @@ def check_multi_rank_support(config: RunConfig, world: int) -> None:
 class Controller:
     """Owns the executors of a run. Every trainer rank of the world constructs one and calls
     `train_step` in lockstep; rank 0, the driver, also holds the engines, the prompt stream and the
-    rollout producer, and broadcasts each step's scored groups (controller/ranks.py)."""
+    rollout producer, and broadcasts each step's scored groups (ranks.py)."""
 
     def __init__(self, config: RunConfig, *, prepare_selection: bool = True):
         """`prepare_selection=False` leaves the curriculum's one-off preparation (`selector.prepare`,
@@ -199,7 +199,7 @@ class Controller:
         episodes = None
         self.reward: Reward | None = None
         if config.waltz is not None:
-            from megatron_rl.controller.waltz_run import setup_waltz
+            from megatron_rl.recipes.waltz.recipe import setup_waltz
 
             self.train_data, self.heldout, episodes = setup_waltz(self, config, model)
         elif self.is_driver:
@@ -284,7 +284,7 @@ class Controller:
     def _evaluate(self) -> dict[str, float]:
         if not self.is_driver:
             if "likelihood" in self.config.eval.metrics:
-                from megatron_rl.rewards.likelihood import evaluate_likelihood
+                from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
 
                 evaluate_likelihood(None, self.policy, self.tokenizer, [], self.config.eval.likelihood,
                                     seed=self.config.seed)
@@ -294,7 +294,7 @@ class Controller:
         result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
                           max_new_tokens=self.config.eval.max_new_tokens, progress=True)
         if "likelihood" in self.config.eval.metrics:
-            from megatron_rl.rewards.likelihood import evaluate_likelihood
+            from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
 
             result.update(evaluate_likelihood(self.engine, self.policy, self.tokenizer, list(self.heldout),
                                               self.config.eval.likelihood, seed=self.config.seed))

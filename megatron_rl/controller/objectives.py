@@ -20,8 +20,8 @@ from megatron_rl.controller.batching import StepBatch, build_step_batch
 # name -> "module:Class"; imported lazily so config validation does not import every algorithm.
 OBJECTIVES: dict[str, str] = {
     "policy_gradient": "megatron_rl.controller.objectives:PolicyGradientObjective",
-    "jepo": "megatron_rl.controller.jepo:JepoObjective",
-    "sft": "megatron_rl.controller.jepo:SftObjective",
+    "jepo": "megatron_rl.recipes.jepo.objective:JepoObjective",
+    "sft": "megatron_rl.recipes.jepo.objective:SftObjective",
 }
 
 

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, Union, runtime_ch
 import torch
 
 from megatron_rl.config import require
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.types import Completion
 
 
@@ -69,6 +70,12 @@ class SamplingParams:
     seed: int | None = None
     """Seed of this request's private random generator: the same seed gives the same samples whatever
     else the engine is running. None draws a fresh seed."""
+
+    @classmethod
+    def for_rollouts(cls, config: RolloutConfig, seed: int | None) -> "SamplingParams":
+        """Training rollouts' sampling (`rollout:` section): n = samples_per_prompt, with `seed`."""
+        return cls(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+                   top_k=config.top_k, n=config.samples_per_prompt, seed=seed, stop=list(config.stop) or None)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -54,49 +54,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import require
-from megatron_rl.kernels.reshard import Bucket, BucketEntry, BucketLayout
-from megatron_rl.models import ModelArch
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
+from megatron_rl.models.arch import ModelArch
 from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, SamplingParams,
                                         as_request, iter_named_tensors, validate_request)
 from megatron_rl.types import Completion
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class NativeEngineConfig:
-    """The native PyTorch rollout engine."""
-
-    max_batch_size: int = 32
-    """KV-cache slots: sequences decoded together in one step (requests beyond it wait for a slot)."""
-    max_seq_len: int = 4096
-    """Longest prompt + response a slot holds; capped at the model's max_position_embeddings (0: use it)."""
-    max_prefill_tokens: int = 2048
-    """Prompt tokens processed per step (chunked prefill); decode tokens ride along in the same step."""
-    device: str = "auto"
-    """'cpu', 'cuda', 'cuda:N', or 'auto' (CUDA when available)."""
-    dtype: Literal["fp32", "bf16", "auto"] = "fp32"
-    """Weights and activations; logits and log-probs are always fp32. auto: bf16 on CUDA, fp32 on CPU."""
-    num_threads: int = 0
-    """torch intra-op threads for the process (0 leaves torch's setting alone)."""
-    prefix_sharing_min_tokens: int = 16
-    """A new request whose prompt shares at least this many leading tokens with a running one copies
-    that prefix's K/V instead of recomputing it (n samples of one prompt, a common system prompt);
-    only prefixes computed with the current weights are shared. 0 disables sharing."""
-    prepack_weights: bool = True
-    """On CPU with MKL, also keep the weight matrices in MKL's packed GEMM layout for nearly full decode
-    batches (max_batch_size rows) and transposed [in, out] for smaller steps: faster decoding for two more
-    copies of the layer weights in memory (rebuilt lazily between steps after a weight update).
-    Results equal the unpacked F.linear path up to float rounding (~1e-7)."""
-
-    def __post_init__(self) -> None:
-        require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
-        require(self.max_seq_len >= 0, "max_seq_len", "must be >= 0 (0 = the model's context)")
-        require(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-                f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        require(self.num_threads >= 0, "num_threads", "must be >= 0")
-        require(self.prefix_sharing_min_tokens >= 0, "prefix_sharing_min_tokens", "must be >= 0")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -593,7 +558,7 @@ class NativeEngine:
         """`state`: HF-named weights to copy in. Or `weight_arena`: a flat buffer laid out by
         `weight_arena_layout` that already holds the weights, used in place (e.g. shared memory).
         `core_share`: the generator's side of a core share with a trainer process on the same host
-        (controller/core_share.py: `set_busy(bool)`, `apply()`): each step runs on the cores the
+        (placement/core_share.py: `set_busy(bool)`, `apply()`): each step runs on the cores the
         trainer is not using, and an idle engine says so."""
         self.config = config = config or NativeEngineConfig()
         self.core_share = core_share
@@ -647,7 +612,7 @@ class NativeEngine:
     @classmethod
     def from_pretrained(cls, source: Any, config: NativeEngineConfig | None = None, **kwargs: Any) -> "NativeEngine":
         """Build from a path / alias understood by `load_pretrained` (e.g. 'smollm2-135m') or a Pretrained."""
-        from megatron_rl.checkpoints_tools import load_pretrained
+        from megatron_rl.models.pretrained import load_pretrained
 
         pretrained = load_pretrained(source) if isinstance(source, str) else source
         return cls(pretrained.arch, pretrained.state, tokenizer=pretrained.tokenizer, config=config, **kwargs)

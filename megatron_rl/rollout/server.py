@@ -210,7 +210,7 @@ class RolloutServer:
                      "weight_version": self.engine.version}
 
     def update_weights_from_disk(self, data: dict[str, Any]) -> tuple[int, Any]:
-        from megatron_rl.checkpoints_tools import load_pretrained
+        from megatron_rl.models.pretrained import load_pretrained
 
         path = data.get("model_path")
         if not isinstance(path, str) or not path:

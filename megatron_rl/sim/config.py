@@ -14,6 +14,7 @@ from typing import Literal
 import yaml
 
 from megatron_rl.config import ConfigError, from_dict, require
+from megatron_rl.rollout.config import GeneratorGroupConfig
 
 HARDWARE_FILE = os.path.join(os.path.dirname(__file__), "hardware.yaml")
 
@@ -107,49 +108,6 @@ class CostAssumptions:
         require(0 < self.mean_response_fraction <= 1, "mean_response_fraction", "must be in (0, 1]")
         require(self.prompt_tokens >= 1, "prompt_tokens", "must be >= 1")
         require(self.kv_cache_dtype_bytes in (1, 2, 4), "kv_cache_dtype_bytes", "must be 1, 2 or 4")
-
-
-@dataclasses.dataclass(kw_only=True)
-class GeneratorGroupConfig:
-    """The generator executor group on a cluster: inference engines on their own GPUs (disaggregated)
-    or sharing the trainer's GPUs (colocated, where num_engines and engine_tp are derived)."""
-
-    backend: Literal["native", "sglang"] = "native"
-    """Engine implementation: the native engine, or SGLang (rollout/sglang_engine.py in this process, with
-    engine_tp GPUs; or the servers listed in `urls`, which the Slurm scripts start)."""
-    num_engines: int = 1
-    """Independent engine replicas in the disaggregated group (each serves its share of the prompts)."""
-    engine_tp: int = 8
-    """Tensor-parallel size of one engine (GPUs per engine); keep it inside one node."""
-    precision: Literal["bf16", "fp8"] = "bf16"
-    """Weights of the inference engines: bf16 (as trained), or fp8 with one scale per block (quantized on
-    every weight sync, weight_sync/fp8.py; engines without fp8 GEMMs get the dequantized values, so the
-    log-prob gap shows in train/logprob_mismatch on any engine)."""
-    fp8_block_size: int = 128
-    """Square block edge of the FP8 weight scales (one scale per block x block tile)."""
-    max_running_requests: int = 256
-    """Most sequences one engine decodes at once (its continuous batch); the KV cache may cap it lower."""
-    cuda_graphs: bool = True
-    """Decode steps replay CUDA graphs (SGLang default), so per-layer launch cost is small."""
-    weight_update_group_port: int = 29600
-    """TCP port on trainer rank 0 for the NCCL weight-update group the engines join."""
-    urls: list[str] = dataclasses.field(default_factory=list)
-    """Base URLs of the engines' SGLang servers (set by examples/slurm_common.sh on a cluster); empty:
-    the engine runs inside this process as rollout.placement says."""
-    launch_ranks: int = 0
-    """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
-    world each run a native engine (one device each) and serve the driver over torch.distributed,
-    with weights broadcast to them after every step (controller/generator_ranks.py). The other ranks
-    train. 0: generators are SGLang servers (`urls`) or local (rollout.placement)."""
-
-    def __post_init__(self) -> None:
-        require(self.num_engines >= 1, "num_engines", "must be >= 1")
-        require(self.launch_ranks >= 0, "launch_ranks", "must be >= 0")
-        require(not (self.launch_ranks and self.urls), "launch_ranks",
-                "generator ranks in the launch and SGLang server urls are two different generator groups; set one")
-        require(self.engine_tp >= 1, "engine_tp", "must be >= 1")
-        require(self.fp8_block_size >= 1, "fp8_block_size", "must be >= 1")
-        require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
 
 
 @dataclasses.dataclass(kw_only=True)

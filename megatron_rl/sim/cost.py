@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from megatron_rl.models import ModelArch
+from megatron_rl.models.arch import ModelArch
 from megatron_rl.sim.config import CostAssumptions, HardwareSpec
 
 GiB = float(2**30)

@@ -10,7 +10,7 @@
 3. Engine decode (NativeEngine, BF16, 64 sequences x 128 new tokens): tokens/s, and the bandwidth a decode
    step streams (weight bytes / step time) against the copy bandwidth.
 4. Weight sync trainer -> engine on the device (export HF views, engine load): GB/s against copy bandwidth.
-5. Fused log-prob kernel (kernels/gpu_bench.py `bench_logprob`, N=8192, V=128256, H=4096): Triton vs
+5. Fused log-prob kernel (sim/gpu_kernels.py `bench_logprob`, N=8192, V=128256, H=4096): Triton vs
    chunked torch vs naive, time and peak memory.
 The last line is one JSON object. `--smoke` shrinks every shape (it runs on CPU too, skipping the
 Triton kernel and FP8) so the script's plumbing is tested without a GPU.
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from megatron_rl.kernels.gpu_bench import _sync, _time, copy_bandwidth
-from megatron_rl.models import ModelArch
+from megatron_rl.sim.gpu_kernels import _sync, _time, copy_bandwidth
+from megatron_rl.models.arch import ModelArch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,8 @@ def trainer_step(s: Shapes, device: str, fp8: str, steps: int = 3) -> tuple[dict
 
 def engine_decode(s: Shapes, device: str, state) -> tuple[dict, object]:
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.rollout.config import NativeEngineConfig
 
     engine = NativeEngine(s.arch, state, config=NativeEngineConfig(
         max_batch_size=s.engine_batch, max_seq_len=s.prompt_len + s.new_tokens + 8, device=device, dtype="auto",
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
-        from megatron_rl.kernels.gpu_bench import bench_logprob
+        from megatron_rl.sim.gpu_kernels import bench_logprob
 
         stats = _section(result, "logprob", lambda: bench_logprob(copy_bw, 2048 if args.smoke else 8192, 128256, 4096,
                                                                  device=device))

@@ -10,14 +10,12 @@ placement (colocated: the sum; disaggregated: the overlap of generation with tra
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 
 from megatron_rl.config import ConfigError
-from megatron_rl.models import ModelArch, preset, PRESETS
+from megatron_rl.models.arch import ModelArch, preset, PRESETS
 from megatron_rl.sim import cost
 from megatron_rl.sim.config import ClusterConfig, HardwareSpec
 
@@ -228,20 +226,3 @@ def format_plan(plan: Plan) -> str:
                  f"{t['decode_step'] * 1e3:.1f} ms per decode step), train {t['train']:.1f} s, "
                  f"weight sync {t['weight_sync']:.2f} s -> step {t['step']:.1f} s")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="cluster recipe, e.g. examples/configs/llama3_405b.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.nodes=64")
-    parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
-
-
-def run(args: argparse.Namespace) -> int:
-    from megatron_rl.run_config import load_run_config
-
-    config = load_run_config(args.config, args.overrides)
-    plan = make_plan(config)
-    print(format_plan(plan))
-    if args.json:
-        print(json.dumps(plan.summary()))
-    return 0

@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, check_parallel_layout
-from megatron_rl.models import ModelArch
+from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
+from megatron_rl.models.arch import ModelArch
 
 
 def transformer_engine_available() -> bool:

@@ -27,9 +27,9 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
-from megatron_rl.checkpoints_tools.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.config import require
-from megatron_rl.models import ModelArch
+from megatron_rl.models.arch import ModelArch
 from megatron_rl.trainer import cpu_compat
 from megatron_rl.trainer.model import build_gpt_model, resolve_layer_spec, transformer_config
 from megatron_rl.trainer.parallel import ParallelConfig, setup_model_parallel
@@ -522,7 +522,7 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
     """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
     read shard by shard (each rank reads only its own file); any other source is converted in memory
     (from `pretrained`, a `load_pretrained(model_path, lazy=True)` the caller also uses, when given)."""
-    from megatron_rl.checkpoints_tools.pretrained import (
+    from megatron_rl.models.pretrained import (
         MEGATRON_META, load_megatron_shard, load_pretrained, read_megatron_layout, resolve_model_path)
 
     import os

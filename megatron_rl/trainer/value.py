@@ -47,9 +47,9 @@ from typing import Literal
 import torch
 
 from megatron_rl.algorithms.pcl import value_loss
-from megatron_rl.checkpoints_tools.megatron_layout import hf_to_megatron
+from megatron_rl.models.megatron_layout import hf_to_megatron
 from megatron_rl.config import require
-from megatron_rl.models import ModelArch
+from megatron_rl.models.arch import ModelArch
 from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
 from megatron_rl.types import TrainBatch
 

@@ -18,8 +18,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.controller.ranks import broadcast_records
-from megatron_rl.kernels.reshard import EngineLayout, build_reshard_plan
+from megatron_rl.ranks import broadcast_records
+from megatron_rl.weight_sync.reshard import EngineLayout, build_reshard_plan
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
 
 

