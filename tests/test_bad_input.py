@@ -166,6 +166,7 @@ class _StubEngine:
 
 
 def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path):
+    from megatron_rl.controller.episodes import SingleTurnSampling
     from megatron_rl.controller.producer import RolloutProducer
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
@@ -178,8 +179,9 @@ def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path
 
     def producer(mode):
         config = RolloutConfig(prompts_per_step=2, samples_per_prompt=1, on_overlong_prompt=mode)
-        return RolloutProducer(_StubEngine(), _StubTokenizer(), PromptStream.from_config(train_set, data),
-                               Reward(RewardConfig(name="exact_match")), config, seed=0, max_prompt_tokens=20)
+        episodes = SingleTurnSampling(_StubEngine(), _StubTokenizer(), Reward(RewardConfig(name="exact_match")), config)
+        return RolloutProducer(episodes, _StubTokenizer(), PromptStream.from_config(train_set, data), config, seed=0,
+                               max_prompt_tokens=20)
 
     with pytest.raises(DataError, match=r"p\.jsonl: row 2: prompt '[^']+' has 50 tokens after the chat template, "
                                         r"more than the 20 .*engine.max_seq_len.*on_overlong_prompt=skip"):
@@ -193,6 +195,7 @@ def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path
 
 
 def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
+    from megatron_rl.controller.episodes import SingleTurnSampling
     from megatron_rl.controller.producer import RolloutProducer
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
@@ -201,9 +204,9 @@ def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
     def producer(rows):
         data = DataConfig(train=SourceConfig(kind="jsonl", path=_jsonl(tmp_path / "b.jsonl", rows)), heldout_size=0)
         train_set, _ = build_datasets(data)
-        return RolloutProducer(_StubEngine(), _StubTokenizer(), PromptStream.from_config(train_set, data),
-                               Reward(RewardConfig(name="exact_match")),
-                               RolloutConfig(prompts_per_step=1, samples_per_prompt=2, max_staleness=1), seed=0)
+        config = RolloutConfig(prompts_per_step=1, samples_per_prompt=2, max_staleness=1)
+        episodes = SingleTurnSampling(_StubEngine(), _StubTokenizer(), Reward(RewardConfig(name="exact_match")), config)
+        return RolloutProducer(episodes, _StubTokenizer(), PromptStream.from_config(train_set, data), config, seed=0)
 
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)]
     first = producer(rows)
@@ -221,7 +224,8 @@ def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
 def test_checkpoint_from_another_parallel_layout(tmp_path):
     import types
 
-    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager, CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
+    from megatron_rl.checkpoint.config import CheckpointConfig
 
     (tmp_path / "ck" / "model" / "mp_rank_00_000").mkdir(parents=True)
     trainer = types.SimpleNamespace(tp_rank=1, pp_rank=0)
@@ -233,14 +237,15 @@ def test_checkpoint_from_another_parallel_layout(tmp_path):
 def test_model_without_tokenizer(tmp_path, tiny_chat_model):
     import shutil
 
-    from megatron_rl.controller.loop import Controller
-    from megatron_rl.run_config import ModelConfig, RunConfig
+    from megatron_rl.controller.loop import build_controller
+    from megatron_rl.run_config import RunConfig
+    from megatron_rl.models.config import ModelConfig
 
     bare = tmp_path / "bare"
     shutil.copytree(tiny_chat_model, bare)
     (bare / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"bare: the model has no tokenizer \(tokenizer.json\)"):
-        Controller(RunConfig(model=ModelConfig(path=str(bare)), run_dir=str(tmp_path / "run")))
+        build_controller(RunConfig(model=ModelConfig(path=str(bare)), run_dir=str(tmp_path / "run")))
 
 
 def test_new_reliability_config_fields_are_validated(tmp_path):

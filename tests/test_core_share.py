@@ -69,8 +69,10 @@ def test_generator_process_follows_the_trainer(tiny_chat_model, restore_threads)
 def test_trainer_gives_back_a_core_within_a_micro_batch(tiny_arch, restore_threads):
     """The trainer re-takes its share before every layer's forward and backward, so a generator that
     starts work mid-micro-batch gets its core back within one layer, not at the next micro-batch."""
-    from megatron_rl.algorithms import LossConfig, make_loss_fn
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.algorithms.losses import make_loss_fn
+    from megatron_rl.algorithms.config import LossConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))

@@ -68,7 +68,8 @@ def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
     from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.rollout.config import NativeEngineConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
     from megatron_rl.weight_sync.fp8 import quantization_error
     from tests.helpers import prompt, tiny_state
@@ -98,7 +99,8 @@ def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
 def test_te_fp8_trainer_step_runs(tiny_arch):
     """TE FP8 (delayed scaling) trainer step on a GPU: finite loss, close to the bf16 step's."""
     pytest.importorskip("transformer_engine")
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.models.arch import ModelArch
     from megatron_rl.types import TrainBatch
     from tests.helpers import near_uniform_state
@@ -135,7 +137,8 @@ def test_loop_with_fp8_generator_reports_the_logprob_gap(tmp_path, tiny_chat_mod
 
 def test_fp8_training_needs_transformer_engine_on_cpu(tiny_arch):
     from megatron_rl.trainer.model import transformer_engine_available
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
 
     if transformer_engine_available():
         pytest.skip("TE with CUDA present: the GPU test covers FP8 training")

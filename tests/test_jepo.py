@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.algorithms.jepo import (
     JepoConfig, JepoTrainBatch, jepo_advantages, jepo_raw_advantages, make_jepo_loss_fn, make_sft_loss_fn, proxy_nll)
-from megatron_rl.algorithms.losses import LossConfig
+from megatron_rl.algorithms.config import LossConfig
 from megatron_rl.types import TrainBatch
 
 VOCAB = 3
@@ -373,7 +373,7 @@ def test_rows_are_prompt_chain_and_reference_with_separate_masks(missing_marker)
 
     from megatron_rl.config import load_yaml
     from megatron_rl.recipes.jepo.objective import JepoObjective
-    from megatron_rl.controller.producer import Group, Sample
+    from megatron_rl.controller.episodes import Group, Sample
     from megatron_rl.data.sources import Prompt
     from megatron_rl.rewards.registry import RewardResult
     from megatron_rl.run_config import RunConfig

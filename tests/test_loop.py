@@ -78,7 +78,8 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, tiny_ch
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, tiny_chat_model):
-    from megatron_rl.checkpoint.manager import CheckpointConfig, CheckpointManager
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.checkpoint.config import CheckpointConfig
 
     run_dir = str(tmp_path / "run")
     train(_config(tiny_chat_model, run_dir))
@@ -112,12 +113,12 @@ def test_pause_mode_weight_updates(tmp_path, tiny_chat_model):
 
 
 def test_killed_generator_mid_run_loses_no_prompt(tmp_path, tiny_chat_model):
-    from megatron_rl.controller.loop import Controller
+    from megatron_rl.controller.loop import build_controller
     from megatron_rl.data.sources import PromptStream
 
     config = _config(tiny_chat_model, str(tmp_path / "fault"), "rollout.max_staleness=1",
                      "rollout.placement=disaggregated", "rollout.max_new_tokens=16")
-    controller = Controller(config)
+    controller = build_controller(config)
     expected = [p.prompt_id for p in PromptStream.from_config(controller.train_data, config.data).next(2 * 4)]
     consumed = []
     original = controller.rollouts.next_groups

@@ -186,8 +186,10 @@ def test_data_parallel_shares_partition_the_padded_batch():
 
 def test_a_rank_whose_micro_batch_is_all_padding_trains_with_the_rest(tiny_arch):
     """Padding to micro-batches x DP ranks can leave a rank a micro-batch with no loss token."""
-    from megatron_rl.algorithms import LossConfig, make_loss_fn
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.algorithms.losses import make_loss_fn
+    from megatron_rl.algorithms.config import LossConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))
@@ -232,8 +234,10 @@ def test_jepo_with_likelihood_evaluation_on_two_data_parallel_ranks(tmp_path, ti
 
 def _save_with_failing_rank(rank, world_size, arch, root):
     import megatron_rl.checkpoint.manager as manager_module
-    from megatron_rl.checkpoint.manager import CheckpointConfig, CheckpointManager
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
 
     trainer = MegatronTrainer(arch, TrainerConfig())
     manager = CheckpointManager(root, CheckpointConfig(keep_last=3))

@@ -94,8 +94,9 @@ def test_explained_variance_and_mixed_rewards():
 # --- the value model --------------------------------------------------------------------------------------
 
 def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
-    from megatron_rl.trainer.trainer import TrainerConfig
-    from megatron_rl.trainer.value import ValueModelConfig, ValueTrainer
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.value import ValueTrainer
+    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     # The paper's plain regression head (no standardisation, no prior): value/loss is then exactly the
@@ -189,8 +190,9 @@ def test_value_model_fits_fixed_prompt_targets_within_a_few_updates(tiny_arch):
     mean-reward targets within 15 updates, on prompts that share a long suffix as chat prompts do.
     (That the raw head learns far more slowly shows on the real model's states, whose shared part is
     ~20x the per-prompt part; a tiny random model's are not so lopsided, and there both fit.)"""
-    from megatron_rl.trainer.trainer import TrainerConfig
-    from megatron_rl.trainer.value import ValueModelConfig, ValueTrainer
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.value import ValueTrainer
+    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     prompts = _shared_suffix_prompts(12)
@@ -217,8 +219,9 @@ def test_value_model_fits_fixed_prompt_targets_within_a_few_updates(tiny_arch):
 
 
 def test_mean_reward_prior_sets_v_to_the_targets_mean_before_any_learning(tiny_arch):
-    from megatron_rl.trainer.trainer import TrainerConfig
-    from megatron_rl.trainer.value import PRIOR_CLIP, ValueModelConfig, ValueTrainer
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.value import PRIOR_CLIP, ValueTrainer
+    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     prompts = _shared_suffix_prompts(5)

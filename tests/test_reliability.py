@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.checkpoint.manager import CheckpointConfig, CheckpointError, CheckpointManager
+from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
+from megatron_rl.checkpoint.config import CheckpointConfig
 from megatron_rl.config import load_yaml
-from megatron_rl.controller.loop import Controller, TrainingDivergedError, train
+from megatron_rl.controller.loop import TrainingDivergedError, build_controller, train
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.run_config import RunConfig
 
@@ -183,7 +184,7 @@ def test_resume_restores_the_rollout_buffer(tmp_path, tiny_chat_model, mode):
 def test_deterministic_mode_generates_step_s_with_version_s_minus_staleness(tmp_path, tiny_chat_model):
     config = _config(tiny_chat_model, str(tmp_path / "det"), "rollout.max_staleness=2", "rollout.deterministic=true",
                      "rollout.placement=disaggregated", "steps=5", "rollout.max_new_tokens=16")
-    controller = Controller(config)
+    controller = build_controller(config)
     versions = []
     original = controller.rollouts.next_groups
 
@@ -231,7 +232,8 @@ def _loss(kind):
 @pytest.fixture(scope="module")
 def tiny_trainer(tiny_chat_model):
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
 
     model = load_pretrained(tiny_chat_model)
     return MegatronTrainer(model.arch, TrainerConfig(lr=1e-2, micro_batch_size=2), hf_state=model.state)
@@ -264,8 +266,9 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_untouched(tiny_trainer, ki
 
 
 def _dp_nonfinite_worker(rank, world_size, arch, state):
-    from megatron_rl.trainer.parallel import ParallelConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     torch.set_num_threads(1)
@@ -294,10 +297,10 @@ def test_nonfinite_verdict_is_agreed_by_every_data_parallel_rank(tiny_arch):
 
 def _poison_losses(monkeypatch, bad_calls):
     """Make the loop's loss NaN on the given (0-based) train steps (the policy-gradient objective builds
-    its loss with megatron_rl.algorithms.make_loss_fn at each step)."""
-    import megatron_rl.algorithms as algorithms
+    its loss with make_loss_fn at each step)."""
+    import megatron_rl.controller.objectives as objectives
 
-    real = algorithms.make_loss_fn
+    real = objectives.make_loss_fn
     calls = {"n": 0}
 
     def make_loss_fn(*args, **kwargs):
@@ -310,7 +313,7 @@ def _poison_losses(monkeypatch, bad_calls):
             return (loss * float("nan") if poisoned else loss), metrics
         return wrapped
 
-    monkeypatch.setattr(algorithms, "make_loss_fn", make_loss_fn)
+    monkeypatch.setattr(objectives, "make_loss_fn", make_loss_fn)
 
 
 def test_run_stops_after_configured_nonfinite_steps_in_a_row(tmp_path, tiny_chat_model, monkeypatch):

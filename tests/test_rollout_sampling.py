@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-from megatron_rl.rollout.native import NativeEngine, inverse_cdf, sample_tokens
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.native.sampling import inverse_cdf, sample_tokens
 from megatron_rl.rollout.config import NativeEngineConfig
 from tests.helpers import prompt, tiny_state
 

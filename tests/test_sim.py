@@ -97,7 +97,8 @@ def test_decode_step_is_weight_streaming_plus_per_layer_costs():
 def test_stage_parameters_match_megatron_model():
     """The planner's parameter count per rank equals the numel of a real Megatron GPTModel."""
     from megatron_rl.models.arch import preset
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
 
     arch = preset("tiny")
     trainer = MegatronTrainer(arch, TrainerConfig(vocab_divisible_by=128))
@@ -113,7 +114,8 @@ def _measure_step_worker(rank, world_size, rows, seq, micro):
     """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures)."""
     from megatron_rl.models.arch import ModelArch
     from megatron_rl.sim.measure import measure_peak
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     torch.manual_seed(0)

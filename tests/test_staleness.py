@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from megatron_rl.controller.episodes import SingleTurnSampling
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.data.sources import DataConfig, PromptStream, SourceConfig, build_datasets
@@ -61,7 +62,8 @@ def test_no_consumed_sample_exceeds_the_staleness_bound(max_staleness):
     expected_order = [p.prompt_id for p in PromptStream(train, seed=5).next(4 * 12)]
     engine = _RandomSpeedEngine(seed=max_staleness)
     config = RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_staleness=max_staleness)
-    producer = RolloutProducer(engine, _Tokenizer(), stream, Reward(RewardConfig(name="reasoning_gym")), config, seed=1)
+    episodes = SingleTurnSampling(engine, _Tokenizer(), Reward(RewardConfig(name="reasoning_gym")), config)
+    producer = RolloutProducer(episodes, _Tokenizer(), stream, config, seed=1)
     rng = random.Random(42 + max_staleness)
     consumed, worst = [], 0
     for version in range(12):

@@ -22,8 +22,9 @@ def _chat_batch(tokenizer, prompts):
 
 
 def _logits_worker(rank, world_size, checkpoint, tp, pp, tokens):
-    from megatron_rl.trainer.parallel import ParallelConfig
-    from megatron_rl.trainer.trainer import TrainerConfig, load_policy
+    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.trainer import load_policy
+    from megatron_rl.trainer.config import TrainerConfig
 
     torch.set_num_threads(1)
     config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), micro_batch_size=4)
@@ -93,8 +94,9 @@ def test_trainer_recomputes_the_engine_logprobs_of_a_rollout(smollm2, chat_promp
     """Identical weights (fp32, CPU): the Megatron trainer's log-probs of sampled responses equal the
     native engine's behaviour log-probs within 1e-4, which is what train/logprob_mismatch reports."""
     from megatron_rl.controller.batching import build_step_batch
-    from megatron_rl.algorithms import AdvantageConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.algorithms.config import AdvantageConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from tests.helpers import sampled_groups
 
     tokenizer = smollm2.tokenizer

@@ -14,8 +14,9 @@ def _sync_worker(rank, world_size, arch, state, batch):
     import torch.distributed as dist
     from megatron_rl.placement.generator_process import GeneratorProcess
     from megatron_rl.rollout.config import NativeEngineConfig
-    from megatron_rl.trainer.parallel import ParallelConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.weight_sync.channel import InProcessWeightChannel, SharedMemoryWeightChannel
 

@@ -1,41 +1,11 @@
-"""RL algorithms as small pure functions: advantage estimators and policy losses (registered by name).
+"""RL algorithms as small pure functions, each citing its paper (derivations: docs/algorithms.md).
 
-The loop calls, per global batch:
+    adv = advantages.compute_advantages(rewards [N], group_ids, AdvantageConfig(...))   # sequence advantages
+    batch.advantages = advantages.token_advantages(adv, batch.loss_mask)               # [B, S]
+    normalizer = losses.compute_normalizer(batch.loss_mask, loss_config)               # over the GLOBAL batch
+    trainer.train_step(batch, losses.make_loss_fn(loss_config, normalizer))
 
-    adv = compute_advantages(rewards [N], group_ids, AdvantageConfig(...))   # sequence advantages
-    batch.advantages = token_advantages(adv, batch.loss_mask)                # [B, S]
-    normalizer = compute_normalizer(batch.loss_mask, loss_config)            # over the GLOBAL batch
-    trainer.train_step(batch, make_loss_fn(loss_config, normalizer))
+`advantages.py` (GRPO, RLOO, REINFORCE++), `losses.py` (PG, PPO-clip, AIPO, TIS; KL and entropy terms),
+`jepo.py` (the JEPO bound), `pcl.py` (PCL's selection and value targets), `waltz.py` (WaltzRL's rewards);
+their configuration in `config.py` (importable without torch).
 """
-from megatron_rl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageConfig,
-    compute_advantages,
-    grpo_advantages,
-    group_index,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    token_advantages,
-)
-from megatron_rl.algorithms.losses import (
-    LOSSES,
-    LossConfig,
-    aggregate,
-    aipo_loss,
-    compute_normalizer,
-    get_loss,
-    kl_penalty,
-    make_loss_fn,
-    pg_loss,
-    policy_loss,
-    ppo_clip_loss,
-    register_loss,
-    tis_loss,
-)
-
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "grpo_advantages", "group_index",
-    "reinforce_pp_advantages", "rloo_advantages", "token_advantages",
-    "LOSSES", "LossConfig", "aggregate", "aipo_loss", "compute_normalizer", "get_loss", "kl_penalty",
-    "make_loss_fn", "pg_loss", "policy_loss", "ppo_clip_loss", "register_loss", "tis_loss",
-]

@@ -9,14 +9,11 @@ gets advantage 0 from the group-relative estimators (it carries no learning sign
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Hashable, Literal, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
-from megatron_rl.config import require
-
-
+from megatron_rl.algorithms.config import AdvantageConfig
 
 
 def group_index(group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
@@ -118,26 +115,6 @@ def token_advantages(sequence_advantages: torch.Tensor, loss_mask: torch.Tensor)
                          f"loss_mask rows {tuple(loss_mask.shape)}")
     adv = sequence_advantages.to(loss_mask.dtype if loss_mask.is_floating_point() else torch.float32)
     return adv[:, None] * (loss_mask != 0).to(adv.dtype)
-
-
-@dataclasses.dataclass(kw_only=True)
-class AdvantageConfig:
-    """How sequence rewards become advantages."""
-
-    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    """grpo: (r - group mean) / group std; rloo: r - mean of the other samples of the group;
-    reinforce_pp: batch-normalised (r - batch mean) / batch std."""
-    scale_by_std: bool = True
-    """grpo only: divide by the group std. False gives r - group mean (Dr.GRPO, AIPO, PCL)."""
-    group_baseline: bool = False
-    """reinforce_pp only: subtract the group mean before batch normalisation (REINFORCE++-baseline)."""
-    eps: float = 1e-6
-    """Added to the std in the denominators."""
-
-    def __post_init__(self) -> None:
-        require(self.estimator in ADVANTAGE_ESTIMATORS, "estimator",
-                f"unknown estimator {self.estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
-        require(self.eps >= 0, "eps", "must be >= 0")
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {

@@ -1,5 +1,5 @@
 """JEPO: Jensen's evidence lower bound policy optimisation (Tang, Wang, Madaan, Munos 2025, arXiv 2503.19618;
-ALGORITHMS.md sec. 2), its "combined" variant with a verifier, and the SFT baseline on the same rows.
+docs/algorithms.md section 7), its "combined" variant with a verifier, and the SFT baseline on the same rows.
 
 The chain of thought c is a latent variable; the policy is trained to raise a lower bound of
 log pi(a* | x), a* the reference answer (long-form: a worked solution, a proof). With
@@ -48,52 +48,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 import torch
 
-from megatron_rl.config import require
 from megatron_rl.types import TrainBatch
-
-
-@dataclasses.dataclass(kw_only=True)
-class JepoConfig:
-    """JEPO's bound, advantages, answer marker and reference budget (used by the `jepo` objective)."""
-
-    mode: Literal["jepo", "combined", "verifier"] = "jepo"
-    """jepo: the likelihood bound only (no verifier needed); combined: the verifier loss for prompts with
-    a sample verified correct, JEPO otherwise; verifier: the verifier loss for every prompt (baseline)."""
-    bound: Literal["multi", "jensen"] = "multi"
-    """multi: the multi-sample bound L_n = E log mean_i pi(a*|x,c_i); jensen: L_1 = E log pi(a*|x,c)
-    averaged over the n samples with a leave-one-out baseline."""
-    answer_marker: str = "The final answer is"
-    """Text that ends the chain of thought; a* is scored right after it in place of the model's answer."""
-    beta_sup: float = 1.0
-    """Weight of the supervised term -beta_sup * B_g (paper: 1 on unverifiable data, 0 to 1e-2 on math)."""
-    normalize_advantages: bool = True
-    """Divide the advantages by their std over the group's usable samples (paper: std(A))."""
-    advantage_clip: float | None = 1.0
-    """Clip the (normalised) advantages to [-c, c] (paper: 1). None: no clipping."""
-    format_penalty: float = -10.0
-    """Advantage of a sample without the answer marker (paper: -10); it is left out of the bound."""
-    missing_marker: Literal["penalty", "append"] = "penalty"
-    """A sample without the marker: penalty (the paper: format_penalty, out of the bound), or append
-    (departure, for small models that rarely write it: the marker is appended to the chain of thought as
-    context, not trained on, and a* scored after it, as the likelihood evaluation does)."""
-    max_reference_tokens: int = 512
-    """Longest reference a* (tokens, end-of-turn token included) a prompt may have."""
-    on_bad_reference: Literal["error", "skip"] = "error"
-    """A prompt without a reference, with one over max_reference_tokens, or with one that does not fit
-    the model's context after the prompt and max_new_tokens: error names the prompt and its source row;
-    skip drops the prompt and counts it (rollout/bad_reference_skipped)."""
-    score_end_of_turn: bool = True
-    """Score the tokenizer's end-of-turn (eos) token after a* as part of the reference."""
-
-    def __post_init__(self) -> None:
-        require(self.beta_sup >= 0, "beta_sup", "must be >= 0")
-        require(self.advantage_clip is None or self.advantage_clip > 0, "advantage_clip", "must be > 0 (or null)")
-        require(bool(self.answer_marker.strip()), "answer_marker", "must not be empty")
-        require(self.max_reference_tokens >= 1, "max_reference_tokens", "must be >= 1")
+from megatron_rl.algorithms.config import JepoConfig
 
 
 # --- advantages -------------------------------------------------------------------------------------------

@@ -33,60 +33,11 @@ masked positions are zeroed before any arithmetic so padding can never produce i
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Literal, Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from megatron_rl.config import require
-
-
-@dataclasses.dataclass(kw_only=True)
-class LossConfig:
-    """The policy loss: which surrogate, its clipping, the KL / entropy terms and the normalisation."""
-
-    name: str = "aipo"
-    """Registered loss: pg (on-policy REINFORCE), ppo_clip, aipo (LlamaRL), tis (truncated IS)."""
-    aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
-    """How per-token terms are summed and normalised over the global batch (see module docstring)."""
-    max_response_tokens: int = 0
-    """seq_sum_norm only: the constant length L in the normaliser N_seq * L (must be > 0 then)."""
-    clip_eps_low: float = 0.2
-    """ppo_clip / tis: lower clip, the ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
-    clip_eps_high: float = 0.2
-    """ppo_clip / tis: upper clip (DAPO's clip-higher uses 0.28)."""
-    dual_clip_c: float | None = None
-    """ppo_clip / tis: dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the loss is at most -c*A. None disables."""
-    aipo_rho: float = 4.0
-    """aipo: upper clip rho of the detached importance weight min(pi/mu, rho); LlamaRL uses rho in [2, 10]."""
-    tis_cap: float = 2.0
-    """tis: cap C of the importance weight pi_prox/mu."""
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    """tis: truncate (weight min(w, C)) or mask (tokens with w > C get weight 0, "masked IS")."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL(pi || pi_ref) penalty in the loss. > 0: the objective keeps a frozen,
-    forward-only copy of the starting weights as pi_ref (one extra forward per step); 0: none."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman, "Approximating KL divergence", 2020): k1 = log pi - log ref,
-    k2 = (log pi - log ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1."""
-    entropy_coef: float = 0.0
-    """Coefficient of the entropy bonus (subtracted from the loss); needs per-token entropies."""
-    log_ratio_clamp: float = 20.0
-    """Clamp of log pi - log mu before exp, for numerical safety."""
-
-    def __post_init__(self) -> None:
-        require(self.name in LOSSES, "name", f"unknown loss {self.name!r}; registered: {sorted(LOSSES)}")
-        require(self.aggregation != "seq_sum_norm" or self.max_response_tokens > 0, "max_response_tokens",
-                "must be > 0 with aggregation seq_sum_norm")
-        require(self.max_response_tokens >= 0, "max_response_tokens", "must be >= 0")
-        require(0 <= self.clip_eps_low < 1, "clip_eps_low", "must be in [0, 1)")
-        require(self.clip_eps_high >= 0, "clip_eps_high", "must be >= 0")
-        require(self.dual_clip_c is None or self.dual_clip_c > 1, "dual_clip_c", "must be > 1 (or null)")
-        require(self.aipo_rho > 0, "aipo_rho", "must be > 0")
-        require(self.tis_cap > 0, "tis_cap", "must be > 0")
-        require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        require(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        require(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
+from megatron_rl.algorithms.config import LOSS_NAMES, LossConfig
 
 
 class PolicyLoss(Protocol):
@@ -244,6 +195,7 @@ def register_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
         LOSSES[name] = fn
+        LOSS_NAMES.add(name)
         return fn
 
     return wrap
@@ -288,7 +240,7 @@ def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normal
 def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
               reference_logprobs=None, entropy=None, proximal_logprobs=None):
     """AIPO, LlamaRL's asynchronous importance-weighted policy optimisation (Wu et al. 2025,
-    arXiv 2505.24034; ALGORITHMS.md sec. 1):
+    arXiv 2505.24034; docs/algorithms.md section 1):
 
         l_t = -sg[ min(pi(y_t)/mu(y_t), rho) ] * A_t * log pi(y_t)
 

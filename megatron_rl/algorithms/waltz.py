@@ -31,6 +31,7 @@ import dataclasses
 import json
 
 from megatron_rl.config import require
+from megatron_rl.algorithms.config import WaltzRewardConfig
 
 FEEDBACK_KEYS = ("reasoning", "unsafe", "overrefuse", "feedback")
 
@@ -72,8 +73,6 @@ class ParsedFeedback:
     def triggered(self) -> bool:
         """Feedback is sent to the conversation agent only when a flag is raised (and it parsed)."""
         return self.ok and (self.unsafe or self.overrefuse)
-
-
 
 
 def parse_feedback(text: str) -> ParsedFeedback:
@@ -122,30 +121,6 @@ def label_reward(feedback: ParsedFeedback, judged: SafetyLabels) -> float:
 def format_reward(feedback: ParsedFeedback) -> float:
     """R_format = 1{the feedback parses as the JSON schema}."""
     return float(feedback.ok)
-
-
-@dataclasses.dataclass(kw_only=True)
-class WaltzRewardConfig:
-    """Weights of the feedback reward R_f = alpha * DIR * R_label + lambda * R_label + gamma * R_format."""
-
-    alpha: float = 1.0
-    """Weight of the label-gated Dynamic Improvement Reward."""
-    label_weight: float = 1.0
-    """lambda: weight of the label reward in stage 1."""
-    stage2_label_weight: float = 0.0
-    """lambda in stage 2. The paper uses 0; then a false flag on a good answer earns as much as the
-    correct "no flag" (module docstring), and a feedback agent with a weak stage 1 drifts to flagging
-    everything. > 0 is a departure from the paper that prices false flags in stage 2 too."""
-    format_weight: float = 1.0
-    """gamma: weight of the format reward."""
-    gate_dir_by_label: bool = True
-    """Multiply DIR by R_label (the paper's design; False only for the ablation)."""
-
-    def __post_init__(self) -> None:
-        require(self.alpha >= 0, "alpha", "must be >= 0")
-        require(self.label_weight >= 0, "label_weight", "must be >= 0")
-        require(self.stage2_label_weight >= 0, "stage2_label_weight", "must be >= 0")
-        require(self.format_weight >= 0, "format_weight", "must be >= 0")
 
 
 def feedback_reward(feedback: ParsedFeedback, judged: SafetyLabels, revised: SafetyLabels | None,

@@ -27,7 +27,6 @@ holding any other object is refused (reported as unusable, like a corrupt file).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -42,7 +41,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.models.pretrained import shard_file, write_megatron_meta
-from megatron_rl.config import ConfigError, require
+from megatron_rl.config import ConfigError
+from megatron_rl.checkpoint.config import CheckpointConfig
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -52,22 +52,6 @@ _STEP_DIR = re.compile(r"^step_\d{8}$")
 
 class CheckpointError(ConfigError):
     """No usable checkpoint, or one that cannot be read; the message names the file and the problem."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class CheckpointConfig:
-    """When and how many checkpoints to keep."""
-
-    every_steps: int = 0
-    """Save every N optimizer steps (0: only at the end of the run)."""
-    keep_last: int = 2
-    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
-    save_at_end: bool = True
-    """Save after the last step."""
-
-    def __post_init__(self) -> None:
-        require(self.every_steps >= 0, "every_steps", "must be >= 0")
-        require(self.keep_last >= 1, "keep_last", "must be >= 1")
 
 
 def _step_name(step: int) -> str:
@@ -105,6 +89,12 @@ class CheckpointManager:
         self.config = config
 
     # --- save -------------------------------------------------------------------------------------
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether step `step` (1-based) writes a checkpoint: every `every_steps`, and the last one when
+        `save_at_end`."""
+        every = self.config.every_steps
+        return bool(every and step % every == 0) or (step == last_step and self.config.save_at_end)
+
     def save(self, step: int, trainer, state: dict[str, Any], tokenizer=None,
              tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None = None) -> str:
         """Write checkpoint `step`; a collective over the trainer's world (shared file system).

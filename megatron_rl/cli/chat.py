@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.recipes.waltz.episodes import WaltzConfig, chat_with_feedback
+    from megatron_rl.recipes.waltz.episodes import chat_with_feedback
+    from megatron_rl.recipes.waltz.config import WaltzConfig
     from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.rollout.config import NativeEngineConfig
 

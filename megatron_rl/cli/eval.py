@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.controller.producer import evaluate
+    from megatron_rl.controller.evaluate import evaluate
     from megatron_rl.data.sources import build_datasets
     from megatron_rl.rewards.registry import Reward
     from megatron_rl.rollout.native import NativeEngine

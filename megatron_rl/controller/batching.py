@@ -5,8 +5,9 @@ import dataclasses
 
 import torch
 
-from megatron_rl.algorithms import AdvantageConfig, compute_advantages, token_advantages
-from megatron_rl.controller.producer import Group
+from megatron_rl.algorithms.advantages import compute_advantages, token_advantages
+from megatron_rl.algorithms.config import AdvantageConfig
+from megatron_rl.controller.episodes import Group
 from megatron_rl.types import TrainBatch
 
 

@@ -1,11 +1,12 @@
-"""The RL loop: one loop for synchronous and asynchronous training.
+"""The RL loop: one loop for synchronous and asynchronous training, whatever the algorithm.
 
     groups  = rollouts.next_groups(version)          # generate n samples per prompt, score them
     batch   = build_step_batch(groups, ...)          # advantages, behaviour log-probs, staleness
     metrics = policy.train_step(batch, loss_fn)      # recompute log pi, loss, backward, optimizer step
     weights.push(version)                             # weight channel: trainer shards -> rollout engine
 
-`rollout.max_staleness` decides how far generation may run ahead of training; 0 is on-policy.
+`rollout.max_staleness` decides how far generation may run ahead of training; 0 is on-policy. What is
+trained on what (policies, episodes, curriculum, evaluation) is the recipe's (controller/recipe.py).
 """
 from __future__ import annotations
 
@@ -17,133 +18,32 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
-from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.config import ConfigError, to_dict
 from megatron_rl import ranks
-from megatron_rl.placement.core_share import CoreShare
-from megatron_rl.placement.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
-from megatron_rl.controller.curriculum import build_selector, load_executors, save_executors
-from megatron_rl.controller.objectives import make_objective
-from megatron_rl.controller.producer import RolloutProducer, evaluate
-from megatron_rl.data.sources import PromptStream, build_datasets
-from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl, write_plots
+from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
+from megatron_rl.config import ConfigError
+from megatron_rl.controller.curriculum import load_executors, save_executors
+from megatron_rl.controller.producer import RolloutProducer
+from megatron_rl.controller.recipe import PolicyExecutor, RunParts, build_run_parts
+from megatron_rl.controller.run_state import RunState, RunSummary
+from megatron_rl.data.sources import PromptStream
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.observability.metrics import write_plots
+from megatron_rl.observability.run_log import RunLog, write_config
 from megatron_rl.observability.timeline import Timeline
-from megatron_rl.rewards.registry import Reward
-from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.run_config import RunConfig
-from megatron_rl.trainer.trainer import MegatronTrainer, load_policy
-from megatron_rl.weight_sync.channel import make_weight_channel
+from megatron_rl.placement.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
+from megatron_rl.placement.generators import engine_context
 
-
-@dataclasses.dataclass
-class RunSummary:
-    """What `summary.json` holds at the end of a run."""
-
-    accuracy_before: float | None
-    """Held-out greedy accuracy of the starting policy (fraction)."""
-    accuracy_after: float | None
-    """Held-out greedy accuracy after training (fraction)."""
-    wall_time_s: float
-    """Wall time of the whole run, set-up and evaluations included (summed over resumed segments)."""
-    steps: int
-    """Optimizer steps completed."""
-    heldout_size: int
-    """Held-out prompts evaluated."""
-    reward_errors: int
-    """Samples whose reward function failed (skipped, counted)."""
-    nonfinite_steps: int
-    """Steps skipped because the loss or a gradient was NaN/Inf (weights untouched)."""
-    skipped_prompts: int
-    """Prompts skipped because they did not fit the engine's context (rollout.on_overlong_prompt=skip)."""
-    checkpoint_failures: int
-    """Checkpoint writes that failed during the run (the previous checkpoint stayed the latest)."""
-    final_metrics: dict[str, Any]
-    """The last step's metrics."""
-    eval_before: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Every held-out metric of the starting policy (accuracy, and e.g. the likelihood bound)."""
-    eval_after: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Every held-out metric after training."""
-
-
-def engine_context(config: RunConfig, arch) -> int:
-    """Tokens (prompt + response) one engine sequence holds: engine.max_seq_len capped by the model."""
-    return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
-
-
-def engine_weights(config: RunConfig, state):
-    """The trainer's HF-named weights as the generator runs them: rounded through block-wise fp8 when
-    `cluster.generator.precision` is fp8 (LlamaRL's fp8 generators), else unchanged."""
-    generator = config.cluster.generator
-    if generator.precision != "fp8" or generator.backend == "sglang":  # SGLang runs real fp8 GEMMs itself
-        return state
-    from megatron_rl.weight_sync.fp8 import fake_quantize_state
-
-    return fake_quantize_state(state, generator.fp8_block_size)
-
-
-def make_engine(config: RunConfig, model):
-    """The generator executor for the configured placement (see RolloutConfig.placement)."""
-    rollout = config.rollout
-    generator = config.cluster.generator
-    if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
-        from megatron_rl.placement.generator_ranks import generator_rank_pool
-
-        return generator_rank_pool(config)
-    if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
-        import socket
-
-        from megatron_rl.rollout.pool import EnginePool
-
-        return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
-                                             master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
-                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size)
-    if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
-        from megatron_rl.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
-                            **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
-    if rollout.placement == "disaggregated":
-        from megatron_rl.placement.generator_process import GeneratorProcess
-
-        torch.set_num_threads(rollout.trainer_threads)
-        # Lending makes the thread count, and so floating-point summation order, depend on timing.
-        lend = (rollout.lend_idle_cores and not rollout.deterministic and config.waltz is None
-                and ranks.world_size() == 1)
-        cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
-        return GeneratorProcess(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer, config=config.engine,
-                                threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,
-                                core_share=cores)
-    return NativeEngine(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer,
-                        config=config.engine)
+if TYPE_CHECKING:
+    from megatron_rl.run_config import RunConfig
 
 
 class TrainingDivergedError(RuntimeError):
     """Too many optimizer steps in a row had a NaN/Inf loss or gradient."""
-
-
-@dataclasses.dataclass
-class PolicyExecutor:
-    """One trained policy of a run: its Megatron trainer, its rollout engine and its objective.
-    Single-agent runs hold one ('policy'); WaltzRL holds two ('policy' = conversation, 'feedback')."""
-
-    name: str
-    """The role its samples carry (Sample.role); metrics of non-primary policies are prefixed by it."""
-    trainer: MegatronTrainer
-    """The Megatron trainer."""
-    engine: Any
-    """The rollout engine generating with its weights."""
-    objective: Any
-    """Its training objective (controller/objectives.py): groups -> batch and loss hook."""
-    weights: Any
-    """Its weight channel (weight_sync/channel.py): trainer -> engine."""
-    version: int = 0
-    """Weight version: optimizer steps applied to it (what its samples' staleness is measured against)."""
 
 
 def check_multi_rank_support(config: RunConfig, world: int) -> None:
@@ -160,54 +60,39 @@ def check_multi_rank_support(config: RunConfig, world: int) -> None:
                           f"support yet: {'; '.join(unsupported)}. Run it on one trainer rank.")
 
 
+def build_controller(config: RunConfig, *, prepare_selection: bool = True) -> "Controller":
+    """Seed, load the starting model, let the run's recipe build its parts, and build the Controller."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    # Tensors are read when first needed: a trainer rank of a Megatron checkpoint at its own layout
+    # reads only its shard; the whole model is loaded where an engine or a frozen copy needs it.
+    model = load_pretrained(config.model.path, lazy=True)
+    if model.tokenizer is None:
+        raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
+    return Controller(config, build_run_parts(config, model), prepare_selection=prepare_selection)
+
+
 class Controller:
     """Owns the executors of a run. Every trainer rank of the world constructs one and calls
     `train_step` in lockstep; rank 0, the driver, also holds the engines, the prompt stream and the
-    rollout producer, and broadcasts each step's scored groups (ranks.py)."""
+    rollout producer, and broadcasts each step's scored groups (megatron_rl/ranks.py)."""
 
-    def __init__(self, config: RunConfig, *, prepare_selection: bool = True):
+    def __init__(self, config: RunConfig, parts: RunParts, *, prepare_selection: bool = True):
         """`prepare_selection=False` leaves the curriculum's one-off preparation (`selector.prepare`,
         e.g. pre-filtering's rollouts) to the caller: a resuming run calls it after restoring the
         selector's state, which may make it unnecessary."""
         self.config = config
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
-        # Tensors are read when first needed: a trainer rank of a Megatron checkpoint at its own layout
-        # reads only its shard; the whole model is loaded where an engine or a frozen copy needs it.
-        model = load_pretrained(config.model.path, lazy=True)
-        if model.tokenizer is None:
-            raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
-        self.tokenizer = model.tokenizer
-        self.policy = load_policy(config.model.path, config.trainer, pretrained=model)
+        self.tokenizer = parts.tokenizer
+        self.policies = parts.policies
+        self.policy = self.policies[0].trainer  # the run's primary policy
+        self.engine = self.policies[0].engine
+        self.train_data, self.heldout = parts.train_data, parts.heldout
+        self.selector = parts.selector
+        self.evaluation = parts.evaluation
+        self.schedule = parts.schedule
         self.is_driver = ranks.is_driver()
-        self.engine = make_engine(config, model) if self.is_driver else None
-        # A generator process on this host's cores: train on the cores it leaves idle too.
-        self.cores: CoreShare | None = getattr(self.engine, "trainer_cores", None)
-        if self.cores is not None:
-            self.policy.between_layers = self.cores.apply
-        value_from_policy = config.curriculum.kind == "pcl"  # PCL's value model starts from the policy's weights
-        self.selector = build_selector(config.curriculum, data_config=config.data, tokenizer=self.tokenizer,
-                                       policy_arch=model.arch, policy_state=model.state if value_from_policy else None,
-                                       pg_collection=self.policy.pg) if self.is_driver else None
-        self.objective = make_objective(config, self.tokenizer, model, policy=self.policy)
-        self.weights = self.weight_channel(self.policy, self.engine)
-        self.policies = [PolicyExecutor("policy", self.policy, self.engine, self.objective, self.weights)]
-        # Hooks of multi-policy runs (set by e.g. setup_waltz): which policy trains at which step, and
-        # the run's own held-out evaluation. None: every policy trains every step; accuracy evaluation.
-        self.train_schedule: Callable[[PolicyExecutor, int], bool] | None = None
-        self.evaluate_hook: Callable[[], dict[str, float]] | None = None
-        episodes = None
-        self.reward: Reward | None = None
-        if config.waltz is not None:
-            from megatron_rl.recipes.waltz.recipe import setup_waltz
-
-            self.train_data, self.heldout, episodes = setup_waltz(self, config, model)
-        elif self.is_driver:
-            self.reward = Reward(config.reward)
-            self.train_data, self.heldout = self.objective.prepare_data(*build_datasets(config.data))
-        else:  # trainer ranks receive scored groups from the driver
-            self.train_data, self.heldout = [], []
-        del model
+        # A generator process on this host's cores: the trainer takes them back while it works.
+        self.cores = getattr(self.engine, "trainer_cores", None)
         self.version = 0
         self.last_prompt_ids: list[str] = []  # the prompts the last train_step consumed, in order
         os.makedirs(config.run_dir, exist_ok=True)
@@ -218,10 +103,10 @@ class Controller:
         self.selection_metrics: dict[str, float] = {}
         if self.is_driver:
             self.stream = PromptStream.from_config(self.train_data, config.data)
-            self.rollouts = RolloutProducer(self.engine, self.tokenizer, self.stream, self.reward, config.rollout,
+            self.rollouts = RolloutProducer(parts.episodes, self.tokenizer, self.stream, config.rollout,
                                             seed=config.seed, timeline=self.timeline,
                                             max_prompt_tokens=engine_context(config, self.policy.arch) - 1,
-                                            selector=self.selector, episodes=episodes)
+                                            selector=self.selector)
             if prepare_selection:
                 self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
@@ -232,13 +117,6 @@ class Controller:
         self._device = self.policy._device()
         if self.offload:
             self.policy.move_optimizer_state(self._host)
-
-    def weight_channel(self, trainer, engine):
-        """The weight channel from `trainer` to `engine` (fp8 engines get block-rounded weights)."""
-        generator = self.config.cluster.generator
-        fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
-        return make_weight_channel(trainer, engine, transform=(
-            (lambda state: engine_weights(self.config, state)) if fp8_engine else None))
 
     def _memory_to_trainer(self) -> dict[str, float]:
         """Colocated offload: the idle engine's memory goes to the trainer for its step."""
@@ -273,32 +151,13 @@ class Controller:
 
     def trains(self, policy: PolicyExecutor, step: int) -> bool:
         """Whether `policy` takes an optimizer step at training step `step` (multi-stage schedules)."""
-        return self.train_schedule(policy, step) if self.train_schedule is not None else True
+        return self.schedule(policy, step)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (eval/*) on the driver; {} on the other ranks. Every rank calls it (likelihood
         scoring runs on the trainer ranks)."""
         with self.timeline.span("evaluate"):
-            return self._evaluate()
-
-    def _evaluate(self) -> dict[str, float]:
-        if not self.is_driver:
-            if "likelihood" in self.config.eval.metrics:
-                from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
-
-                evaluate_likelihood(None, self.policy, self.tokenizer, [], self.config.eval.likelihood,
-                                    seed=self.config.seed)
-            return {}
-        if self.evaluate_hook is not None:
-            return {f"eval/{k}": v for k, v in self.evaluate_hook().items()}
-        result = evaluate(self.engine, self.tokenizer, list(self.heldout), self.reward,
-                          max_new_tokens=self.config.eval.max_new_tokens, progress=True)
-        if "likelihood" in self.config.eval.metrics:
-            from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
-
-            result.update(evaluate_likelihood(self.engine, self.policy, self.tokenizer, list(self.heldout),
-                                              self.config.eval.likelihood, seed=self.config.seed))
-        return {f"eval/{k}": v for k, v in result.items()}
+            return self.evaluation(self.version)
 
     def _next_groups(self) -> tuple[list, dict[str, float]]:
         """The step's scored groups on every rank (produced by the driver, broadcast to the trainer
@@ -380,31 +239,69 @@ class Controller:
             if policy.engine is not None:
                 policy.engine.close()
 
+    # --- checkpoints ------------------------------------------------------------------------------
+    def _policy_checkpoints(self, policy: PolicyExecutor) -> CheckpointManager:
+        """Checkpoints of a further policy of a multi-policy run (e.g. WaltzRL's feedback agent):
+        RUN_DIR/<name>/checkpoints, written at the same steps as the first policy's."""
+        return CheckpointManager(os.path.join(self.config.run_dir, policy.name), self.config.checkpoint)
 
-def policy_checkpoints(config: RunConfig, policy: PolicyExecutor) -> CheckpointManager:
-    """Checkpoints of a further policy of a multi-policy run (e.g. WaltzRL's feedback agent):
-    RUN_DIR/<name>/checkpoints, written at the same steps as the first policy's."""
-    return CheckpointManager(os.path.join(config.run_dir, policy.name), config.checkpoint)
+    def save_checkpoint(self, checkpoints: CheckpointManager, step: int, state: RunState,
+                        metrics: dict[str, float]) -> None:
+        """Every rank writes its files of step `step`: the curriculum's executors and further policies
+        under RUN_DIR/<name>/checkpoints, then the run's own checkpoint, whose commit makes the step
+        resumable (model and optimizer shards, RNG, data cursor, rollout buffer, run state)."""
+        driver = self.is_driver
+        if driver:  # before the run's own checkpoint, which commits the step
+            save_executors(self.selector, self.config.run_dir, self.config.checkpoint, step, self.tokenizer)
+        checkpoints.save(step, self.policy, {
+            "version": self.version, "policy_version": self.policies[0].version,
+            "step_metrics": {k: float(v) for k, v in metrics.items()
+                             if isinstance(v, (int, float)) and math.isfinite(v)} if driver else None,
+            "data": self.stream.state_dict() if driver else None,
+            "curriculum": self.selector.state_dict() if driver else None,
+            "controller": dataclasses.asdict(state)}, tokenizer=self.tokenizer,
+            tensors={"rollouts": self.rollouts.state_dict()} if driver else None)
+        for policy in self.policies[1:]:
+            self._policy_checkpoints(policy).save(step, policy.trainer, {"version": policy.version},
+                                                  tokenizer=self.tokenizer)
 
+    def restore(self, checkpoints: CheckpointManager, latest: str) -> tuple[int, RunState, dict | None]:
+        """Load checkpoint `latest` (a step directory) into every executor and the producer; return the
+        step it resumes at, the run state and that step's metrics."""
+        driver = self.is_driver
+        for policy in self.policies[1:]:  # before the first policy's load: its RNG state wins
+            policy.version = self._load_policy_checkpoint(policy, latest)
+        if driver:  # the curriculum's executors (PCL's value model; single-rank runs only)
+            load_executors(self.selector, self.config.run_dir, self.config.checkpoint, latest)
+        saved = checkpoints.load(latest, self.policy)
+        if driver:
+            self.selector.load_state_dict(saved.get("curriculum", {}))
+            self.selection_metrics = self.selector.prepare(self.rollouts)
+        start_step, self.version = saved["step"], saved["version"]
+        # The first policy's own version: a WaltzRL conversation agent frozen in stage 1 is behind the
+        # step count (checkpoints before policy_version was saved: the step count).
+        self.policies[0].version = saved.get("policy_version", self.version)
+        if driver:
+            self.stream.load_state_dict(saved["data"])
+            buffer = checkpoints.load_tensors(latest, "rollouts")
+            if buffer is not None:
+                self.rollouts.load_state_dict(*buffer)
+            else:  # a checkpoint from before rollout buffers were saved
+                self.rollouts.resume_at(start_step)
+        self.sync_weights()
+        return start_step, RunState.from_checkpoint(saved["controller"]), saved.get("step_metrics")
 
-def _has_step(path: str, step: int) -> bool:
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return any(json.loads(line).get("step") == step for line in f if line.strip())
-
-
-def load_policy_checkpoint(config: RunConfig, policy: PolicyExecutor, first_policy_checkpoint: str) -> int:
-    """Restore `policy`'s trainer from its checkpoint of the same step as `first_policy_checkpoint`
-    (the first policy's, which decides the step resumed from); return its weight version."""
-    manager = policy_checkpoints(config, policy)
-    path = os.path.join(manager.root, os.path.basename(first_policy_checkpoint))
-    problem = (f"{path} is missing" if not os.path.isfile(os.path.join(path, COMPLETE))
-               else CheckpointManager.validate(path))
-    if problem is not None:
-        raise CheckpointError(f"--resume: the {policy.name!r} policy has no usable checkpoint for the step of "
-                              f"{first_policy_checkpoint} ({problem}); both policies must resume from the same step")
-    return int(manager.load(path, policy.trainer)["version"])
+    def _load_policy_checkpoint(self, policy: PolicyExecutor, first_policy_checkpoint: str) -> int:
+        """Restore `policy`'s trainer from its checkpoint of the same step as `first_policy_checkpoint`
+        (the first policy's, which decides the step resumed from); return its weight version."""
+        manager = self._policy_checkpoints(policy)
+        path = os.path.join(manager.root, os.path.basename(first_policy_checkpoint))
+        problem = (f"{path} is missing" if not os.path.isfile(os.path.join(path, COMPLETE))
+                   else CheckpointManager.validate(path))
+        if problem is not None:
+            raise CheckpointError(f"--resume: the {policy.name!r} policy has no usable checkpoint for the step of "
+                                  f"{first_policy_checkpoint} ({problem}); both policies must resume from the same step")
+        return int(manager.load(path, policy.trainer)["version"])
 
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
@@ -426,63 +323,26 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
     driver = ranks.is_driver()
     os.makedirs(config.run_dir, exist_ok=True)
     if driver:
-        with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(to_dict(config), f, indent=2)
+        write_config(config)
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
     latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
-    controller = Controller(config, prepare_selection=latest is None)
-    state: dict[str, Any] = {"accuracy_before": None, "reward_errors": 0, "wall_time_s": 0.0, "nonfinite_steps": 0,
-                             "nonfinite_in_a_row": 0, "skipped_prompts": 0, "checkpoint_failures": 0}
-    start_step = 0
-    resumed_step_metrics: dict[str, float] | None = None
-    if resume:
-        if latest is None:
-            if driver:
-                print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
-        else:
-            for policy in controller.policies[1:]:  # before the first policy's load: its RNG state wins
-                policy.version = load_policy_checkpoint(config, policy, latest)
-            if driver:  # the curriculum's executors (PCL's value model; single-rank runs only)
-                load_executors(controller.selector, config.run_dir, config.checkpoint, latest)
-            saved = checkpoints.load(latest, controller.policy)
-            if driver:
-                controller.selector.load_state_dict(saved.get("curriculum", {}))
-                controller.selection_metrics = controller.selector.prepare(controller.rollouts)
-            start_step, controller.version = saved["step"], saved["version"]
-            resumed_step_metrics = saved.get("step_metrics")
-            # The first policy's own version: a WaltzRL conversation agent frozen in stage 1 is behind the
-            # step count (checkpoints before policy_version was saved: the step count).
-            controller.policies[0].version = saved.get("policy_version", controller.version)
-            if driver:
-                controller.stream.load_state_dict(saved["data"])
-                buffer = checkpoints.load_tensors(latest, "rollouts")
-                if buffer is not None:
-                    controller.rollouts.load_state_dict(*buffer)
-                else:  # a checkpoint from before rollout buffers were saved
-                    controller.rollouts.resume_at(start_step)
-            state.update(saved["controller"])
-            controller.sync_weights()
-            if driver:
-                print(f"resumed from {latest} at step {start_step} (version {controller.version})")
-    ledger = logger = None
-    if driver:
-        ledger_path = os.path.join(config.run_dir, "prompts.jsonl")
-        truncate_jsonl(ledger_path, start_step)
-        truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), start_step)
-        truncate_jsonl(os.path.join(config.run_dir, "episodes.jsonl"), start_step)  # multi-agent episode records
-        truncate_jsonl(os.path.join(config.run_dir, "eval_episodes.jsonl"), start_step)
-        logger = MetricsLogger(config.run_dir, config.logging, to_dict(config), resume=resume and start_step > 0)
-        if resumed_step_metrics and not _has_step(os.path.join(config.run_dir, "metrics.jsonl"), start_step):
-            logger.log(start_step, resumed_step_metrics)  # killed after the checkpoint, before its metrics line
-        ledger = open(ledger_path, "a", encoding="utf-8")
+    controller = build_controller(config, prepare_selection=latest is None)
+    state, start_step, step_metrics = RunState(), 0, None
+    if latest is not None:
+        start_step, state, step_metrics = controller.restore(checkpoints, latest)
+        if driver:
+            print(f"resumed from {latest} at step {start_step} (version {controller.version})")
+    elif resume and driver:
+        print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
+    log = RunLog(config, start_step, resume=resume, step_metrics=step_metrics) if driver else None
+    evaluation = controller.evaluation
     metrics: dict[str, float] = {}
     try:
-        if start_step == 0 and config.eval.before_training:
+        if evaluation.before_training(start_step):
             before = controller.evaluate()
             if driver:
-                state["accuracy_before"] = before["eval/accuracy"]
-                state["eval_before"] = before
-                logger.log(0, before)
+                state.accuracy_before, state.eval_before = before["eval/accuracy"], before
+                log.log(0, before)
                 print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} "
                       f"({len(controller.heldout)} prompts)")
         progress = tqdm(range(start_step, config.steps), desc="train", initial=start_step, total=config.steps,
@@ -490,81 +350,61 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
         for step in progress:
             metrics = controller.train_step()
             done = step + 1
-            state["reward_errors"] += int(metrics.get("rollout/reward_errors", 0))
-            state["skipped_prompts"] += int(metrics.get("rollout/skipped_prompts", 0))
-            nonfinite = bool(metrics.get("train/nonfinite", 0.0))  # agreed by every trainer rank
-            state["nonfinite_steps"] += int(nonfinite)
-            state["nonfinite_in_a_row"] = state["nonfinite_in_a_row"] + 1 if nonfinite else 0
+            state.record_step(metrics)
             if driver:
-                ledger.write(json.dumps({"step": done, "prompts": controller.last_prompt_ids,
-                                         "skipped": controller.rollouts.last_skipped}) + "\n")
-                ledger.flush()
-            if state["nonfinite_in_a_row"] >= config.trainer.max_nonfinite_steps_in_a_row:
+                log.ledger(done, controller.last_prompt_ids, controller.rollouts.last_skipped)
+            if state.nonfinite_in_a_row >= config.trainer.max_nonfinite_steps_in_a_row:
                 if driver:
-                    logger.log(done, metrics)
+                    log.log(done, metrics)
                 raise TrainingDivergedError(
-                    f"step {done}: the loss or gradients were NaN/Inf in {state['nonfinite_in_a_row']} steps in a "
+                    f"step {done}: the loss or gradients were NaN/Inf in {state.nonfinite_in_a_row} steps in a "
                     f"row (trainer.max_nonfinite_steps_in_a_row={config.trainer.max_nonfinite_steps_in_a_row}); "
                     f"those steps were skipped and the weights are those of the last finite step. Lower the "
                     f"learning rate or check the loss; resume from {checkpoints.root}")
-            if config.eval.every_steps and done % config.eval.every_steps == 0 and done < config.steps:
+            if evaluation.due(done, config.steps):
                 metrics.update(controller.evaluate())
-            if (config.checkpoint.every_steps and done % config.checkpoint.every_steps == 0) or (
-                    done == config.steps and config.checkpoint.save_at_end):
-                tick = time.perf_counter()
-                segment = state["wall_time_s"] + (tick - started)
-                try:
-                    if driver:  # before the run's own checkpoint, which commits the step
-                        save_executors(controller.selector, config.run_dir, config.checkpoint, done,
-                                       controller.tokenizer)
-                    checkpoints.save(done, controller.policy, {
-                        "version": controller.version, "policy_version": controller.policies[0].version,
-                        "step_metrics": {k: float(v) for k, v in metrics.items()
-                                         if isinstance(v, (int, float)) and math.isfinite(v)} if driver else None,
-                        "data": controller.stream.state_dict() if driver else None,
-                        "curriculum": controller.selector.state_dict() if driver else None,
-                        "controller": {**state, "wall_time_s": segment}}, tokenizer=controller.tokenizer,
-                        tensors={"rollouts": controller.rollouts.state_dict()} if driver else None)
-                    for policy in controller.policies[1:]:  # further policies: RUN_DIR/<name>/checkpoints
-                        policy_checkpoints(config, policy).save(done, policy.trainer, {"version": policy.version},
-                                                                tokenizer=controller.tokenizer)
-                except Exception as exc:
-                    # The previous checkpoint is intact; a transient failure (disk full, flaky mount)
-                    # should not end a long run, but the last checkpoint of the run must exist.
-                    # (Every rank gets the same outcome from the collective save.)
-                    if done == config.steps:
-                        raise
-                    state["checkpoint_failures"] += 1
-                    metrics["perf/checkpoint_failed"] = 1.0
-                    print(f"step {done}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
-                          f"checkpoint remains the latest, training continues", file=sys.stderr)
-                metrics["perf/checkpoint_time"] = time.perf_counter() - tick
+            if checkpoints.due(done, config.steps):
+                _checkpoint(controller, checkpoints, done, config.steps, state, metrics,
+                            elapsed=time.perf_counter() - started)
             if driver:
-                logger.log(done, metrics)
-        after = {"eval/accuracy": None}
-        if config.eval.after_training:
-            after = controller.evaluate() or after
-        if config.eval.after_training and driver:
-            logger.log(config.steps, after)
+                log.log(done, metrics)
+        after = controller.evaluate() if evaluation.after_training else {}
+        if evaluation.after_training and driver:
+            log.log(config.steps, after)
             print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
-                  + (f" (before: {state['accuracy_before']:.3f})" if state["accuracy_before"] is not None else ""))
+                  + (f" (before: {state.accuracy_before:.3f})" if state.accuracy_before is not None else ""))
     finally:
         if driver:
-            ledger.close()
-            logger.close()
+            log.close()
         controller.close()
-    summary = RunSummary(accuracy_before=state["accuracy_before"], accuracy_after=after["eval/accuracy"],
-                         wall_time_s=state["wall_time_s"] + time.perf_counter() - started, steps=config.steps,
-                         heldout_size=len(controller.heldout), reward_errors=state["reward_errors"],
-                         nonfinite_steps=state["nonfinite_steps"], skipped_prompts=state["skipped_prompts"],
-                         checkpoint_failures=state["checkpoint_failures"], final_metrics=metrics, eval_before=state.get("eval_before", {}),
-                         eval_after={k: v for k, v in after.items() if v is not None})
+    summary = RunSummary.of_run(state, wall_time_s=state.wall_time_s + time.perf_counter() - started,
+                                steps=config.steps, heldout_size=len(controller.heldout), final_metrics=metrics,
+                                after=after or {"eval/accuracy": None})
     if driver:
         if config.logging.plots:
             write_plots(config.run_dir)
         with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(summary), f, indent=2)
     return summary
+
+
+def _checkpoint(controller: Controller, checkpoints: CheckpointManager, step: int, last_step: int,
+                state: RunState, metrics: dict[str, float], *, elapsed: float) -> None:
+    """Write step `step`'s checkpoint. The previous checkpoint stays intact if it fails: a transient
+    failure (disk full, flaky mount) does not end a long run, but the run's last checkpoint must exist.
+    (Every rank gets the same outcome from the collective save.)"""
+    tick = time.perf_counter()
+    try:
+        controller.save_checkpoint(checkpoints, step, dataclasses.replace(state, wall_time_s=state.wall_time_s + elapsed),
+                                   metrics)
+    except Exception as exc:
+        if step == last_step:
+            raise
+        state.checkpoint_failures += 1
+        metrics["perf/checkpoint_failed"] = 1.0
+        print(f"step {step}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
+              f"checkpoint remains the latest, training continues", file=sys.stderr)
+    metrics["perf/checkpoint_time"] = time.perf_counter() - tick
 
 
 def _latest_checkpoint(checkpoints: CheckpointManager) -> str | None:

@@ -15,14 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Protocol
 
+from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
 from megatron_rl.controller.batching import StepBatch, build_step_batch
+from megatron_rl.controller.config import OBJECTIVES
 
-# name -> "module:Class"; imported lazily so config validation does not import every algorithm.
-OBJECTIVES: dict[str, str] = {
-    "policy_gradient": "megatron_rl.controller.objectives:PolicyGradientObjective",
-    "jepo": "megatron_rl.recipes.jepo.objective:JepoObjective",
-    "sft": "megatron_rl.recipes.jepo.objective:SftObjective",
-}
 
 
 class Objective(Protocol):
@@ -59,8 +55,6 @@ class PolicyGradientObjective:
         return train, heldout
 
     def prepare_step(self, groups, trainer_version):
-        from megatron_rl.algorithms import compute_normalizer, make_loss_fn
-
         cfg = self.config
         loss = cfg.algorithm.loss
         step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=trainer_version,

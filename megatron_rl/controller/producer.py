@@ -9,50 +9,20 @@ the trainer trains (LlamaRL's asynchronous off-policy mode, corrected by AIPO).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import time
 from concurrent.futures import Future
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.controller.episodes import EpisodeProducer, Group, GroupRequest
 from megatron_rl.data.sources import DataError, Prompt, PromptStream
 from megatron_rl.data.tokenizer import ChatTokenizer
-from megatron_rl.rewards.registry import Reward, RewardResult
-from megatron_rl.rollout.engine import GenerateRequest, SamplingParams, caller_driven
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.engine import caller_driven
 from megatron_rl.types import Completion
-
-
-@dataclasses.dataclass
-class Sample:
-    """One scored response."""
-
-    completion: Completion
-    """Tokens, behaviour log-probs and per-token versions from the engine."""
-    text: str
-    """Decoded response."""
-    reward: RewardResult
-    """Reward, correctness and any scoring error."""
-    role: str = "policy"
-    """Which policy of the run produced it and trains on it ('policy' in single-policy runs; a
-    multi-agent run names its policies, e.g. WaltzRL's 'policy' (conversation) and 'feedback')."""
-
-
-@dataclasses.dataclass
-class Group:
-    """The n samples of one prompt, with the step that asked for them."""
-
-    prompt: Prompt
-    """The prompt (id, messages, reference answer, metadata)."""
-    samples: list[Sample]
-    """Its responses, in sample order."""
-    requested_at_version: int
-    """Trainer version when the group was admitted (the weights it was generated with may be newer)."""
-    generate_time: float = 0.0
-    """Seconds from submission to the last sample's completion."""
 
 
 @dataclasses.dataclass
@@ -71,29 +41,29 @@ class _Pending:
     """One future per sample (resolves to a Completion)."""
     slot: int = 0
     """Its position among the step's groups (with the step, it names the request and its seed)."""
+    prompt_ids: list[int] | None = None
+    """Its chat-rendered token ids (None for a group restored from a checkpoint, rendered at submission)."""
 
 
 class RolloutProducer:
-    """Keeps the engine fed with prompt groups within the staleness bound; hands out scored groups.
+    """Keeps the engines fed with prompt groups within the staleness bound; hands out scored groups.
 
-    By default a prompt's group is n samples from `engine`, scored by `reward`. A multi-turn,
-    multi-agent episode producer (WaltzRL) plugs in as `episodes`, under the same admission:
-    `episodes.submit(prompt, request_id, seed) -> list[Future]` starts a group without blocking,
-    `episodes.collect(prompt, futures) -> list[Sample]` waits for it and scores it, and
-    `begin_step(step)` / `pop_metrics()` frame each training step.
+    What a group is belongs to the episode producer (controller/episodes.py): n samples of the prompt
+    from one engine scored by the reward (`SingleTurnSampling`), WaltzRL's two-agent episodes, ... This
+    class owns when groups start (admission), which prompts they are (the stream and the curriculum),
+    and the buffer of admitted groups not yet consumed.
 
-    Its state (`state_dict`) is the rollout buffer: every admitted group not yet consumed, with its
+    Its state (`state_dict`) is that rollout buffer: every admitted group not yet consumed, with its
     samples' tokens, behaviour log-probs and per-token weight versions. Together with the prompt
     cursor (which has already moved past those prompts) a checkpoint therefore loses no prompt and
     repeats none: a resumed run trains on exactly the groups the interrupted one would have."""
 
-    def __init__(self, engine, tokenizer: ChatTokenizer, stream: PromptStream, reward: Reward | None,
+    def __init__(self, episodes: EpisodeProducer, tokenizer: ChatTokenizer, stream: PromptStream,
                  config: RolloutConfig, *, seed: int, timeline=None, max_prompt_tokens: int | None = None,
-                 selector=None, episodes=None):
-        self.engine = engine
+                 selector=None):
+        self.episodes = episodes
         self.tokenizer = tokenizer
         self.stream = stream
-        self.reward = reward
         self.config = config
         self.seed = seed
         self.timeline = timeline
@@ -101,11 +71,8 @@ class RolloutProducer:
         self._in_flight: list[_Pending] = []
         self._skipped: dict[int, list[str]] = {}  # step -> ids of overlong prompts skipped while drawing it
         self._admitted_steps = 0  # training steps whose groups have been submitted
-        self._unsubmitted: list[_Pending] = []  # restored episode groups, submitted at the next admission
-        self._reward_time = 0.0  # seconds spent scoring single-turn groups, cumulative
-        self.episodes = episodes
+        self._unsubmitted: list[_Pending] = []  # restored groups to generate again, submitted at the next admission
         self.last_skipped: list[str] = []  # prompt ids skipped for the step next_groups returned last
-        self.generated_samples = 0  # responses generated, cumulative (discarded ones included)
         # The curriculum hook (controller/curriculum.py): which prompts a step generates
         # (`draw(stream, count, step)` -> (data set index, prompt) pairs) and which scored groups it
         # trains on (`keep_groups`).
@@ -114,16 +81,20 @@ class RolloutProducer:
     @property
     def reward_time(self) -> float:
         """Seconds spent scoring, cumulative."""
-        return self._reward_time + (self.episodes.reward_time if self.episodes is not None else 0.0)
+        return self.episodes.reward_time
+
+    @property
+    def generated_samples(self) -> int:
+        """Responses generated, cumulative (discarded ones included)."""
+        return self.episodes.generated_samples
 
     def begin_step(self, step: int) -> None:
         """Called before the groups of training step `step` are collected (multi-stage episodes)."""
-        if self.episodes is not None:
-            self.episodes.begin_step(step)
+        self.episodes.begin_step(step)
 
     def pop_metrics(self) -> dict[str, float]:
         """Episode metrics gathered since the last call."""
-        return self.episodes.pop_metrics() if self.episodes is not None else {}
+        return self.episodes.pop_metrics()
 
     def _draw(self, step: int) -> list[tuple[int, Prompt, list[int]]]:
         """The step's prompts (index, prompt, token ids), overlong ones skipped or reported. Without a
@@ -153,43 +124,36 @@ class RolloutProducer:
 
         Step s (0-based) is consumed by the trainer at version s; its groups may be generated by
         weights of version >= s - max_staleness, and the engine holds `trainer_version` now. All
-        groups admitted together go to the engine in one submission (one scheduling decision, so
-        deterministic mode sees the same batches on every run)."""
-        requests, pending = [], []
-        for group in self._unsubmitted:  # restored from a checkpoint; already in _in_flight, in order
-            self._submit_episodes(group)
-        self._unsubmitted = []
+        groups admitted together go to the episode producer in one submission (one scheduling decision,
+        so deterministic mode sees the same batches on every run)."""
+        if self._unsubmitted:  # restored from a checkpoint; already in _in_flight, in order
+            self._submit(self._unsubmitted)
+            self._unsubmitted = []
+        admitted = []
         while self._admitted_steps <= trainer_version + self.config.max_staleness:
             step = self._admitted_steps
             for slot, (index, prompt, ids) in enumerate(self._draw(step)):
-                seed = self._group_seed(step, slot)
-                if self.episodes is not None:
-                    group = _Pending(index, prompt, step, time.perf_counter(), slot=slot)
-                    self._submit_episodes(group)
-                    self._in_flight.append(group)
-                    continue
-                requests.append(GenerateRequest(request_id=f"s{step}-p{slot}-{prompt.prompt_id}", prompt_ids=ids,
-                                                sampling=SamplingParams.for_rollouts(self.config, seed), group_id=prompt.prompt_id))
-                pending.append(_Pending(index, prompt, step, time.perf_counter()))
+                admitted.append(_Pending(index, prompt, step, time.perf_counter(), slot=slot, prompt_ids=ids))
             self._admitted_steps += 1
-        if not requests:
-            return
-        futures = self.engine.submit(requests)
-        for future in futures:  # completion times, for the timeline's generation track
-            future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
-        n = self.config.samples_per_prompt
-        for i, group in enumerate(pending):
-            group.futures = futures[i * n:(i + 1) * n]
-        self._in_flight.extend(pending)
+        if admitted:
+            self._submit(admitted)
+            self._in_flight.extend(admitted)
 
     def _group_seed(self, step: int, slot: int) -> int:
         # Seeds derive from (run seed, step, slot): a resumed run samples exactly the same.
         return (self.seed * 1_000_003 + step * 1009 + slot) % (2 ** 31)
 
-    def _submit_episodes(self, group: _Pending) -> None:
-        group.submitted = time.perf_counter()
-        group.futures = self.episodes.submit(group.prompt, f"s{group.step}-p{group.slot}-{group.prompt.prompt_id}",
-                                             self._group_seed(group.step, group.slot))
+    def _submit(self, groups: list[_Pending]) -> None:
+        requests = []
+        for group in groups:
+            if group.prompt_ids is None:  # a restored group: render it again
+                group.prompt_ids = self.tokenizer.encode_chat(group.prompt.messages)
+            requests.append(GroupRequest(group.prompt, group.prompt_ids,
+                                         f"s{group.step}-p{group.slot}-{group.prompt.prompt_id}",
+                                         self._group_seed(group.step, group.slot)))
+        submitted = time.perf_counter()
+        for group, futures in zip(groups, self.episodes.submit(requests)):
+            group.submitted, group.futures = submitted, futures
 
     def _steps_here(self) -> contextlib.ExitStack:
         """Synchronous runs: the engines step only in this thread while a step's groups are admitted and
@@ -198,7 +162,7 @@ class RolloutProducer:
         next steps' groups while the trainer trains."""
         if self.config.max_staleness > 0:
             return contextlib.ExitStack()
-        return caller_driven(*(self.episodes.engines if self.episodes is not None else [self.engine]))
+        return caller_driven(*self.episodes.engines)
 
     def next_groups(self, trainer_version: int) -> list[Group]:
         """The groups of the next training step (blocks until they are generated and scored)."""
@@ -213,10 +177,7 @@ class RolloutProducer:
         self.last_skipped = self._skipped.pop(step, [])
         groups = []
         for pending in batch:
-            if self.episodes is not None:
-                samples = self.episodes.collect(pending.prompt, pending.futures)
-            else:
-                samples = self._score(pending.prompt, self.engine.wait(pending.futures))
+            samples = self.episodes.collect(pending.prompt, pending.futures)
             elapsed = time.perf_counter() - pending.submitted
             if self.timeline is not None:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in pending.futures)
@@ -228,42 +189,14 @@ class RolloutProducer:
             groups = self.selector.keep_groups(groups, self.config.prompts_per_step)
         return groups
 
-    def _score(self, prompt: Prompt, completions: list[Completion]) -> list[Sample]:
-        self.generated_samples += len(completions)
-        texts = [self.tokenizer.decode(c.output_ids) for c in completions]
-        scored_from = time.perf_counter()
-        rewards = self.reward.score_batch(texts, [prompt] * len(texts))
-        self._reward_time += time.perf_counter() - scored_from
-        return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
-
     def rollout(self, prompts: Sequence[Prompt], *, tag: str, seed: int) -> list[Group]:
         """Generate and score `prompts` now with the engine's current weights, outside the training
-        stream (pre-filtering, benchmarks). Samples like training does (rollout config, n per prompt)."""
-        version = self.engine.version
-        futures, groups = [], []
-        with caller_driven(self.engine):  # submitted one by one, the prompts still share batches
-            for index, prompt in enumerate(prompts):
-                request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
-                                          prompt_ids=self.tokenizer.encode_chat(prompt.messages),
-                                          sampling=SamplingParams.for_rollouts(self.config, (seed * 1009 + index) % (2 ** 31)),
-                                          group_id=prompt.prompt_id)
-                futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
-            for prompt, group_futures, submitted in futures:
-                completions = self.engine.wait(group_futures)
-                groups.append(Group(prompt, self._score(prompt, completions), version,
-                                    time.perf_counter() - submitted))
-        return groups
+        stream (pre-filtering, benchmarks); single-turn sampling only."""
+        return self.episodes.rollout(prompts, tag=tag, seed=seed)
 
     def drain(self) -> None:
         """Block until every submitted sample has finished (under the weights the engine holds now)."""
-        futures = [f for pending in self._in_flight for f in pending.futures]
-        if self.episodes is not None:
-            concurrent.futures.wait(futures)
-            return
-        try:
-            self.engine.wait(futures)
-        except Exception:  # a failed sample surfaces when its step is consumed; here only wait
-            concurrent.futures.wait(futures)
+        self.episodes.drain([f for pending in self._in_flight for f in pending.futures])
 
     def resume_at(self, step: int) -> None:
         """Continue a restored run with an empty buffer: the next groups admitted belong to step `step`."""
@@ -286,7 +219,7 @@ class RolloutProducer:
         repeated, but their samples are those of the resumed weights, not of the interrupted run)."""
         self.drain()
         skipped = {str(step): ids for step, ids in self._skipped.items()}
-        if self.episodes is not None:
+        if not self.episodes.keeps_in_flight_samples:
             groups = [{"index": p.index, "prompt_id": p.prompt.prompt_id, "step": p.step, "slot": p.slot}
                       for p in self._in_flight]
             return {}, {"admitted_steps": self._admitted_steps, "groups": [], "episode_groups": groups,
@@ -337,7 +270,7 @@ class RolloutProducer:
                             slot=int(group.get("slot", 0)))
 
         episode_groups = metadata.get("episode_groups", [])
-        if episode_groups and self.episodes is None:
+        if episode_groups and self.episodes.keeps_in_flight_samples:
             raise DataError("checkpoint rollout buffer: it holds multi-agent episode groups, but this run has no "
                             "episode producer (was it written by a WaltzRL run?)")
         restored = [restore(group) for group in episode_groups]
@@ -361,7 +294,7 @@ class RolloutProducer:
         self._skipped = {int(step): list(ids) for step, ids in metadata.get("skipped", {}).items()}
         self._admitted_steps = int(metadata["admitted_steps"])
         # rollout/generated_samples_total continues across a resume (older checkpoints: from 0)
-        self.generated_samples = int(metadata.get("generated_samples", 0))
+        self.episodes.generated_samples = int(metadata.get("generated_samples", 0))
 
 
 def _where(prompt: Prompt) -> str:
@@ -372,33 +305,3 @@ def _where(prompt: Prompt) -> str:
     if "reasoning_gym" in meta:
         return f"reasoning-gym {meta['reasoning_gym'].get('task')}"
     return "prompt"
-
-
-def evaluate(engine, tokenizer: ChatTokenizer, prompts: Sequence[Prompt], reward: Reward, *,
-             max_new_tokens: int, samples: int = 1, temperature: float = 0.0, seed: int = 0,
-             progress: bool = False) -> dict[str, float]:
-    """Held-out accuracy: greedy (samples=1, temperature 0) or mean@k (fraction correct over k samples)."""
-    from tqdm import tqdm
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=samples,
-                            seed=seed if temperature > 0 else None)
-    requests = [GenerateRequest(request_id=f"eval-{i}-{p.prompt_id}", prompt_ids=tokenizer.encode_chat(p.messages),
-                                sampling=params, group_id=p.prompt_id) for i, p in enumerate(prompts)]
-    futures = engine.submit(requests)
-    completions: list[Completion] = []
-    chunk = 16 * samples  # the engine keeps every request in flight; waiting in chunks feeds the bar
-    with tqdm(total=len(prompts), desc="evaluate", disable=not progress, leave=False) as bar:
-        for start in range(0, len(futures), chunk):
-            completions.extend(engine.wait(futures[start:start + chunk]))
-            bar.update(len(futures[start:start + chunk]) // samples)
-    correct = total = errors = 0
-    lengths = []
-    for index, prompt in enumerate(prompts):
-        for completion in completions[index * samples:(index + 1) * samples]:
-            result = reward(tokenizer.decode(completion.output_ids), prompt)
-            correct += int(bool(result.correct))
-            errors += int(not result.ok)
-            total += 1
-            lengths.append(len(completion.output_ids))
-    return {"accuracy": correct / max(total, 1), "samples": total, "reward_errors": errors,
-            "response_length_mean": sum(lengths) / max(len(lengths), 1)}

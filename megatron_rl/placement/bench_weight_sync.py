@@ -16,8 +16,9 @@ def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
     import torch.distributed as dist
     from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.placement.generator_process import GeneratorProcess
-    from megatron_rl.trainer.parallel import ParallelConfig
-    from megatron_rl.trainer.trainer import TrainerConfig, load_policy
+    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.trainer import load_policy
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
 
     torch.set_num_threads(1)

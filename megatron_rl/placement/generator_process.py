@@ -6,7 +6,7 @@ its own, and the two run concurrently. The controller talks to it through two ch
 - requests / completions: typed records over a pair of multiprocessing queues (the loop sees only
   `submit() -> futures`, exactly like an in-process engine);
 - weights: a shared-memory weight channel (`weight_sync.shared_memory`), double-buffered. The engine
-  computes straight from a weight arena in named shared memory (`rollout.native.weight_arena_layout`:
+  computes straight from a weight arena in named shared memory (`rollout.native.weights.weight_arena_layout`:
   HF-named tensors, each one contiguous region, fused matrices adjacent). An update writes the new
   tensors into the *other* arena (`stage_weights`, or each trainer rank writes its own shard through
   the reshard plan: `staging_index`), then `commit_weights` tells the generator to adopt that arena
@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_requests, wait_all
-from megatron_rl.rollout.native import weight_arena_layout
+from megatron_rl.rollout.native.weights import weight_arena_layout
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor

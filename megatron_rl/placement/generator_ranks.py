@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
+from megatron_rl.trainer.parallel import resolved_backend
 from megatron_rl.placement.generator_process import RemoteEngine, _serve_messages
+from megatron_rl.weight_sync.fp8 import generator_weights
 from megatron_rl.weight_sync.distributed import (DEFAULT_GROUP_NAME, BroadcastWeightSender, group_on_store,
                                                  init_weight_update_group, receive_broadcast)
 
@@ -84,7 +86,7 @@ def join_launch(parallel, generator_ranks: int) -> LaunchRole:
     store.set_timeout(timeout)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = parallel.resolved_backend()
+    backend = resolved_backend(parallel)
     if rank < trainers:
         dist.init_process_group(backend, store=dist.PrefixStore("megatron_rl/trainers", store), rank=rank,
                                 world_size=trainers, timeout=timeout)
@@ -226,11 +228,10 @@ class _StagedWeights:
 def serve_generator_rank(config, role: LaunchRole) -> None:
     """A generator rank's whole life: load the model, serve the driver until it says stop."""
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.controller.loop import engine_weights
     from megatron_rl.rollout.native import NativeEngine
 
     model = load_pretrained(config.model.path)
-    engine = NativeEngine(model.arch, engine_weights(config, model.state), tokenizer=model.tokenizer,
+    engine = NativeEngine(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer,
                           config=config.engine)
     del model
     link = RecordLink(role.record_links[0], peer=0, last={"stop"})
@@ -251,7 +252,7 @@ def generator_rank_pool(config):
         raise RuntimeError("generator_rank_pool() on a rank without record links (not the driver of a launch "
                            "with cluster.generator.launch_ranks)")
     engines = [RankGenerator(group, i) for i, group in enumerate(_LAUNCH.record_links)]
-    backend = config.trainer.parallel.resolved_backend()
+    backend = resolved_backend(config.trainer.parallel)
 
     def sender() -> BroadcastWeightSender:
         return BroadcastWeightSender(engines, [1] * len(engines), master_address=os.environ["MASTER_ADDR"],

@@ -4,7 +4,7 @@ Modelled on SGLang's offline `Engine` (`sglang/srt/entrypoints/engine.py`): gene
 with per-request sampling parameters, log-probs of the sampled tokens, weight updates from named
 tensors in HF layout with a version number, pause / resume, abort, flush_cache, health.
 
-Implementations: `NativeEngine` (rollout/native.py, plain PyTorch, CPU or GPU), `SGLangEngine`
+Implementations: `NativeEngine` (rollout/native/, plain PyTorch, CPU or GPU), `SGLangEngine`
 (rollout/sglang_engine.py, an adapter over `sglang.Engine`), `HTTPEngine` (rollout/client.py, a client
 of `megatron-rl serve` or of an SGLang server). One contract suite (tests/test_rollout_contract.py)
 runs against each.

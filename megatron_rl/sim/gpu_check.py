@@ -79,7 +79,8 @@ def model_flops_per_token(arch: ModelArch, seq: int) -> float:
 
 
 def trainer_step(s: Shapes, device: str, fp8: str, steps: int = 3) -> tuple[dict, object]:
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     config = TrainerConfig(precision="bf16" if device == "cuda" else "fp32", micro_batch_size=s.micro_batch,

@@ -13,7 +13,7 @@ Both systems are priced by the planner's cost model (sim/cost.py) on the same re
   continuous batching) on its own GPUs, the trainer on the rest with the same TP x PP; generation of
   step k+1 overlaps training of step k, so the step is max(generate, train) + the weight sync (DDMA).
 
-LlamaRL's theory (ALGORITHMS.md section 1): generation G(N) = a/N + b with a decode latency floor b,
+LlamaRL's theory (docs/algorithms.md section 2): generation G(N) = a/N + b with a decode latency floor b,
 training T(N) = c/N; the asynchronous step beats (a + c)/N + b because the floor is paid in parallel
 with training and because small-TP fp8 engines lower b itself.
 """

@@ -19,7 +19,8 @@ def _timed(step, steps: int) -> float:
 
 def bench_trainer(options: dict) -> dict:
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.trainer.config import TrainerConfig
 
     rows, length = int(options.get("batch", 8)), int(options.get("seq", 256))
     steps = int(options.get("steps", 2))

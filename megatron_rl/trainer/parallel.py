@@ -3,53 +3,27 @@ an explicit `ProcessGroupCollection` that the rest of the trainer receives (neve
 deep inside RL code)."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ConfigError, require
-
-
-@dataclasses.dataclass(kw_only=True)
-class ParallelConfig:
-    """How trainer ranks split the model: tensor x pipeline x data parallel (data = world / (TP * PP))."""
-
-    tensor_parallel: int = 1
-    """Tensor-parallel size (Megatron TP); must divide the model's key/value heads."""
-    pipeline_parallel: int = 1
-    """Pipeline-parallel size (Megatron PP); must divide the number of layers."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend: auto picks nccl when CUDA is available, else gloo."""
-    timeout_minutes: int = 30
-    """Collective timeout."""
-
-    def __post_init__(self) -> None:
-        require(self.tensor_parallel >= 1, "tensor_parallel", "must be >= 1")
-        require(self.pipeline_parallel >= 1, "pipeline_parallel", "must be >= 1")
-        require(self.timeout_minutes >= 1, "timeout_minutes", "must be >= 1")
-
-    def resolved_backend(self) -> str:
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if torch.cuda.is_available() else "gloo"
-
-    def data_parallel(self, world_size: int) -> int:
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel "
-                              f"= {self.tensor_parallel} x {self.pipeline_parallel}")
-        return world_size // model_parallel
+from megatron_rl.trainer.config import ParallelConfig
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def resolved_backend(config: ParallelConfig) -> str:
+    """`parallel.backend`, with auto resolved: nccl when CUDA is available, else gloo."""
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(config: ParallelConfig) -> None:
@@ -63,12 +37,12 @@ def init_distributed(config: ParallelConfig) -> None:
         # processes (tests, launchers) do not mistake themselves for ranks of this world.
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-        dist.init_process_group(config.resolved_backend(), store=dist.HashStore(), rank=0, world_size=1,
+        dist.init_process_group(resolved_backend(config), store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(config.resolved_backend(), timeout=timeout)
+    dist.init_process_group(resolved_backend(config), timeout=timeout)
 
 
 def setup_model_parallel(config: ParallelConfig):
@@ -83,7 +57,7 @@ def setup_model_parallel(config: ParallelConfig):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
-        create_gloo_process_groups=config.resolved_backend() != "gloo",
+        create_gloo_process_groups=resolved_backend(config) != "gloo",
     )
     return ProcessGroupCollection.use_mpu_process_groups()
 

@@ -19,21 +19,20 @@ is what the hook receives).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
-from megatron_rl.config import require
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.trainer import cpu_compat
 from megatron_rl.trainer.model import build_gpt_model, resolve_layer_spec, transformer_config
-from megatron_rl.trainer.parallel import ParallelConfig, setup_model_parallel
+from megatron_rl.trainer.parallel import setup_model_parallel
 from megatron_rl.types import TrainBatch
+from megatron_rl.trainer.config import TrainerConfig
 
 LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -44,74 +43,11 @@ def _hidden_states_head(input_, weight=None, runtime_gather_output=None, **kwarg
     return input_, None
 
 
-@dataclasses.dataclass(kw_only=True)
-class TrainerConfig:
-    """The Megatron policy trainer: parallel layout, precision, optimizer."""
-
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    """Tensor / pipeline layout of the trainer ranks."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Parameter dtype: auto is bf16 on GPU (fp32 master weights in the optimizer), fp32 on CPU."""
-    lr: float = 1e-6
-    """Peak learning rate (Adam)."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay (with lr_decay_style cosine/linear)."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
-    lr_decay_steps: int = 0
-    """Steps over which the learning rate decays to min_lr (0: constant after warm-up)."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay shape after warm-up."""
-    weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    micro_batch_size: int = 4
-    """Rows per forward/backward micro-batch on each data-parallel rank."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
-    recompute_activations: bool = False
-    """Recompute every layer's activations in the backward pass (full, uniform)."""
-    layer_spec: Literal["auto", "local", "te"] = "auto"
-    """Transformer Engine layers when TE + CUDA are present (auto), or Megatron's local layers."""
-    fp8: Literal["none", "delayed", "tensorwise"] = "none"
-    """Transformer Engine FP8 GEMMs (needs the TE layer spec, so TE + CUDA): delayed scaling (amax
-    history) or tensorwise current scaling. Weights and master weights stay bf16 / fp32."""
-    fp8_amax_history_len: int = 1024
-    """Delayed scaling: steps of amax history per tensor."""
-    vocab_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
-    seed: int = 1234
-    """Seed for initialisation (and Megatron's model-parallel RNG tracker)."""
-    max_nonfinite_steps_in_a_row: int = 3
-    """A step whose loss or gradients hold NaN/Inf is skipped (weights and optimizer state untouched,
-    counted as train/nonfinite); the run stops with an error after this many such steps in a row."""
-
-    def __post_init__(self) -> None:
-        require(self.lr >= 0, "lr", "must be >= 0")
-        require(0 <= self.min_lr <= max(self.lr, self.min_lr), "min_lr", "must be in [0, lr]")
-        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        require(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables clipping)")
-        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
-        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-        require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
-        require(self.max_nonfinite_steps_in_a_row >= 1, "max_nonfinite_steps_in_a_row", "must be >= 1")
-        require(self.fp8 == "none" or self.layer_spec != "local", "fp8",
-                "FP8 runs through Transformer Engine layers; set layer_spec to auto or te")
-        require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
-        require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
-                "warm-up and decay steps must be >= 0")
-
-    def params_dtype(self) -> torch.dtype:
-        if self.precision == "auto":
-            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.precision]
+def params_dtype(config: TrainerConfig) -> torch.dtype:
+    """`trainer.precision` as a dtype (auto: bf16 on CUDA, fp32 on CPU)."""
+    if config.precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[config.precision]
 
 
 class MegatronTrainer:
@@ -151,7 +87,7 @@ class MegatronTrainer:
         self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
                                      layer_spec=resolve_layer_spec(cfg.layer_spec),
                                      vocab_divisible_by=cfg.vocab_divisible_by)
-        self.params_dtype = cfg.params_dtype()
+        self.params_dtype = params_dtype(cfg)
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
         if cfg.fp8 != "none" and self.layout.layer_spec != "te":

@@ -42,59 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 import torch
 
 from megatron_rl.algorithms.pcl import value_loss
 from megatron_rl.models.megatron_layout import hf_to_megatron
-from megatron_rl.config import require
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.trainer.trainer import MegatronTrainer, TrainerConfig
+from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
-
-
-@dataclasses.dataclass(kw_only=True)
-class ValueModelConfig:
-    """PCL's value model: its initial weights, size, head and optimizer."""
-
-    init_from: str = "policy"
-    """'policy': a copy of the policy's starting weights; otherwise a model path (any form `model.path`
-    accepts) with the policy's tokenizer and vocabulary."""
-    num_layers: int = 0
-    """Keep only the first N transformer layers of the initial weights (0: all): a smaller, cheaper
-    value model built from the same network."""
-    head: Literal["sigmoid", "linear"] = "sigmoid"
-    """sigmoid: V in (0, 1), for rewards in [0, 1]; linear: unbounded V."""
-    head_lr: float = 1e-4
-    """Adam learning rate of the scalar head (the backbone uses trainer.lr)."""
-    updates_per_step: int = 1
-    """Optimizer steps of V on each training step's groups (the paper: 1)."""
-    standardize_features: bool = True
-    """The head reads the state standardised per feature with running mean/variance of the states V
-    was trained on (module docstring: the raw state is dominated by a prompt-independent component,
-    so a head on it learns per-prompt differences only slowly). The paper does not specify the head."""
-    mean_reward_prior: bool = True
-    """Offset the head's logit by logit(mean target of its last training batch) (linear head: the mean
-    itself), so V starts each step at the recent mean reward and the learned part is the per-prompt
-    residual. The paper's V is a plain regression; this is a non-learned baseline, the loss is the
-    paper's."""
-    replay_prompts: int = 0
-    """Also regress V on this many most recent (prompt, mean reward) pairs of earlier steps (0: only
-    the step's own groups, as in the paper). The paper trains on m = 512 prompts a step; with a small
-    m, one step's targets (each a mean of n 0/1 rewards) are too few and too noisy to fit, and a short
-    replay of targets a step or two old (the policy moves little between steps) gives V a batch to
-    fit. A pair is kept for at most replay_prompts / m steps."""
-    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8))
-    """Backbone optimizer, precision and micro-batching. The value model runs on the policy trainer's
-    ranks with the policy's process groups, so `trainer.parallel` is not used."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.init_from.strip()), "init_from", "must be 'policy' or a model path")
-        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0: all layers)")
-        require(self.head_lr >= 0, "head_lr", "must be >= 0")
-        require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
-        require(self.replay_prompts >= 0, "replay_prompts", "must be >= 0 (0: no replay)")
+from megatron_rl.trainer.config import ValueModelConfig
 
 
 def truncate_layers(arch: ModelArch, state: dict[str, torch.Tensor], num_layers: int,

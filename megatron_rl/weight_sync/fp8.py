@@ -1,6 +1,6 @@
 """FP8 weights for inference engines: block-wise quantization on the weight-sync path.
 
-LlamaRL runs its generators in fp8 while the trainer keeps bf16 weights (ALGORITHMS.md section 1);
+LlamaRL runs its generators in fp8 while the trainer keeps bf16 weights (docs/algorithms.md section 3);
 every weight sync therefore quantizes. The format is the one SGLang (and DeepSeek-V3 checkpoints) use
 for block-quantized linear layers: `W ~= q.float() * scale_inv` with `q` in float8_e4m3fn and one fp32
 `weight_scale_inv` per `block x block` tile (scale_inv = amax(|tile|) / 448, the largest e4m3 value),
@@ -93,6 +93,15 @@ def fake_quantize_state(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str,
         else:
             out[name] = tensor
     return out
+
+
+def generator_weights(state, generator):
+    """The trainer's HF-named weights as the generator group (`cluster.generator`) runs them: rounded
+    through block-wise fp8 when its precision is fp8 (LlamaRL's fp8 generators), else unchanged. SGLang
+    engines run real fp8 GEMMs and quantize themselves."""
+    if generator.precision != "fp8" or generator.backend == "sglang":
+        return state
+    return fake_quantize_state(state, generator.fp8_block_size)
 
 
 def quantization_error(named: Mapping[str, torch.Tensor], block: int = 128) -> dict[str, float]:

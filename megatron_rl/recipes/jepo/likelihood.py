@@ -12,38 +12,12 @@ from n samples); the fraction that wrote it is reported as `marker_fraction`.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
 import torch
 
-from megatron_rl.config import require
-
-
-@dataclasses.dataclass(kw_only=True)
-class LikelihoodEvalConfig:
-    """The held-out likelihood metric (eval.metrics: [likelihood])."""
-
-    samples: int = 4
-    """n: chains of thought per prompt in the bound log mean_i pi(a*|x,c_i)."""
-    max_new_tokens: int = 64
-    """Longest chain of thought sampled before the marker."""
-    temperature: float = 1.0
-    """Sampling temperature of the chains of thought (1: the policy itself, as the bound assumes)."""
-    answer_marker: str = "The final answer is"
-    """Text after which the reference is scored (keep it equal to algorithm.jepo.answer_marker)."""
-    score_end_of_turn: bool = True
-    """Score the end-of-turn token after the reference too."""
-    micro_batch_rows: int = 8
-    """Rows per scoring forward pass."""
-
-    def __post_init__(self) -> None:
-        require(self.samples >= 1, "samples", "must be >= 1")
-        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        require(self.temperature > 0, "temperature", "must be > 0 (the bound needs samples of the policy)")
-        require(bool(self.answer_marker.strip()), "answer_marker", "must not be empty")
-        require(self.micro_batch_rows >= 1, "micro_batch_rows", "must be >= 1")
+from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
 
 
 def cut_at_marker(tokenizer, output_ids: Sequence[int], marker: str) -> tuple[list[int], bool]:
@@ -151,3 +125,9 @@ def _sample_reference_rows(engine, tokenizer, prompts, config: LikelihoodEvalCon
                 c_ids = _strip_stop(tokenizer, c_ids) + marker_ids
             rows.append((list(completion.prompt_ids) + c_ids + ref, len(ref)))
     return rows, ref_tokens, found_count
+
+
+def likelihood_metric(engine, policy, tokenizer, prompts, run_config) -> dict[str, float]:
+    """`eval.metrics: [likelihood]` (controller/evaluate.py's EVAL_METRICS): the held-out proxy NLL of the
+    references with the run's trained policy as the scorer."""
+    return evaluate_likelihood(engine, policy, tokenizer, prompts, run_config.eval.likelihood, seed=run_config.seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms import compute_advantages
+from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.jepo import JepoTrainBatch, make_jepo_loss_fn, make_sft_loss_fn
 from megatron_rl.config import require
 from megatron_rl.controller.batching import StepBatch, rollout_metrics

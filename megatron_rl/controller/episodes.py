@@ -1,0 +1,167 @@
+"""Episode producers: how one prompt becomes its group of scored samples.
+
+The rollout producer (controller/producer.py) decides *when* a prompt's group may start (staleness
+admission) and keeps the buffer a checkpoint saves; an episode producer decides *what* the group is:
+
+    futures = episodes.submit([GroupRequest(prompt, prompt_ids, request_id, seed), ...])   # no blocking
+    samples = episodes.collect(prompt, futures[i])       # waits for group i, scores it: list[Sample]
+
+`SingleTurnSampling` (below) samples n responses of the prompt from one engine and scores them with the
+reward; WaltzRL's two-agent episodes (recipes/waltz/episodes.py) are another producer behind the same
+interface, so staleness admission, partial rollouts, checkpoints, resume and metrics apply to both.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from concurrent.futures import Future
+from typing import Protocol, Sequence
+
+from megatron_rl.data.sources import Prompt
+from megatron_rl.data.tokenizer import ChatTokenizer
+from megatron_rl.rewards.registry import Reward, RewardResult
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams, caller_driven
+from megatron_rl.types import Completion
+
+
+@dataclasses.dataclass
+class Sample:
+    """One scored response."""
+
+    completion: Completion
+    """Tokens, behaviour log-probs and per-token versions from the engine."""
+    text: str
+    """Decoded response."""
+    reward: RewardResult
+    """Reward, correctness and any scoring error."""
+    role: str = "policy"
+    """Which policy of the run produced it and trains on it ('policy' in single-policy runs; a
+    multi-agent run names its policies, e.g. WaltzRL's 'policy' (conversation) and 'feedback')."""
+
+
+@dataclasses.dataclass
+class Group:
+    """The n samples of one prompt, with the step that asked for them."""
+
+    prompt: Prompt
+    """The prompt (id, messages, reference answer, metadata)."""
+    samples: list[Sample]
+    """Its responses, in sample order."""
+    requested_at_version: int
+    """Trainer version when the group was admitted (the weights it was generated with may be newer)."""
+    generate_time: float = 0.0
+    """Seconds from submission to the last sample's completion."""
+
+
+@dataclasses.dataclass
+class GroupRequest:
+    """One prompt's group to start."""
+
+    prompt: Prompt
+    """The prompt."""
+    prompt_ids: list[int]
+    """Its chat-rendered token ids (already checked against the engine's context)."""
+    request_id: str
+    """'s{step}-p{slot}-{prompt_id}': unique in the run, stable across a resume."""
+    seed: int
+    """The group's seed, derived from (run seed, step, slot): a resumed run samples the same."""
+
+
+class EpisodeProducer(Protocol):
+    """Turns prompts into groups of scored samples (see the module docstring)."""
+
+    engines: list
+    """The engines it generates with (synchronous runs step them only in the collecting thread)."""
+    reward_time: float
+    """Seconds spent scoring, cumulative."""
+    generated_samples: int
+    """Responses generated, cumulative (discarded ones included)."""
+    keeps_in_flight_samples: bool
+    """True: a checkpoint keeps its in-flight groups' samples (tokens, log-probs, versions) and a resumed
+    run trains on them. False: a resumed run generates those groups again, with the same seeds."""
+
+    def begin_step(self, step: int) -> None:
+        """Called before the groups of training step `step` (0-based) are collected."""
+
+    def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
+        """Start the groups without blocking (as one submission); per group, futures the producer's
+        `collect` and `drain` understand."""
+
+    def collect(self, prompt: Prompt, futures: Sequence[Future]) -> list[Sample]:
+        """Wait for one group and score it."""
+
+    def drain(self, futures: Sequence[Future]) -> None:
+        """Block until the futures are done (a failure surfaces later, at `collect`)."""
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Metrics gathered since the last call."""
+
+
+class SingleTurnSampling:
+    """n samples of each prompt from one engine (`rollout.samples_per_prompt`), scored by the reward."""
+
+    keeps_in_flight_samples = True
+
+    def __init__(self, engine, tokenizer: ChatTokenizer, reward: Reward, config: RolloutConfig):
+        self.engine = engine
+        self.engines = [engine]
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.config = config
+        self.reward_time = 0.0
+        self.generated_samples = 0
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def pop_metrics(self) -> dict[str, float]:
+        return {}
+
+    def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
+        # One engine submission for all groups: one scheduling decision, so deterministic mode sees the
+        # same batches on every run.
+        requests = [GenerateRequest(request_id=g.request_id, prompt_ids=g.prompt_ids,
+                                    sampling=SamplingParams.for_rollouts(self.config, g.seed), group_id=g.prompt.prompt_id)
+                    for g in groups]
+        futures = self.engine.submit(requests) if requests else []
+        for future in futures:  # completion times, for the timeline's generation track
+            future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
+        n = self.config.samples_per_prompt
+        return [futures[i * n:(i + 1) * n] for i in range(len(groups))]
+
+    def collect(self, prompt: Prompt, futures: Sequence[Future]) -> list[Sample]:
+        return self.score(prompt, self.engine.wait(futures))
+
+    def drain(self, futures: Sequence[Future]) -> None:
+        try:
+            self.engine.wait(futures)
+        except Exception:  # a failed sample surfaces when its step is consumed; here only wait
+            concurrent.futures.wait(futures)
+
+    def score(self, prompt: Prompt, completions: list[Completion]) -> list[Sample]:
+        self.generated_samples += len(completions)
+        texts = [self.tokenizer.decode(c.output_ids) for c in completions]
+        scored_from = time.perf_counter()
+        rewards = self.reward.score_batch(texts, [prompt] * len(texts))
+        self.reward_time += time.perf_counter() - scored_from
+        return [Sample(c, t, r) for c, t, r in zip(completions, texts, rewards)]
+
+    def rollout(self, prompts: Sequence[Prompt], *, tag: str, seed: int) -> list[Group]:
+        """Generate and score `prompts` now with the engine's current weights, outside the training
+        stream (pre-filtering, benchmarks). Samples like training does (rollout config, n per prompt)."""
+        version = self.engine.version
+        futures, groups = [], []
+        with caller_driven(self.engine):  # submitted one by one, the prompts still share batches
+            for index, prompt in enumerate(prompts):
+                request = GenerateRequest(request_id=f"{tag}-p{index}-{prompt.prompt_id}",
+                                          prompt_ids=self.tokenizer.encode_chat(prompt.messages),
+                                          sampling=SamplingParams.for_rollouts(self.config, (seed * 1009 + index) % (2 ** 31)),
+                                          group_id=prompt.prompt_id)
+                futures.append((prompt, self.engine.submit([request]), time.perf_counter()))
+            for prompt, group_futures, submitted in futures:
+                completions = self.engine.wait(group_futures)
+                groups.append(Group(prompt, self.score(prompt, completions), version,
+                                    time.perf_counter() - submitted))
+        return groups

@@ -1,0 +1,61 @@
+"""Where the generator executor runs, as the config places it: in this process (native engine, or
+in-process SGLang), in a generator process on this host's cores (`rollout.placement: disaggregated`),
+on the launch's own generator ranks (`cluster.generator.launch_ranks`), or on SGLang servers
+(`cluster.generator.urls`). `make_engine` returns one object behind the `RolloutEngine` protocol
+whichever it is."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from megatron_rl import ranks
+from megatron_rl.placement.core_share import CoreShare
+from megatron_rl.placement.generator_process import GeneratorProcess
+from megatron_rl.placement.generator_ranks import generator_rank_pool
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.pool import EnginePool
+from megatron_rl.rollout.sglang_engine import SGLangEngine
+from megatron_rl.weight_sync.channel import make_weight_channel
+from megatron_rl.weight_sync.fp8 import generator_weights
+
+
+def engine_context(config, arch) -> int:
+    """Tokens (prompt + response) one engine sequence holds: engine.max_seq_len capped by the model."""
+    return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+
+def make_engine(config, model, *, single_policy: bool = True):
+    """The generator executor for the configured placement (see RolloutConfig.placement). A run of several
+    policies (`single_policy=False`) keeps the fixed core split: their generator processes would each
+    lend and take back the same cores."""
+    rollout = config.rollout
+    generator = config.cluster.generator
+    if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
+        return generator_rank_pool(config)
+    if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
+        return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
+                                             master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
+                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size)
+    if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
+        return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
+                            **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
+    if rollout.placement == "disaggregated":
+        torch.set_num_threads(rollout.trainer_threads)
+        # Lending makes the thread count, and so floating-point summation order, depend on timing.
+        lend = rollout.lend_idle_cores and not rollout.deterministic and single_policy and ranks.world_size() == 1
+        cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
+        return GeneratorProcess(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer, config=config.engine,
+                                threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,
+                                core_share=cores)
+    return NativeEngine(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer,
+                        config=config.engine)
+
+
+def policy_weight_channel(config, trainer, engine):
+    """The weight channel from `trainer` to the generator `engine` (weight_sync/channel.py): engines that
+    run fp8 weights without fp8 GEMMs get them rounded through block-wise fp8 on every sync."""
+    generator = config.cluster.generator
+    fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
+    return make_weight_channel(trainer, engine, transform=(
+        (lambda state: generator_weights(state, generator)) if fp8_engine else None))

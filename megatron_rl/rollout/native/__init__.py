@@ -1,0 +1,14 @@
+"""The native rollout engine (`NativeEngine`): a Llama-family decoder in plain PyTorch with a per-slot
+KV cache, continuous batching, exact seeded sampling and in-place weight updates, on CPU or one GPU.
+
+- engine.py: `NativeEngine` (implements rollout.engine.RolloutEngine): public API, driver threads,
+  weight updates and memory release.
+- scheduler.py: the step scheduler mixed into it (admission, chunked prefill, prefix sharing, decode),
+  the per-slot KV cache, and the in-flight sample `_Seq`.
+- model.py: `LlamaModel`, the forward pass over the KV cache.
+- weights.py: `weight_arena_layout` and `LlamaWeights`, the flat weight arena and its MKL packing.
+- sampling.py: `sample_tokens`, `filtered_logits`, `inverse_cdf` and per-sample seeds.
+"""
+from megatron_rl.rollout.native.engine import NativeEngine
+
+__all__ = ["NativeEngine"]

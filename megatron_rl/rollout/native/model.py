@@ -1,0 +1,158 @@
+"""The native engine's model: a Llama-family decoder forward in plain PyTorch over a per-slot KV cache.
+
+HF-layout weights (the names `checkpoints_tools.load_pretrained` returns) live in the flat arena of
+weights.py, where per layer `qkv` = [q | k | v] and `gate_up` = [gate | up] are fused, so a layer is
+four matmuls. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
+activation dtype, rotate-half RoPE from the same fp32 tables, softmax scale 1/sqrt(head_dim), SiLU
+MLP); grouped-query attention is computed per KV head on [q heads of the group] without repeating K/V.
+Logits are computed only for the positions that sample a token, in fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.rollout.native.weights import LlamaWeights
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, computed in fp32 and cast back (torch's fused kernel computes the
+    # same expression in fp32: bit-identical results, one kernel)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d]; cos/sin [N, 1, d]: x * cos + rotate_half(x) * sin, as transformers."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One packed forward pass: B decode rows first, then prefill chunks."""
+
+    tokens: torch.Tensor            # [N] long
+    positions: torch.Tensor         # [N] long
+    dec_slots: torch.Tensor         # [B] long
+    dec_lens: torch.Tensor          # [B] long: cache length after this step (position + 1)
+    dec_first_slot: int             # first slot when dec_slots is a contiguous range, else -1
+    chunks: list[tuple[int, int, int, int]]  # (offset in packed rows, slot, start position, length)
+    logit_rows: torch.Tensor        # [R] rows of the packed batch whose next token is sampled
+
+
+class LlamaModel:
+    """Forward passes over a KV cache for `LlamaWeights`."""
+
+    def __init__(self, weights: LlamaWeights, max_seq_len: int):
+        self.w = weights
+        a = weights.arch
+        self.arch = a
+        device = weights.embed.device
+        # transformers' LlamaRotaryEmbedding (default rope): fp32 inv_freq times fp32 positions
+        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64)
+                                          .to(device=device, dtype=torch.float) / a.head_dim))
+        pos = torch.arange(max_seq_len, device=device, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = weights.embed.dtype
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.scale = 1.0 / math.sqrt(a.head_dim)
+
+    def forward(self, batch: _Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run one packed step, writing K/V of every input token into the cache. Returns fp32 logits
+        [R, vocab] for `batch.logit_rows`."""
+        a, w = self.arch, self.w
+        n_heads, n_kv, d = a.num_attention_heads, a.num_query_groups, a.head_dim
+        group = n_heads // n_kv
+        q_size, kv_size, ffn = a.q_size, a.kv_size, a.ffn_hidden_size
+        tokens = batch.tokens
+        n = tokens.numel()
+        n_dec = batch.dec_slots.numel()
+        # MKL-packed weights serve steps of exactly pack_rows rows; pad steps that are nearly full
+        pad = w.pack_rows - n if w.pack_rows and w.pack_rows // 2 < n <= w.pack_rows else -1
+        mkl_linear = torch.ops.mkl._mkl_linear if pad >= 0 else None
+
+        def matmul(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                   transposed: torch.Tensor | None) -> torch.Tensor:
+            if packed is None:  # not a nearly full step, or this layer is not packed (yet)
+                return torch.mm(h, transposed) if transposed is not None else F.linear(h, weight)
+            if pad:
+                h = F.pad(h, (0, 0, 0, pad))
+            out = mkl_linear(h, packed, weight, None, w.pack_rows)
+            return out[:n] if pad else out
+
+        x = F.embedding(tokens, w.embed)
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        if n_dec:
+            t_max = int(batch.dec_lens.max())
+            steps = torch.arange(t_max, device=tokens.device)
+            dec_mask = (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max)
+            # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
+            t_alloc = k_cache.shape[3]
+            heads = torch.arange(n_kv, device=tokens.device)
+            dec_rows = ((batch.dec_slots[:, None] * n_kv + heads[None, :]) * t_alloc
+                        + batch.positions[:n_dec, None]).reshape(-1)
+        causal = {}
+        for offset, slot, start, length in batch.chunks:
+            key = (start, length)
+            if key not in causal:
+                rows = torch.arange(length, device=tokens.device)[:, None] + start
+                causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
+        for li, layer in enumerate(w.layers):
+            packed = (w.packed[li] if w.packed is not None and mkl_linear is not None else None) or (None,) * 4
+            transposed = (w.transposed[li] if w.transposed is not None else None) or (None,) * 4
+            h = _rms_norm(x, layer.ln1, a.norm_eps)
+            qkv = matmul(h, layer.qkv, packed[0], transposed[0])
+            qk = _rope(qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d), cos, sin)
+            q, k = qk[:, :n_heads], qk[:, n_heads:]
+            v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
+            kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
+            out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype)
+            if n_dec:
+                kc.view(-1, d).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, d))
+                vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
+                if batch.dec_first_slot >= 0:
+                    s0 = batch.dec_first_slot
+                    keys, values = kc[s0:s0 + n_dec, :, :t_max], vc[s0:s0 + n_dec, :, :t_max]
+                else:
+                    keys = kc[:, :, :t_max].index_select(0, batch.dec_slots)
+                    values = vc[:, :, :t_max].index_select(0, batch.dec_slots)
+                qd = q[:n_dec].reshape(n_dec, n_kv, group, d)
+                scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)   # [B, kv, g, T]
+                scores.masked_fill_(dec_mask, float("-inf"))
+                probs = torch.softmax(scores, dim=-1)
+                out[:n_dec] = torch.matmul(probs, values).view(n_dec, n_heads * d)
+            for offset, slot, start, length in batch.chunks:
+                end = start + length
+                kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
+                vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
+                qc = q[offset:offset + length].view(length, n_kv, group, d).permute(1, 2, 0, 3)
+                qc = qc.reshape(n_kv, group * length, d)
+                scores = torch.matmul(qc, kc[slot, :, :end].transpose(-1, -2)).mul_(self.scale)
+                scores = scores.view(n_kv, group, length, end).masked_fill_(causal[(start, length)], float("-inf"))
+                probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end)
+                oc = torch.matmul(probs, vc[slot, :, :end])                     # [kv, g*len, d]
+                out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
+                    length, n_heads * d)
+            x = x + matmul(out, layer.o, packed[1], transposed[1])
+            h = _rms_norm(x, layer.ln2, a.norm_eps)
+            gate_up = matmul(h, layer.gate_up, packed[2], transposed[2])
+            x = x + matmul(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down, packed[3], transposed[3])
+        rows = batch.logit_rows.numel()
+        if rows != n:
+            x = x.index_select(0, batch.logit_rows)
+        h = _rms_norm(x, w.norm, a.norm_eps)
+        if w.packed_lm_head is not None and w.pack_rows // 2 < rows <= w.pack_rows:
+            h = F.pad(h, (0, 0, 0, w.pack_rows - rows))
+            return torch.ops.mkl._mkl_linear(h, w.packed_lm_head, w.lm_head, None, w.pack_rows)[:rows].float()
+        return F.linear(h, w.lm_head).float()

@@ -1,0 +1,197 @@
+"""The native engine's weights: one flat buffer (the "arena") holding every tensor of the model.
+
+`weight_arena_layout` places each HF-named tensor in the arena so that the tensors the model fuses
+(q/k/v projections; gate/up projections) are adjacent, and `LlamaWeights` exposes the arena as
+per-layer views (fused `qkv` and `gate_up` included), copies weight updates into it in place and, on
+CPU, optionally keeps MKL-packed copies of the matrices for the forward of model.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
+from megatron_rl.models.arch import ModelArch
+
+
+class _Layer:
+    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
+
+
+def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
+    """Where every HF-named tensor lives in the engine's flat weight buffer (its "arena").
+
+    Matrices keep HF's [out, in] orientation, and the tensors the engine fuses are adjacent in HF's
+    row order (q_proj, k_proj, v_proj; gate_proj, up_proj), so the fused `qkv` and `gate_up` matrices
+    are plain views of the arena, and every HF-named tensor is one contiguous region of it. A weight
+    producer (a trainer rank, another process through shared memory) can therefore write HF tensors
+    straight into the buffer the engine computes from: no per-update copy or transpose in the engine.
+    """
+    h = arch.hidden_size
+    align = max(1, 256 // torch.empty((), dtype=dtype).element_size())
+    entries: list[BucketEntry] = []
+    numel = 0
+
+    def block(*tensors: tuple[str, tuple[int, ...]]) -> None:
+        nonlocal numel
+        numel = -(-numel // align) * align  # each block starts aligned; a block's tensors stay adjacent
+        for name, shape in tensors:
+            entries.append(BucketEntry(name, numel, shape))
+            numel += math.prod(shape)
+
+    block(("model.embed_tokens.weight", (arch.vocab_size, h)))
+    if not arch.tie_word_embeddings:
+        block(("lm_head.weight", (arch.vocab_size, h)))
+    block(("model.norm.weight", (h,)))
+    q, kv, f = arch.q_size, arch.kv_size, arch.ffn_hidden_size
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        block((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+              (p + "self_attn.v_proj.weight", (kv, h)))
+        block((p + "self_attn.o_proj.weight", (h, q)))
+        block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
+        block((p + "mlp.down_proj.weight", (h, f)))
+        block((p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)))
+    return BucketLayout(dtype, numel, tuple(entries))
+
+
+class LlamaWeights:
+    """The engine's weights: views into one flat arena laid out by `weight_arena_layout` (allocated
+    here, or a buffer the caller owns, e.g. shared memory a trainer writes into). `load` copies
+    HF-named tensors in place; an engine switches to a whole new arena by building a new LlamaWeights."""
+
+    def __init__(self, arch: ModelArch, device: torch.device, dtype: torch.dtype,
+                 arena: torch.Tensor | None = None):
+        self.arch = arch
+        self.layout = weight_arena_layout(arch, dtype)
+        if arena is None:
+            arena = torch.empty(self.layout.numel, device=device, dtype=dtype)
+        elif arena.dtype != dtype or arena.numel() != self.layout.numel or arena.dim() != 1:
+            raise ValueError(f"weight arena must be a flat {dtype} tensor of {self.layout.numel} elements, "
+                             f"got {arena.dtype} {tuple(arena.shape)}")
+        self.arena = arena
+        self._targets = t = Bucket(self.layout, arena).unpack()
+        if arch.tie_word_embeddings:
+            t["lm_head.weight"] = t["model.embed_tokens.weight"]  # checkpoints may carry the tied copy
+        offsets = {e.name: e.offset for e in self.layout.entries}
+
+        def fused(first: str, rows: int) -> torch.Tensor:
+            """rows of consecutive tensors starting at `first` (adjacent in the arena) as one matrix."""
+            start, cols = offsets[first], t[first].shape[1]
+            return arena[start:start + rows * cols].view(rows, cols)
+
+        q, kv, f = arch.q_size, arch.kv_size, arch.ffn_hidden_size
+        self.embed = t["model.embed_tokens.weight"]
+        self.lm_head = self.embed if arch.tie_word_embeddings else t["lm_head.weight"]
+        self.norm = t["model.norm.weight"]
+        self.layers: list[_Layer] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            layer = _Layer()
+            layer.qkv = fused(p + "self_attn.q_proj.weight", q + 2 * kv)      # [q + 2kv, h]
+            layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
+            layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)         # [2f, h]
+            layer.down = t[p + "mlp.down_proj.weight"]                      # [h, f]
+            layer.ln1, layer.ln2 = t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"]
+            self.layers.append(layer)
+        self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+                          for name in self._targets}
+        self.packed: list[tuple[torch.Tensor, ...] | None] | None = None
+        self.transposed: list[tuple[torch.Tensor, ...] | None] | None = None
+        self.packed_lm_head: torch.Tensor | None = None
+        self.pack_rows = 0
+        self._pending_pack: set[int] = set()
+
+    def enable_packing(self, rows: int, *, lazily: bool = False) -> bool:
+        """Keep MKL-packed copies for `rows`-row matmuls (CPU, fp32). False when unsupported. `lazily`:
+        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with the
+        plain path meanwhile), so adopting new weights does not wait for the repack."""
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
+            return False
+        try:
+            probe = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(8, 8), rows)
+            torch.ops.mkl._mkl_linear(torch.zeros(rows, 8), probe, torch.zeros(8, 8), None, rows)
+        except (AttributeError, RuntimeError):
+            return False
+        self.pack_rows = rows
+        self.packed = [None] * len(self.layers)  # type: ignore[list-item]
+        self.transposed = [None] * len(self.layers)
+        self.packed_lm_head = None
+        self._pending_pack = set(range(-1, len(self.layers)))
+        if not lazily:
+            self.pack_pending()
+        return True
+
+    @property
+    def packing_pending(self) -> bool:
+        return bool(self.pack_rows and self._pending_pack)
+
+    def pack_pending(self, limit: int | None = None) -> bool:
+        """Pack up to `limit` (default: all) of the layers still waiting; True if any are left."""
+        if self.pack_rows:
+            todo = sorted(self._pending_pack)[:limit]
+            self._pending_pack.difference_update(todo)
+            self.repack(set(todo))
+        return bool(self._pending_pack)
+
+    def repack(self, layers: set[int]) -> None:
+        if not self.pack_rows:
+            return
+        pack = lambda w_out_in: torch.ops.mkl._mkl_reorder_linear_weight(w_out_in, self.pack_rows)  # noqa: E731
+        for i in sorted(layers):
+            if i < 0:
+                self.packed_lm_head = pack(self.lm_head)
+            else:
+                layer = self.layers[i]
+                matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
+                self.packed[i] = tuple(pack(m) for m in matrices)
+                # [in, out] copies for the steps that are not nearly full (a batch's long tail): x @ W
+                # on them is up to 2x faster than F.linear on [out, in] at a few rows
+                self.transposed[i] = tuple(m.t().contiguous() for m in matrices)
+
+    def required_names(self) -> set[str]:
+        return {e.name for e in self.layout.entries}
+
+    def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # some checkpoints carry RoPE buffers; we compute them
+        target = self._targets.get(name)
+        if target is None:
+            import difflib
+            close = difflib.get_close_matches(name, list(self._targets), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"update_weights: unknown tensor name {name!r}{hint}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        if not (tensor.is_floating_point()):
+            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, expected a float tensor")
+        return target
+
+    @torch.inference_mode()
+    def load(self, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
+        seen = set()
+        dirty: set[int] = set()
+        try:
+            for name, tensor in named:
+                target = self.check(name, tensor)
+                if target is None:
+                    continue
+                target.copy_(tensor)
+                seen.add(name)
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    dirty.add(-1)
+                elif self._layer_of[name] >= 0 and not name.endswith("layernorm.weight"):
+                    dirty.add(self._layer_of[name])
+        finally:
+            self.repack(dirty)
+        if strict:
+            missing = sorted(self.required_names() - seen)
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise ValueError(f"weights are missing {', '.join(missing[:3])}{more}")
+        return len(seen)

@@ -1,0 +1,144 @@
+"""The trainer's configuration, importable without torch: the policy trainer (`trainer:`), its
+parallel layout (`trainer.parallel:`) and the PCL value model (`curriculum.value:`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_rl.config import ConfigError, require
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """How trainer ranks split the model: tensor x pipeline x data parallel (data = world / (TP * PP))."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size (Megatron TP); must divide the model's key/value heads."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (Megatron PP); must divide the number of layers."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto picks nccl when CUDA is available, else gloo."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def __post_init__(self) -> None:
+        require(self.tensor_parallel >= 1, "tensor_parallel", "must be >= 1")
+        require(self.pipeline_parallel >= 1, "pipeline_parallel", "must be >= 1")
+        require(self.timeout_minutes >= 1, "timeout_minutes", "must be >= 1")
+
+
+    def data_parallel(self, world_size: int) -> int:
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel "
+                              f"= {self.tensor_parallel} x {self.pipeline_parallel}")
+        return world_size // model_parallel
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The Megatron policy trainer: parallel layout, precision, optimizer."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Tensor / pipeline layout of the trainer ranks."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter dtype: auto is bf16 on GPU (fp32 master weights in the optimizer), fp32 on CPU."""
+    lr: float = 1e-6
+    """Peak learning rate (Adam)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (with lr_decay_style cosine/linear)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    lr_decay_steps: int = 0
+    """Steps over which the learning rate decays to min_lr (0: constant after warm-up)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay shape after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward micro-batch on each data-parallel rank."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
+    recompute_activations: bool = False
+    """Recompute every layer's activations in the backward pass (full, uniform)."""
+    layer_spec: Literal["auto", "local", "te"] = "auto"
+    """Transformer Engine layers when TE + CUDA are present (auto), or Megatron's local layers."""
+    fp8: Literal["none", "delayed", "tensorwise"] = "none"
+    """Transformer Engine FP8 GEMMs (needs the TE layer spec, so TE + CUDA): delayed scaling (amax
+    history) or tensorwise current scaling. Weights and master weights stay bf16 / fp32."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: steps of amax history per tensor."""
+    vocab_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times TP (padding logits are masked out)."""
+    seed: int = 1234
+    """Seed for initialisation (and Megatron's model-parallel RNG tracker)."""
+    max_nonfinite_steps_in_a_row: int = 3
+    """A step whose loss or gradients hold NaN/Inf is skipped (weights and optimizer state untouched,
+    counted as train/nonfinite); the run stops with an error after this many such steps in a row."""
+
+    def __post_init__(self) -> None:
+        require(self.lr >= 0, "lr", "must be >= 0")
+        require(0 <= self.min_lr <= max(self.lr, self.min_lr), "min_lr", "must be in [0, lr]")
+        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables clipping)")
+        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
+        require(self.max_nonfinite_steps_in_a_row >= 1, "max_nonfinite_steps_in_a_row", "must be >= 1")
+        require(self.fp8 == "none" or self.layer_spec != "local", "fp8",
+                "FP8 runs through Transformer Engine layers; set layer_spec to auto or te")
+        require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
+        require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
+                "warm-up and decay steps must be >= 0")
+
+
+
+@dataclasses.dataclass(kw_only=True)
+class ValueModelConfig:
+    """PCL's value model: its initial weights, size, head and optimizer."""
+
+    init_from: str = "policy"
+    """'policy': a copy of the policy's starting weights; otherwise a model path (any form `model.path`
+    accepts) with the policy's tokenizer and vocabulary."""
+    num_layers: int = 0
+    """Keep only the first N transformer layers of the initial weights (0: all): a smaller, cheaper
+    value model built from the same network."""
+    head: Literal["sigmoid", "linear"] = "sigmoid"
+    """sigmoid: V in (0, 1), for rewards in [0, 1]; linear: unbounded V."""
+    head_lr: float = 1e-4
+    """Adam learning rate of the scalar head (the backbone uses trainer.lr)."""
+    updates_per_step: int = 1
+    """Optimizer steps of V on each training step's groups (the paper: 1)."""
+    standardize_features: bool = True
+    """The head reads the state standardised per feature with running mean/variance of the states V
+    was trained on (module docstring: the raw state is dominated by a prompt-independent component,
+    so a head on it learns per-prompt differences only slowly). The paper does not specify the head."""
+    mean_reward_prior: bool = True
+    """Offset the head's logit by logit(mean target of its last training batch) (linear head: the mean
+    itself), so V starts each step at the recent mean reward and the learned part is the per-prompt
+    residual. The paper's V is a plain regression; this is a non-learned baseline, the loss is the
+    paper's."""
+    replay_prompts: int = 0
+    """Also regress V on this many most recent (prompt, mean reward) pairs of earlier steps (0: only
+    the step's own groups, as in the paper). The paper trains on m = 512 prompts a step; with a small
+    m, one step's targets (each a mean of n 0/1 rewards) are too few and too noisy to fit, and a short
+    replay of targets a step or two old (the policy moves little between steps) gives V a batch to
+    fit. A pair is kept for at most replay_prompts / m steps."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8))
+    """Backbone optimizer, precision and micro-batching. The value model runs on the policy trainer's
+    ranks with the policy's process groups, so `trainer.parallel` is not used."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.init_from.strip()), "init_from", "must be 'policy' or a model path")
+        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0: all layers)")
+        require(self.head_lr >= 0, "head_lr", "must be >= 0")
+        require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
+        require(self.replay_prompts >= 0, "replay_prompts", "must be >= 0 (0: no replay)")
