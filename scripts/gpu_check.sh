@@ -14,4 +14,4 @@ if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader || true
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 WANDB_MODE=disabled
-exec "$PY" -m megatron_rl.sim.gpu_check --out "$OUT/gpu_check.json" "$@"
+exec "$PY" -m megatron_rl.cli.gpu_check --out "$OUT/gpu_check.json" "$@"

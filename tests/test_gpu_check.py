@@ -6,7 +6,7 @@ import json
 
 
 def test_gpu_check_smoke_runs_every_section(tmp_path):
-    from megatron_rl.sim.gpu_check import main
+    from megatron_rl.cli.gpu_check import main
 
     out = tmp_path / "gpu_check.json"
     assert main(["--smoke", "--out", str(out)]) == 0

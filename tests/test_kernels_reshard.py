@@ -192,7 +192,7 @@ def test_reshard_to_buckets():
 
 
 def _gpu_bench_smoke_worker(rank, world_size):
-    from megatron_rl.sim import gpu_kernels as gpu_bench
+    from megatron_rl.cli import gpu_kernels as gpu_bench
 
     bw = gpu_bench.copy_bandwidth(1 << 20, device="cpu")
     res = gpu_bench.bench_reshard(bw, _arch(heads=8, groups=8, vocab=300, hidden=32, ffn=64, layers=1), device="cpu")

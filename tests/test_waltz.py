@@ -182,7 +182,7 @@ def _run(smollm2, prompt, first, revised, feedback_tail, *, max_revisions=1, sta
     producer = WaltzEpisodes(conversation, feedback, smollm2.tokenizer, RuleJudge(), config,
                              sampling=SamplingParams(max_new_tokens=16), samples_per_prompt=2,
                              feedback_temperature=feedback_temperature)
-    samples = producer.collect(prompt, producer.submit(prompt, "r", 3))
+    samples = producer.collect(prompt, producer.start(prompt, "r", 3))
     return samples, producer.pop_metrics(), conversation, feedback
 
 

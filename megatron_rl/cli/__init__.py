@@ -1,6 +1,5 @@
-"""The one `megatron-rl` command. Each subcommand lives next to the code it drives and registers
-itself through a module exposing `add_arguments(parser)` and `run(args) -> int` (or, written as
-"module:NAME", `add_NAME_arguments` and `run_NAME`)."""
+"""The one `megatron-rl` command. Every subcommand is a module of this package exposing
+`add_arguments(parser)` and `run(args) -> int`; it drives code that lives in the package named for it."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +9,7 @@ import sys
 
 from megatron_rl.config import ConfigError
 
-# name -> (module, one-line help). Modules are imported lazily so `megatron-rl --help` stays fast.
+# name -> (module, one-line help). Only the module of the command being run is imported.
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_rl.cli.convert", "convert GGUF / HF safetensors <-> Megatron checkpoints (any TP/PP)"),
     "bench": ("megatron_rl.cli.bench", "time our code against its baseline in one run; last line is JSON"),
@@ -26,31 +25,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _entry(spec: str, kind: str):
-    module, _, name = spec.partition(":")
-    attr = (f"add_{name}_arguments" if kind == "add" else f"run_{name}") if name else (
-        "add_arguments" if kind == "add" else "run")
-    return getattr(importlib.import_module(module), attr)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `megatron-rl` parser. Only `command`'s module is imported, for its arguments; the others are
+    listed by name and help, so `megatron-rl --help` starts without importing torch."""
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        command.set_defaults(_module=module)
-        _entry(module, "add")(command)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module).add_arguments(command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
     try:
-        return int(_entry(args._module, "run")(args) or 0)
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except ConfigError as exc:
         # Bad input is the user's to fix: one clear line, no traceback (MEGATRON_RL_DEBUG=1 shows it).
         if os.environ.get("MEGATRON_RL_DEBUG"):

@@ -54,7 +54,8 @@ class EnginePool:
         """Generation over each server's /generate, weights over one NCCL group (SGLang's
         update_weights_from_distributed)."""
         from megatron_rl.rollout.client import HTTPEngine
-        from megatron_rl.weight_sync.distributed import BroadcastWeightSender, SGLangServer
+        from megatron_rl.rollout.client import SGLangServer
+        from megatron_rl.weight_sync.distributed import BroadcastWeightSender
 
         def sender():
             return BroadcastWeightSender([SGLangServer(u, api_key=api_key) for u in urls], [engine_tp] * len(urls),

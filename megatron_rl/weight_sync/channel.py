@@ -1,6 +1,6 @@
 """Weight channels from a Megatron trainer (any TP x PP x DP) to the rollout engine.
 
-Both are planned once from the two layouts (Megatron shards -> the engine's HF tensors, `kernels.reshard`).
+Both are planned once from the two layouts (Megatron shards -> the engine's HF tensors, `weight_sync/reshard.py`).
 - `SharedMemoryWeightChannel`, to a generator process on the host: every push has each trainer rank of
   data-parallel replica 0 write its own shard's slices straight into the generator's staging weight
   arena (shared memory the engine will compute from; no gather of the model on one rank, no copy in

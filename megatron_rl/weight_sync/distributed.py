@@ -65,35 +65,6 @@ class DistributedWeightReceiver(Protocol):
                                         flush_cache: bool = True) -> None: ...
 
 
-class SGLangServer:
-    """The weight-update endpoints of one SGLang HTTP server (`/init_weights_update_group`,
-    `/update_weights_from_distributed`; request fields as sglang/srt/managers/io_struct.py names them)."""
-
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0):
-        from megatron_rl.rollout.client import HTTPEngine
-
-        self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout)
-
-    def _post(self, path: str, body: dict[str, Any]) -> None:
-        _, out = self.http.request("POST", path, body)
-        if isinstance(out, dict) and out.get("success") is False:
-            raise RuntimeError(f"{self.http.base_url}{path} failed: {out.get('message')}")
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name=DEFAULT_GROUP_NAME, backend="nccl") -> None:
-        self._post("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
-                                                  "rank_offset": rank_offset, "world_size": world_size,
-                                                  "group_name": group_name, "backend": backend})
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, version=None, group_name=DEFAULT_GROUP_NAME,
-                                        flush_cache=True) -> None:
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": flush_cache}
-        if version is not None:
-            body["weight_version"] = str(version)
-        self._post("/update_weights_from_distributed", body)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

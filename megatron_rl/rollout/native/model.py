@@ -1,6 +1,6 @@
 """The native engine's model: a Llama-family decoder forward in plain PyTorch over a per-slot KV cache.
 
-HF-layout weights (the names `checkpoints_tools.load_pretrained` returns) live in the flat arena of
+HF-layout weights (the names `models.pretrained.load_pretrained` returns) live in the flat arena of
 weights.py, where per layer `qkv` = [q | k | v] and `gate_up` = [gate | up] are fused, so a layer is
 four matmuls. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
 activation dtype, rotate-half RoPE from the same fp32 tables, softmax scale 1/sqrt(head_dim), SiLU

@@ -1,6 +1,6 @@
 """GPU timing of the Triton kernels against their torch references (for a lent GPU; < 2 minutes on an H200).
 
-    python -m megatron_rl.sim.gpu_kernels [--out results.json] [--quick]
+    python -m megatron_rl.cli.gpu_kernels [--out results.json] [--quick]
 
 1. Copy bandwidth of the device: `dst.copy_(src)` of 1 GiB, counted as bytes read + written.
 2. Resharding: 4 layers of Llama-3-70B shapes (+ its 128256-row embedding and head), bf16, Megatron TP=8 ->

@@ -1,6 +1,6 @@
 """One-GPU check of the cluster path's parts against the device's own measured peaks.
 
-    python -m megatron_rl.sim.gpu_check [--out FILE] [--smoke]      (scripts/gpu_check.sh runs it)
+    python -m megatron_rl.cli.gpu_check [--out FILE] [--smoke]      (scripts/gpu_check.sh runs it)
 
 1. Peaks, measured here: copy bandwidth (`dst.copy_(src)`, bytes read + written), dense BF16 matmul
    TFLOP/s, and FP8 matmul TFLOP/s through torch._scaled_mm where the GPU and torch support it.
@@ -10,7 +10,7 @@
 3. Engine decode (NativeEngine, BF16, 64 sequences x 128 new tokens): tokens/s, and the bandwidth a decode
    step streams (weight bytes / step time) against the copy bandwidth.
 4. Weight sync trainer -> engine on the device (export HF views, engine load): GB/s against copy bandwidth.
-5. Fused log-prob kernel (sim/gpu_kernels.py `bench_logprob`, N=8192, V=128256, H=4096): Triton vs
+5. Fused log-prob kernel (cli/gpu_kernels.py `bench_logprob`, N=8192, V=128256, H=4096): Triton vs
    chunked torch vs naive, time and peak memory.
 The last line is one JSON object. `--smoke` shrinks every shape (it runs on CPU too, skipping the
 Triton kernel and FP8) so the script's plumbing is tested without a GPU.
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megatron_rl.sim.gpu_kernels import _sync, _time, copy_bandwidth
+from megatron_rl.cli.gpu_kernels import _sync, _time, copy_bandwidth
 from megatron_rl.models.arch import ModelArch
 
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
-        from megatron_rl.sim.gpu_kernels import bench_logprob
+        from megatron_rl.cli.gpu_kernels import bench_logprob
 
         stats = _section(result, "logprob", lambda: bench_logprob(copy_bw, 2048 if args.smoke else 8192, 128256, 4096,
                                                                  device=device))
