@@ -42,7 +42,7 @@ setup(
         # Never list "apex": the PyPI package of that name is an unrelated web toolkit.
         "gpu": ["transformer-engine[pytorch]", "sglang", "triton"],
         # triton in dev: its kernels are tested on CPU through the interpreter (TRITON_INTERPRET=1).
-        "dev": ["pytest>=8", "transformers>=4.45", "accelerate>=0.30", "pyarrow>=14",
+        "dev": ["pytest>=8", "import-linter>=2.1", "transformers>=4.45", "accelerate>=0.30", "pyarrow>=14",
                 "triton>=3.0; platform_system == 'Linux'"],
         "parquet": ["pyarrow>=14"],
     },

@@ -18,7 +18,12 @@ from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
-from megatron_rl.models.pretrained import load_pretrained, shard_dir_name, shard_file, write_megatron_meta
+from megatron_rl.models.pretrained import (
+    load_pretrained,
+    shard_dir_name,
+    shard_file,
+    write_megatron_meta,
+)
 
 
 def _atomic_dir(final: str):

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
+
 _CHILD = "from megatron_rl.kernels.bench_logprob import _child; _child()"
 
 
@@ -51,8 +53,6 @@ def _child() -> None:
             (logp * g).sum().backward()
             return logp
     else:
-        from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
-
         def step():
             logp, ent = fused_logprobs_and_entropy(hidden, weight, targets, backend="torch",
                                                    chunk_size=spec["chunk"], vocab_chunk_size=spec["vchunk"])

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.algorithms.config import AdvantageConfig, LossConfig
-from megatron_rl.algorithms.config import JepoConfig
+from megatron_rl.algorithms.config import AdvantageConfig, JepoConfig, LossConfig
 from megatron_rl.checkpoint.config import CheckpointConfig
 from megatron_rl.config import load_yaml, require, split_config_and_overrides
 from megatron_rl.controller.config import OBJECTIVES, CurriculumConfig
-from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.recipes.waltz.config import WaltzConfig
-from megatron_rl.data.sources import DataConfig
+from megatron_rl.data.config import DataConfig
+from megatron_rl.models.config import ModelConfig
 from megatron_rl.observability.metrics import LoggingConfig
 from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
+from megatron_rl.recipes.waltz.config import WaltzConfig
 from megatron_rl.rewards.registry import RewardConfig
+from megatron_rl.rollout.config import NativeEngineConfig, RolloutConfig
 from megatron_rl.sim.config import ClusterConfig
-from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.trainer.config import TrainerConfig
-from megatron_rl.models.config import ModelConfig
 
 
 @dataclasses.dataclass(kw_only=True)

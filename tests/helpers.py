@@ -62,9 +62,9 @@ def sampled_groups(model, prompts: list[str], samples: int, max_new_tokens: int)
     native engine, as scored groups rewarded 0, 1, 2, ... within each group."""
     from megatron_rl.controller.episodes import Group, Sample
     from megatron_rl.rewards.registry import RewardResult
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
     from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
 
     tokenizer = model.tokenizer
     requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=tokenizer.encode_chat([{"role": "user", "content": p}]),

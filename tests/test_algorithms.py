@@ -8,8 +8,13 @@ import zlib
 import pytest
 import torch
 
-from megatron_rl.algorithms.advantages import (compute_advantages, grpo_advantages, reinforce_pp_advantages,
-                                               rloo_advantages, token_advantages)
+from megatron_rl.algorithms.advantages import (
+    compute_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_advantages,
+)
 from megatron_rl.algorithms.config import AdvantageConfig, LossConfig
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn, policy_loss
 from megatron_rl.config import ConfigError
@@ -314,3 +319,13 @@ def test_normalizer_sums_over_data_parallel_ranks():
                 for agg in ("token_mean", "seq_mean", "seq_sum_norm")]
     results = run_distributed(_normalizer_rank, 2, [mask[:2], mask[2:]], timeout=120)
     assert results == [expected, expected]
+
+
+def test_config_names_match_the_registries():
+    """The torch-free config validates names against lists that must equal the registries themselves."""
+    from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_rl.algorithms.config import ADVANTAGE_ESTIMATOR_NAMES, LOSS_NAMES
+    from megatron_rl.algorithms.losses import LOSSES
+
+    assert set(ADVANTAGE_ESTIMATOR_NAMES) == set(ADVANTAGE_ESTIMATORS)
+    assert LOSS_NAMES == set(LOSSES)

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
-from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch, preset
+from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
+from megatron_rl.models.pretrained import load_pretrained
 
 
 def _cli(*args):
@@ -101,7 +101,9 @@ def _jsonl(path, rows):
     ({"prompt": "hi", "answer": "1", "extra": {"q": 1}}, None),
 ])
 def test_bad_jsonl_rows_name_file_line_and_field(tmp_path, row, message):
-    from megatron_rl.data.sources import DataError, SourceConfig, load_file_source
+    from megatron_rl.data.config import SourceConfig
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import load_file_source
 
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "fine", "answer": "2"}, row])
     if message is None:
@@ -116,7 +118,10 @@ def test_bad_jsonl_rows_name_file_line_and_field(tmp_path, row, message):
 def test_bad_parquet_rows_and_files(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    from megatron_rl.data.sources import DataError, SourceConfig, load_file_source
+
+    from megatron_rl.data.config import SourceConfig
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import load_file_source
 
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1+1?", None, "3+3?"], "answer": ["2", "4", "6"]}), path)
@@ -168,9 +173,11 @@ class _StubEngine:
 def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path):
     from megatron_rl.controller.episodes import SingleTurnSampling
     from megatron_rl.controller.producer import RolloutProducer
-    from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
+    from megatron_rl.data.config import DataConfig, SourceConfig
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import PromptStream, build_datasets
     from megatron_rl.rewards.registry import Reward, RewardConfig
+    from megatron_rl.rollout.config import RolloutConfig
 
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "short", "answer": "1"}, {"prompt": "x" * 50, "answer": "2"},
                                          {"prompt": "tiny", "answer": "3"}, {"prompt": "ok", "answer": "4"}])
@@ -197,9 +204,11 @@ def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path
 def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
     from megatron_rl.controller.episodes import SingleTurnSampling
     from megatron_rl.controller.producer import RolloutProducer
-    from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.data.sources import DataConfig, DataError, PromptStream, SourceConfig, build_datasets
+    from megatron_rl.data.config import DataConfig, SourceConfig
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import PromptStream, build_datasets
     from megatron_rl.rewards.registry import Reward, RewardConfig
+    from megatron_rl.rollout.config import RolloutConfig
 
     def producer(rows):
         data = DataConfig(train=SourceConfig(kind="jsonl", path=_jsonl(tmp_path / "b.jsonl", rows)), heldout_size=0)
@@ -224,8 +233,8 @@ def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
 def test_checkpoint_from_another_parallel_layout(tmp_path):
     import types
 
-    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
     from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
 
     (tmp_path / "ck" / "model" / "mp_rank_00_000").mkdir(parents=True)
     trainer = types.SimpleNamespace(tp_rank=1, pp_rank=0)
@@ -238,8 +247,8 @@ def test_model_without_tokenizer(tmp_path, tiny_chat_model):
     import shutil
 
     from megatron_rl.controller.loop import build_controller
-    from megatron_rl.run_config import RunConfig
     from megatron_rl.models.config import ModelConfig
+    from megatron_rl.run_config import RunConfig
 
     bare = tmp_path / "bare"
     shutil.copytree(tiny_chat_model, bare)
@@ -261,8 +270,8 @@ def test_new_reliability_config_fields_are_validated(tmp_path):
 
 
 def test_http_server_binds_loopback_by_default(tiny_arch):
-    from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.rollout.config import NativeEngineConfig
+    from megatron_rl.rollout.native import NativeEngine
     from megatron_rl.rollout.server import RolloutServer
     from tests.helpers import tiny_state
 

@@ -81,3 +81,15 @@ def test_every_field_is_documented():
 def test_from_dict_round_trip():
     config = load_yaml(RunConfig, None, ["trainer.lr=2e-6"])
     assert from_dict(RunConfig, dataclasses.asdict(config)) == config
+
+
+def test_config_tree_imports_and_validates_without_torch():
+    """The whole config tree (`megatron-rl config`, recipe validation, the planner's input) is read without
+    importing torch, Megatron or numpy: every section lives in a torch-free module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_rl.run_config import RunConfig; RunConfig(); "
+            "print(sorted(m for m in ('torch', 'megatron', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

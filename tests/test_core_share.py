@@ -10,8 +10,8 @@ import torch
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.placement.generator_process import GeneratorProcess
-from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 
 
 @pytest.fixture
@@ -69,10 +69,10 @@ def test_generator_process_follows_the_trainer(tiny_chat_model, restore_threads)
 def test_trainer_gives_back_a_core_within_a_micro_batch(tiny_arch, restore_threads):
     """The trainer re-takes its share before every layer's forward and backward, so a generator that
     starts work mid-micro-batch gets its core back within one layer, not at the next micro-batch."""
-    from megatron_rl.algorithms.losses import make_loss_fn
     from megatron_rl.algorithms.config import LossConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.algorithms.losses import make_loss_fn
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.types import TrainBatch
 
     trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))

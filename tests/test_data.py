@@ -125,7 +125,7 @@ def test_reasoning_gym_default_is_the_quickstart_task_and_splits_are_disjoint():
     assert cfg.train.task == "chain_sum" and cfg.train.task_config["max_digits"] == 2
     train, heldout = build_datasets(cfg)
     assert len(heldout) == 100
-    # 1-digit sums repeat: the trap FINDINGS.md describes; none may leak into training
+    # 1-digit sums repeat: a naive split shares most held-out questions with training; none may leak into training
     assert train.stats["heldout_overlap_dropped"] > 0
     assert not train.questions() & heldout.questions()
     assert len(train.questions()) == len(train)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.weight_sync.fp8 import (FP8_DTYPE, dequantize_blockwise, fake_quantize_state, quantize_blockwise,
-                                         quantize_state)
+from megatron_rl.weight_sync.fp8 import (
+    FP8_DTYPE,
+    dequantize_blockwise,
+    fake_quantize_state,
+    quantize_blockwise,
+    quantize_state,
+)
 
 
 def _reference_quantize(weight, block):
@@ -65,11 +70,11 @@ def test_zero_tile_and_state_naming():
 def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
     """Behaviour log-probs of an engine on fp8-rounded weights vs the trainer's log-probs of the same tokens
     (the two sides of train/logprob_mismatch): a real, small gap; with the exact weights it is ~0."""
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
     from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.types import TrainBatch
     from megatron_rl.weight_sync.fp8 import quantization_error
     from tests.helpers import prompt, tiny_state
@@ -99,9 +104,9 @@ def test_fp8_engine_weights_open_a_small_logprob_gap(tiny_arch):
 def test_te_fp8_trainer_step_runs(tiny_arch):
     """TE FP8 (delayed scaling) trainer step on a GPU: finite loss, close to the bf16 step's."""
     pytest.importorskip("transformer_engine")
-    from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.models.arch import ModelArch
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.types import TrainBatch
     from tests.helpers import near_uniform_state
 
@@ -136,9 +141,9 @@ def test_loop_with_fp8_generator_reports_the_logprob_gap(tmp_path, tiny_chat_mod
 
 
 def test_fp8_training_needs_transformer_engine_on_cpu(tiny_arch):
+    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.trainer.model import transformer_engine_available
     from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
 
     if transformer_engine_available():
         pytest.skip("TE with CUDA present: the GPU test covers FP8 training")

@@ -6,9 +6,9 @@ import pytest
 
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.placement.generator_process import GeneratorProcess
+from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.config import NativeEngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,16 @@ import os
 import pytest
 import torch
 
-from megatron_rl.algorithms.jepo import (
-    JepoConfig, JepoTrainBatch, jepo_advantages, jepo_raw_advantages, make_jepo_loss_fn, make_sft_loss_fn, proxy_nll)
 from megatron_rl.algorithms.config import LossConfig
+from megatron_rl.algorithms.jepo import (
+    JepoConfig,
+    JepoTrainBatch,
+    jepo_advantages,
+    jepo_raw_advantages,
+    make_jepo_loss_fn,
+    make_sft_loss_fn,
+    proxy_nll,
+)
 from megatron_rl.types import TrainBatch
 
 VOCAB = 3
@@ -232,7 +239,9 @@ def _references(tmp_path, count=8, long_index=None):
 
 
 def test_missing_reference_is_an_error_naming_the_line_or_a_counted_skip(tmp_path):
-    from megatron_rl.data.sources import DataConfig, DataError, SourceConfig, build_datasets
+    from megatron_rl.data.config import DataConfig, SourceConfig
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import build_datasets
 
     path = str(tmp_path / "bad.jsonl")
     _write_jsonl(path, [{"prompt": "a?", "reference": "x"}, {"prompt": "b?"}, {"prompt": "c?", "reference": "y"}])
@@ -247,9 +256,10 @@ def test_missing_reference_is_an_error_naming_the_line_or_a_counted_skip(tmp_pat
 def test_reference_over_budget_is_an_error_or_a_counted_skip(tmp_path, tiny_chat_model):
     from types import SimpleNamespace
 
+    from megatron_rl.data.prompts import DataError
+    from megatron_rl.data.sources import build_datasets
     from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.recipes.jepo.objective import JepoObjective
-    from megatron_rl.data.sources import DataError, build_datasets
 
     path = _references(tmp_path, long_index=3)
     model = load_pretrained(tiny_chat_model)
@@ -300,7 +310,8 @@ def test_sft_objective_runs_in_the_loop_and_lowers_reference_nll(tmp_path, tiny_
 
 
 def test_champ_source_gives_worked_solutions_as_references_and_short_answers():
-    from megatron_rl.data.sources import DataConfig, SourceConfig, build_datasets
+    from megatron_rl.data.config import DataConfig, SourceConfig
+    from megatron_rl.data.sources import build_datasets
 
     train, heldout = build_datasets(DataConfig(train=SourceConfig(kind="champ"), heldout_size=10))
     assert train.stats["rows_read"] == 270 and len(train) + len(heldout) == 270
@@ -372,9 +383,9 @@ def test_rows_are_prompt_chain_and_reference_with_separate_masks(missing_marker)
     from types import SimpleNamespace
 
     from megatron_rl.config import load_yaml
-    from megatron_rl.recipes.jepo.objective import JepoObjective
     from megatron_rl.controller.episodes import Group, Sample
-    from megatron_rl.data.sources import Prompt
+    from megatron_rl.data.prompts import Prompt
+    from megatron_rl.recipes.jepo.objective import JepoObjective
     from megatron_rl.rewards.registry import RewardResult
     from megatron_rl.run_config import RunConfig
     from megatron_rl.types import Completion

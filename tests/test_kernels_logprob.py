@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from megatron_rl.kernels import logprob as L
-from megatron_rl.kernels.logprob import fused_logprobs_and_entropy, reference_logprobs_and_entropy
-
+from megatron_rl.kernels.logprob import (
+    fused_logprobs_and_entropy,
+    reference_logprobs_and_entropy,
+)
 from megatron_rl.placement.launch import run_distributed
 
 needs_triton = pytest.mark.skipif(not L.triton_available(), reason="triton not importable")

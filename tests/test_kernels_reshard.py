@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
-from megatron_rl.weight_sync import reshard as R
 from megatron_rl.kernels import triton_reshard
 from megatron_rl.models.arch import ModelArch
-
+from megatron_rl.models.megatron_layout import (
+    MegatronLayout,
+    hf_to_megatron,
+    megatron_to_hf,
+)
 from megatron_rl.placement.launch import run_distributed
+from megatron_rl.weight_sync import reshard as R
 
 needs_triton = pytest.mark.skipif(not triton_reshard.AVAILABLE, reason="triton not importable")
 

@@ -78,8 +78,8 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, tiny_ch
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, tiny_chat_model):
-    from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointManager
 
     run_dir = str(tmp_path / "run")
     train(_config(tiny_chat_model, run_dir))
@@ -147,8 +147,8 @@ def test_kl_reference_is_a_frozen_copy_of_the_starting_policy(tmp_path, tiny_cha
     (forward only: no gradient buffers or optimizer state), stays put while the policy moves, and the
     loss reports the k3 estimate of KL(pi || pi_ref) over the response tokens."""
     from megatron_rl.algorithms.losses import kl_penalty
-    from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.controller.objectives import PolicyGradientObjective
+    from megatron_rl.models.pretrained import load_pretrained
     from megatron_rl.trainer.trainer import MegatronTrainer
 
     config = _config(tiny_chat_model, str(tmp_path / "run"), "algorithm.loss.kl_coef=0.5", "trainer.lr=1e-2")

@@ -122,7 +122,11 @@ def test_unsupported_multi_rank_features_fail_before_set_up(tiny_chat_model, tmp
 
 
 def _failing_generator_rank(rank, world_size, model_path, run_dir):
-    from megatron_rl.placement.generator_ranks import generator_rank_pool, join_launch, serve_generator_rank
+    from megatron_rl.placement.generator_ranks import (
+        generator_rank_pool,
+        join_launch,
+        serve_generator_rank,
+    )
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 
     config = _config(model_path, run_dir, "cluster.generator.launch_ranks=1")
@@ -186,10 +190,10 @@ def test_data_parallel_shares_partition_the_padded_batch():
 
 def test_a_rank_whose_micro_batch_is_all_padding_trains_with_the_rest(tiny_arch):
     """Padding to micro-batches x DP ranks can leave a rank a micro-batch with no loss token."""
-    from megatron_rl.algorithms.losses import make_loss_fn
     from megatron_rl.algorithms.config import LossConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.algorithms.losses import make_loss_fn
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.types import TrainBatch
 
     trainer = MegatronTrainer(tiny_arch, TrainerConfig(micro_batch_size=2, lr=1e-3))
@@ -234,10 +238,10 @@ def test_jepo_with_likelihood_evaluation_on_two_data_parallel_ranks(tmp_path, ti
 
 def _save_with_failing_rank(rank, world_size, arch, root):
     import megatron_rl.checkpoint.manager as manager_module
-    from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.checkpoint.config import CheckpointConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
 
     trainer = MegatronTrainer(arch, TrainerConfig())
     manager = CheckpointManager(root, CheckpointConfig(keep_last=3))

@@ -11,9 +11,13 @@ import random
 import pytest
 import torch
 
-from megatron_rl.algorithms.pcl import (explained_variance, has_mixed_rewards, select_closest_to_target,
-                                        value_loss, value_targets)
-
+from megatron_rl.algorithms.pcl import (
+    explained_variance,
+    has_mixed_rewards,
+    select_closest_to_target,
+    value_loss,
+    value_targets,
+)
 
 # --- selection ----------------------------------------------------------------------------------------------
 
@@ -94,9 +98,8 @@ def test_explained_variance_and_mixed_rewards():
 # --- the value model --------------------------------------------------------------------------------------
 
 def test_value_model_reads_the_last_prompt_token_and_fits_targets(tiny_arch):
-    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.config import TrainerConfig, ValueModelConfig
     from megatron_rl.trainer.value import ValueTrainer
-    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     # The paper's plain regression head (no standardisation, no prior): value/loss is then exactly the
@@ -190,9 +193,8 @@ def test_value_model_fits_fixed_prompt_targets_within_a_few_updates(tiny_arch):
     mean-reward targets within 15 updates, on prompts that share a long suffix as chat prompts do.
     (That the raw head learns far more slowly shows on the real model's states, whose shared part is
     ~20x the per-prompt part; a tiny random model's are not so lopsided, and there both fit.)"""
-    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.config import TrainerConfig, ValueModelConfig
     from megatron_rl.trainer.value import ValueTrainer
-    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     prompts = _shared_suffix_prompts(12)
@@ -219,9 +221,8 @@ def test_value_model_fits_fixed_prompt_targets_within_a_few_updates(tiny_arch):
 
 
 def test_mean_reward_prior_sets_v_to_the_targets_mean_before_any_learning(tiny_arch):
-    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.config import TrainerConfig, ValueModelConfig
     from megatron_rl.trainer.value import PRIOR_CLIP, ValueTrainer
-    from megatron_rl.trainer.config import ValueModelConfig
     from tests.helpers import near_uniform_state
 
     prompts = _shared_suffix_prompts(5)
@@ -389,7 +390,9 @@ def test_resumed_prefilter_run_keeps_its_filtered_prompts_and_position(tmp_path,
 
 
 def test_mixture_source_interleaves_components_and_splits_the_heldout_set():
-    from megatron_rl.data.sources import DataConfig, SourceConfig, build_datasets, normalize_question
+    from megatron_rl.data.config import DataConfig, SourceConfig
+    from megatron_rl.data.prompts import normalize_question
+    from megatron_rl.data.sources import build_datasets
 
     easy = SourceConfig(task="chain_sum", size=40, seed=1,
                         task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
 from megatron_rl.checkpoint.config import CheckpointConfig
+from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
 from megatron_rl.config import load_yaml
 from megatron_rl.controller.loop import TrainingDivergedError, build_controller, train
 from megatron_rl.data.sources import PromptStream, build_datasets
@@ -232,8 +232,8 @@ def _loss(kind):
 @pytest.fixture(scope="module")
 def tiny_trainer(tiny_chat_model):
     from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
 
     model = load_pretrained(tiny_chat_model)
     return MegatronTrainer(model.arch, TrainerConfig(lr=1e-2, micro_batch_size=2), hf_state=model.state)
@@ -266,9 +266,8 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_untouched(tiny_trainer, ki
 
 
 def _dp_nonfinite_worker(rank, world_size, arch, state):
-    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
     from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.types import TrainBatch
 
     torch.set_num_threads(1)

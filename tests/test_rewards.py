@@ -8,7 +8,9 @@ import types
 import pytest
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.sources import DataConfig, Prompt, SourceConfig, build_datasets
+from megatron_rl.data.config import DataConfig, SourceConfig
+from megatron_rl.data.prompts import Prompt
+from megatron_rl.data.sources import build_datasets
 from megatron_rl.rewards import (
     REWARDS,
     Reward,

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
+from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.config import NativeEngineConfig
 from tests.helpers import prompt, tiny_state
 
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
+from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.config import NativeEngineConfig
 from tests.helpers import prompt, tiny_state
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -132,8 +132,8 @@ def test_update_weights_equals_fresh_engine(tiny_arch):
 def test_adopted_weight_arena_equals_fresh_engine_packed_or_not(tiny_arch):
     """An engine switching to a buffer that already holds new weights (the double-buffered shared
     memory path) generates exactly what a fresh engine does, before and after its lazy MKL re-pack."""
-    from megatron_rl.weight_sync.reshard import Bucket
     from megatron_rl.rollout.native.weights import weight_arena_layout
+    from megatron_rl.weight_sync.reshard import Bucket
 
     requests = [GenerateRequest(f"r{i}", prompt(i, 6 + i), SamplingParams(temperature=0, max_new_tokens=10))
                 for i in range(4)]

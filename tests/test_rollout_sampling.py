@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.sampling import inverse_cdf, sample_tokens
-from megatron_rl.rollout.config import NativeEngineConfig
 from tests.helpers import prompt, tiny_state
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])

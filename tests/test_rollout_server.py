@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.server import RolloutServer, version_spans
 from tests.helpers import prompt, tiny_state
 
@@ -132,8 +132,8 @@ def test_version_spans():
 def test_generate_cli_reads_prompts(tmp_path):
     import argparse
 
-    from megatron_rl.config import ConfigError
     from megatron_rl.cli.generate import add_arguments, read_prompts
+    from megatron_rl.config import ConfigError
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -97,8 +97,8 @@ def test_decode_step_is_weight_streaming_plus_per_layer_costs():
 def test_stage_parameters_match_megatron_model():
     """The planner's parameter count per rank equals the numel of a real Megatron GPTModel."""
     from megatron_rl.models.arch import preset
-    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
 
     arch = preset("tiny")
     trainer = MegatronTrainer(arch, TrainerConfig(vocab_divisible_by=128))
@@ -114,8 +114,8 @@ def _measure_step_worker(rank, world_size, rows, seq, micro):
     """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures)."""
     from megatron_rl.models.arch import ModelArch
     from megatron_rl.sim.measure import measure_peak
-    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.types import TrainBatch
 
     torch.manual_seed(0)
@@ -133,8 +133,8 @@ def _measure_step_worker(rank, world_size, rows, seq, micro):
 def test_planner_memory_within_15_percent_of_measured_cpu_step():
     """Peak bytes of live tensors during a real Megatron train step on CPU (sim/measure.py: storages alive
     before the step + the running maximum of new storages during it) vs the planner's estimate."""
-    from megatron_rl.placement.launch import run_distributed
     from megatron_rl.models.arch import ModelArch
+    from megatron_rl.placement.launch import run_distributed
 
     arch = ModelArch(**_MEMORY_ARCH)
     rows, seq, micro = 8, 256, 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.types import TrainBatch
 from megatron_rl.placement.launch import run_distributed
+from megatron_rl.types import TrainBatch
 from tests.helpers import near_uniform_state
 
 STEPS = 3
@@ -22,9 +22,9 @@ def _data(arch, rows=8, length=24):
 
 def _train_worker(rank, world_size, arch, tp, pp, state, batch):
     import torch.distributed as dist
-    from megatron_rl.trainer.config import ParallelConfig
+
+    from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
     from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
 
     torch.set_num_threads(1)
     config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
@@ -68,8 +68,8 @@ def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
 def test_train_step_loss_equals_a_full_forward_of_the_padded_batch(tiny_arch):
     """train_step computes log-probs only at loss positions and trims each micro-batch after its last
     loss column; its loss must equal the same loss on compute_logprobs' untrimmed, full forward."""
-    from megatron_rl.trainer.trainer import MegatronTrainer
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
 
     batch = _data(tiny_arch)
     wide = TrainBatch(tokens=torch.cat([batch.tokens, batch.tokens[:, :9]], dim=1),  # 9 columns of padding

@@ -2,14 +2,18 @@
 and the HF -> Megatron -> HF round trip is bit-exact."""
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.checkpoints_tools.convert import convert
+from megatron_rl.models.megatron_layout import (
+    MegatronLayout,
+    hf_to_megatron,
+    megatron_to_hf,
+)
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.types import TrainBatch
 from megatron_rl.placement.launch import run_distributed
+from megatron_rl.types import TrainBatch
 
 
 def _chat_batch(tokenizer, prompts):
@@ -22,9 +26,8 @@ def _chat_batch(tokenizer, prompts):
 
 
 def _logits_worker(rank, world_size, checkpoint, tp, pp, tokens):
-    from megatron_rl.trainer.config import ParallelConfig
+    from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
     from megatron_rl.trainer.trainer import load_policy
-    from megatron_rl.trainer.config import TrainerConfig
 
     torch.set_num_threads(1)
     config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), micro_batch_size=4)
@@ -93,10 +96,10 @@ def test_exported_hf_dir_loads_in_transformers(tmp_path, smollm2, hf_smollm2, re
 def test_trainer_recomputes_the_engine_logprobs_of_a_rollout(smollm2, chat_prompts):
     """Identical weights (fp32, CPU): the Megatron trainer's log-probs of sampled responses equal the
     native engine's behaviour log-probs within 1e-4, which is what train/logprob_mismatch reports."""
-    from megatron_rl.controller.batching import build_step_batch
     from megatron_rl.algorithms.config import AdvantageConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.controller.batching import build_step_batch
     from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
     from tests.helpers import sampled_groups
 
     tokenizer = smollm2.tokenizer

@@ -24,9 +24,9 @@ from megatron_rl.algorithms.waltz import (
     parse_feedback,
     training_stage,
 )
-from megatron_rl.recipes.waltz.episodes import WaltzEpisodes, evaluate_waltz
+from megatron_rl.data.prompts import DataError, Prompt
 from megatron_rl.recipes.waltz.config import WaltzConfig
-from megatron_rl.data.sources import DataError, Prompt
+from megatron_rl.recipes.waltz.episodes import WaltzEpisodes, evaluate_waltz
 from megatron_rl.recipes.waltz.judge import (
     RefusalClassifier,
     RefusalClassifierConfig,
@@ -314,8 +314,11 @@ def test_llm_judge_parses_verdicts_and_falls_back_to_the_rule_judge(smollm2):
 
 
 def test_safety_datasets_are_real_disjoint_and_labelled():
-    from megatron_rl.recipes.waltz.data import build_safety_datasets, load_safety_prompts
     from megatron_rl.recipes.waltz.config import SafetyDataConfig
+    from megatron_rl.recipes.waltz.data import (
+        build_safety_datasets,
+        load_safety_prompts,
+    )
 
     assert len(load_safety_prompts("advbench")) == 520
     assert len(load_safety_prompts("harmbench")) >= 195
@@ -333,8 +336,8 @@ def test_safety_datasets_are_real_disjoint_and_labelled():
 def test_validation_split_is_drawn_first_and_kept_apart():
     import hashlib
 
-    from megatron_rl.recipes.waltz.data import build_safety_datasets
     from megatron_rl.recipes.waltz.config import SafetyDataConfig
+    from megatron_rl.recipes.waltz.data import build_safety_datasets
 
     def ids(heldout, split):
         return [p.prompt_id for p in heldout if p.metadata["safety"]["split"] == split]

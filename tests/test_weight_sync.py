@@ -12,13 +12,16 @@ from tests.test_trainer_parallel import _data
 
 def _sync_worker(rank, world_size, arch, state, batch):
     import torch.distributed as dist
+
     from megatron_rl.placement.generator_process import GeneratorProcess
     from megatron_rl.rollout.config import NativeEngineConfig
-    from megatron_rl.trainer.config import ParallelConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
     from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.weight_sync.channel import InProcessWeightChannel, SharedMemoryWeightChannel
+    from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.weight_sync.channel import (
+        InProcessWeightChannel,
+        SharedMemoryWeightChannel,
+    )
 
     torch.set_num_threads(1)
     trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2),

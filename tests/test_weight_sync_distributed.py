@@ -39,8 +39,12 @@ def _worker(rank, world_size, ports, bucket_bytes):
 
 
 def _sync(rank, world_size, port, fp8, bucket_bytes):
-    from megatron_rl.weight_sync.distributed import (BroadcastWeightSender, buckets, init_weight_update_group,
-                                                     receive_broadcast)
+    from megatron_rl.weight_sync.distributed import (
+        BroadcastWeightSender,
+        buckets,
+        init_weight_update_group,
+        receive_broadcast,
+    )
 
     state = _state(fp8)
     if rank == 0:
@@ -88,9 +92,9 @@ def test_broadcast_weight_sync_bf16_and_fp8():
 
 
 def test_engine_pool_spreads_groups_and_updates_every_replica(tiny_arch):
+    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
     from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
     from megatron_rl.rollout.pool import EnginePool
     from tests.helpers import prompt, tiny_state
 

@@ -51,9 +51,9 @@ import math
 
 import torch
 
-from megatron_rl.types import TrainBatch
 from megatron_rl.algorithms.config import JepoConfig
-
+from megatron_rl.algorithms.losses import get_loss
+from megatron_rl.types import TrainBatch
 
 # --- advantages -------------------------------------------------------------------------------------------
 
@@ -160,8 +160,6 @@ def make_jepo_loss_fn(config: JepoConfig, loss_config, normalizer: float):
     the global number of rows (groups * n). The PG term goes through the registered policy loss
     `loss_config.name` (AIPO by default: the off-policy correction), with token_mean aggregation over
     `normalizer`, which makes it (1/normalizer) sum_i A~_i sum_t (...) -- a sum of sequence terms."""
-    from megatron_rl.algorithms.losses import get_loss
-
     pg = get_loss(loss_config.name)
     summed = dataclasses.replace(loss_config, aggregation="token_mean")
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from megatron_rl.config import require
 from megatron_rl.algorithms.config import WaltzRewardConfig
+from megatron_rl.config import require
 
 FEEDBACK_KEYS = ("reasoning", "unsafe", "overrefuse", "feedback")
 

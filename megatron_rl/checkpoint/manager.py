@@ -40,9 +40,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.models.pretrained import shard_file, write_megatron_meta
-from megatron_rl.config import ConfigError
 from megatron_rl.checkpoint.config import CheckpointConfig
+from megatron_rl.config import ConfigError
+from megatron_rl.models.pretrained import shard_file, write_megatron_meta
+from megatron_rl.ranks import all_ranks_agree, barrier
+from megatron_rl.ranks import rank as global_rank
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -104,8 +106,6 @@ class CheckpointManager:
         tensors, JSON-able metadata), read back with `load_tensors`), the manifest and the commit. On
         any rank's failure every rank raises, the temporary directory is removed and the previous
         checkpoint stays the latest."""
-        from megatron_rl.ranks import all_ranks_agree, barrier, rank as global_rank
-
         rank = global_rank()
         final = os.path.join(self.root, _step_name(step))
         tmp = final + ".tmp"

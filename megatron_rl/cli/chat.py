@@ -9,6 +9,11 @@ import json
 import sys
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.recipes.waltz.config import WaltzConfig
+from megatron_rl.recipes.waltz.episodes import chat_with_feedback
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,12 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.recipes.waltz.episodes import chat_with_feedback
-    from megatron_rl.recipes.waltz.config import WaltzConfig
-    from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
-
     try:
         config = WaltzConfig(max_revisions=args.max_revisions, feedback_max_new_tokens=args.feedback_max_new_tokens)
         engine_config = NativeEngineConfig(max_batch_size=4, max_seq_len=args.max_seq_len, num_threads=args.threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_rl.config import describe, dump_yaml
+from megatron_rl.run_config import RunConfig, load_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,8 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.run_config import RunConfig, load_run_config
-
     if args.describe:
         print("\n".join(describe(RunConfig)))
         return 0

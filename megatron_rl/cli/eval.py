@@ -4,6 +4,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.controller.evaluate import evaluate
+from megatron_rl.controller.objectives import make_objective
+from megatron_rl.data.sources import build_datasets
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
+from megatron_rl.rewards.registry import Reward
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.run_config import load_run_config
+from megatron_rl.trainer.trainer import MegatronTrainer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML recipe (its data, reward and eval sections are used)")
@@ -17,13 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.controller.evaluate import evaluate
-    from megatron_rl.data.sources import build_datasets
-    from megatron_rl.rewards.registry import Reward
-    from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.run_config import load_run_config
-
     config = load_run_config(args.config, args.overrides)
     model = load_pretrained(config.model.path)
     _, heldout = build_datasets(config.data)
@@ -31,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
     metrics = args.metric or ["accuracy"]
     if "likelihood" in metrics:
         # the objective's reference budget applies to evaluation too (skip or error, as configured)
-        from megatron_rl.controller.objectives import make_objective
 
         objective = make_objective(config, model.tokenizer, model)
         if hasattr(objective, "filter_prompts"):
@@ -39,9 +41,6 @@ def run(args: argparse.Namespace) -> int:
     with NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine) as engine:
         result = {"model": config.model.path, "heldout_size": len(heldout)}
         if "likelihood" in metrics:
-            from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
-            from megatron_rl.trainer.trainer import MegatronTrainer
-
             scorer = MegatronTrainer(model.arch, config.trainer, hf_state=model.state, frozen=True)
             result.update(evaluate_likelihood(engine, scorer, model.tokenizer, list(heldout),
                                               config.eval.likelihood, seed=config.seed))

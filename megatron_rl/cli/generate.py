@@ -5,8 +5,9 @@ import argparse
 import json
 import sys
 
-from megatron_rl.config import ConfigError
 from megatron_rl.cli.serve import add_engine_arguments, build_engine
+from megatron_rl.config import ConfigError
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +52,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-
     prompts = read_prompts(args)
     try:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

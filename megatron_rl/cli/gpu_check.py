@@ -24,8 +24,15 @@ import time
 
 import torch
 
-from megatron_rl.cli.gpu_kernels import _sync, _time, copy_bandwidth
+from megatron_rl.cli.gpu_kernels import _sync, _time, bench_logprob, copy_bandwidth
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.trainer.model import transformer_engine_available
+from megatron_rl.trainer.trainer import MegatronTrainer
+from megatron_rl.types import TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +86,6 @@ def model_flops_per_token(arch: ModelArch, seq: int) -> float:
 
 
 def trainer_step(s: Shapes, device: str, fp8: str, steps: int = 3) -> tuple[dict, object]:
-    from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
-    from megatron_rl.types import TrainBatch
-
     config = TrainerConfig(precision="bf16" if device == "cuda" else "fp32", micro_batch_size=s.micro_batch,
                            fp8=fp8, layer_spec="auto", lr=1e-6)
     trainer = MegatronTrainer(s.arch, config)
@@ -104,10 +107,6 @@ def trainer_step(s: Shapes, device: str, fp8: str, steps: int = 3) -> tuple[dict
 
 
 def engine_decode(s: Shapes, device: str, state) -> tuple[dict, object]:
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
-
     engine = NativeEngine(s.arch, state, config=NativeEngineConfig(
         max_batch_size=s.engine_batch, max_seq_len=s.prompt_len + s.new_tokens + 8, device=device, dtype="auto",
         prepack_weights=False, max_prefill_tokens=s.engine_batch * s.prompt_len))
@@ -161,7 +160,6 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         raise SystemExit("gpu_check needs a CUDA GPU (or --smoke for a tiny CPU run of the same steps)")
-    from megatron_rl.trainer.model import transformer_engine_available
 
     s = shapes(args.smoke)
     torch.manual_seed(0)
@@ -216,7 +214,6 @@ def main(argv=None) -> int:
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
-        from megatron_rl.cli.gpu_kernels import bench_logprob
 
         stats = _section(result, "logprob", lambda: bench_logprob(copy_bw, 2048 if args.smoke else 8192, 128256, 4096,
                                                                  device=device))

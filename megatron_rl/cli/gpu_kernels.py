@@ -21,6 +21,11 @@ import time
 
 import torch
 
+from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
+from megatron_rl.models.arch import preset
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.weight_sync import reshard as R
+
 
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
@@ -57,9 +62,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, device="cuda") -> float:
 
 
 def bench_reshard(copy_bw: float, arch, tp=8, engine_tp=4, device="cuda") -> dict:
-    from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
-    from megatron_rl.weight_sync import reshard as R
-
     layers = arch.num_layers
     h, f, q, kv, v = arch.hidden_size, arch.ffn_hidden_size, arch.q_size, arch.kv_size, arch.vocab_size
     rnd = lambda *s: torch.randn(*s, device=device).to(torch.bfloat16)  # noqa: E731
@@ -100,7 +102,6 @@ def bench_reshard(copy_bw: float, arch, tp=8, engine_tp=4, device="cuda") -> dic
 
 def bench_logprob(copy_bw: float, n: int, v: int, h: int, device="cuda", rows=2048) -> dict:
     from megatron_rl.kernels import triton_logprob as T
-    from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 
     cuda = torch.device(device).type == "cuda"
 
@@ -180,7 +181,6 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.1f} GB/s (read + write)", flush=True)
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9}
-    from megatron_rl.models.arch import preset
 
     base = preset("llama3-70b")
     result.update(bench_reshard(bw, dataclasses.replace(base, num_layers=1 if args.quick else 4)))

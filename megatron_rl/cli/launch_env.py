@@ -5,12 +5,12 @@ from __future__ import annotations
 import shlex
 import sys
 
+from megatron_rl.config import ConfigError, load_yaml
+from megatron_rl.run_config import RunConfig
+from megatron_rl.sim.planner import make_plan
+
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rl.config import ConfigError, load_yaml
-    from megatron_rl.run_config import RunConfig
-    from megatron_rl.sim.planner import make_plan
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = load_yaml(RunConfig, argv[0], argv[1:])

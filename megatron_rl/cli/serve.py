@@ -7,6 +7,10 @@ import signal
 import sys
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.server import RolloutServer
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +28,6 @@ def build_engine(args: argparse.Namespace):
     # Huge pages for the large weight / KV buffers (~10% faster decoding on CPU); must be set before
     # torch's first large allocation, and only matters on Linux.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
 
     config = NativeEngineConfig(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                                 max_prefill_tokens=args.max_prefill_tokens, device=args.device,
@@ -44,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.rollout.server import RolloutServer
-
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     engine = build_engine(args)

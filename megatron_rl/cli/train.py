@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 
+from megatron_rl.controller.loop import train
+from megatron_rl.run_config import load_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,9 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.controller.loop import train
-    from megatron_rl.run_config import load_run_config
-
     config = load_run_config(args.config, args.overrides)
     summary = train(config, resume=args.resume)  # every rank of a torchrun / srun launch runs it
     if int(os.environ.get("RANK", "0")) == 0:

@@ -10,7 +10,7 @@ The async run lends cores (rollout.lend_idle_cores, placement/core_share.py): wh
 gives its core to the other. The JSON also gives what the run's own measurements bound:
 `fixed_split_bound` = sync step / max(generation, training alone on one core) is the best a fixed
 1 + 1 split could do with perfect overlap (~1.16x with HF transformers' 1.55x / 1.69x two-core
-speed-ups, FINDINGS.md); `work_conserving_bound` = sync step / ((generation + training alone on one
+speed-ups measured on 2 cores); `work_conserving_bound` = sync step / ((generation + training alone on one
 core) / 2) is the best any split of the same work over two cores could do. Gains beyond them come
 from work that does not scale with cores and from keeping the engine's batch full across steps.
 
@@ -28,14 +28,13 @@ import statistics
 import tempfile
 
 from megatron_rl.config import load_yaml
+from megatron_rl.controller.loop import train
+from megatron_rl.run_config import RunConfig
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "quickstart.yaml")
 
 
 def _run(name: str, overrides: list[str], root: str) -> list[dict]:
-    from megatron_rl.controller.loop import train
-    from megatron_rl.run_config import RunConfig
-
     run_dir = os.path.join(root, name)
     config = load_yaml(RunConfig, QUICKSTART, [f"run_dir={run_dir}", "eval.before_training=false",
                                               "eval.after_training=false", "checkpoint.save_at_end=false",

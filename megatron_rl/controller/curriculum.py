@@ -37,9 +37,10 @@ from typing import Any
 
 from megatron_rl.algorithms.pcl import has_mixed_rewards
 from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
-from megatron_rl.controller.episodes import Group
-from megatron_rl.data.sources import Prompt, PromptDataset, PromptStream
 from megatron_rl.controller.config import CurriculumConfig
+from megatron_rl.controller.episodes import Group
+from megatron_rl.data.prompts import Prompt, PromptDataset
+from megatron_rl.data.sources import PromptStream
 
 
 def _rewards(group: Group) -> list[float]:

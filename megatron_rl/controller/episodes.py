@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future
 from typing import Protocol, Sequence
 
-from megatron_rl.data.sources import Prompt
+from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rewards.registry import Reward, RewardResult
 from megatron_rl.rollout.config import RolloutConfig

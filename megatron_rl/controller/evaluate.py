@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-from megatron_rl.data.sources import Prompt
+from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams

@@ -35,7 +35,12 @@ from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.observability.metrics import write_plots
 from megatron_rl.observability.run_log import RunLog, write_config
 from megatron_rl.observability.timeline import Timeline
-from megatron_rl.placement.generator_ranks import current_launch, join_launch, serve_generator_rank, trainer_world_size
+from megatron_rl.placement.generator_ranks import (
+    current_launch,
+    join_launch,
+    serve_generator_rank,
+    trainer_world_size,
+)
 from megatron_rl.placement.generators import engine_context
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
 from megatron_rl.controller.batching import StepBatch, build_step_batch
 from megatron_rl.controller.config import OBJECTIVES
-
+from megatron_rl.trainer.trainer import MegatronTrainer
 
 
 class Objective(Protocol):
@@ -74,7 +74,6 @@ def frozen_reference(config, model, policy):
     None without a KL term. A resumed run rebuilds it from `model`, the starting weights again."""
     if config.algorithm.loss.kl_coef <= 0 or policy is None:  # (an objective built only to filter data)
         return None
-    from megatron_rl.trainer.trainer import MegatronTrainer
 
     return MegatronTrainer(model.arch, policy.config, pg_collection=policy.pg, hf_state=model.state, frozen=True)
 

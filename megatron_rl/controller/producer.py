@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import torch
 
 from megatron_rl.controller.episodes import EpisodeProducer, Group, GroupRequest
-from megatron_rl.data.sources import DataError, Prompt, PromptStream
+from megatron_rl.data.prompts import DataError, Prompt
+from megatron_rl.data.sources import PromptStream
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import caller_driven

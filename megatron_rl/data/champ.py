@@ -16,7 +16,14 @@ import json
 import os
 import re
 
-from megatron_rl.data.sources import DataError, Prompt, PromptDataset, SourceConfig, _messages, _stable_id
+from megatron_rl.data.config import SourceConfig
+from megatron_rl.data.prompts import (
+    DataError,
+    Prompt,
+    PromptDataset,
+    chat_messages,
+    stable_id,
+)
 
 _VERIFIABLE = re.compile(r"^[-+*/^().\d\s,%]+$")
 
@@ -57,7 +64,7 @@ def load_champ(cfg: SourceConfig) -> PromptDataset:
                 raise DataError(f"{where}: no problem text ('_text')")
             if not solution:
                 raise DataError(f"{where}: no worked solution (solution.steps)")
-            messages, question = _messages(question, cfg.system_prompt, cfg.prompt_template, where, "_text")
+            messages, question = chat_messages(question, cfg.system_prompt, cfg.prompt_template, where, "_text")
         except DataError as exc:
             if cfg.on_bad_row == "error":
                 raise
@@ -65,7 +72,7 @@ def load_champ(cfg: SourceConfig) -> PromptDataset:
             first_error = first_error or exc
             continue
         short = str(problem.get("_answer") or "")
-        prompts.append(Prompt(prompt_id=_stable_id("champ", question, identifier), messages=messages,
+        prompts.append(Prompt(prompt_id=stable_id("champ", question, identifier), messages=messages,
                               question=question, answer=solution,
                               metadata={"source": path, "row": identifier, "short_answer": short or None,
                                         "verifiable": bool(short) and is_verifiable(short),

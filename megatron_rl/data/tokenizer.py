@@ -2,7 +2,7 @@
 
 Only `tokenizers` and `jinja2` are used at run time (no transformers). The GGUF path rebuilds the
 byte-level BPE exactly as SmolLM2's `tokenizer.json` defines it (individual digits, then GPT-2 byte
-level), which FINDINGS.md verified token-for-token against transformers.
+level), checked against transformers in tests/test_trainer_parity.py.
 """
 from __future__ import annotations
 

@@ -16,16 +16,15 @@ import json
 import os
 from typing import Callable
 
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from megatron_rl.models.gguf import read_gguf
-from megatron_rl.models.megatron_layout import MegatronLayout, megatron_to_hf
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.gguf import read_gguf
+from megatron_rl.models.megatron_layout import MegatronLayout, megatron_to_hf
 
 MEGATRON_META = "megatron_rl_checkpoint.json"
 

@@ -11,15 +11,18 @@ import time
 
 import torch
 
+from megatron_rl.checkpoints_tools.convert import convert
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.placement.generator_process import GeneratorProcess
+from megatron_rl.placement.launch import run_distributed
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
+from megatron_rl.trainer.trainer import load_policy
+from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
+
 
 def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
     import torch.distributed as dist
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.placement.generator_process import GeneratorProcess
-    from megatron_rl.trainer.config import ParallelConfig
-    from megatron_rl.trainer.trainer import load_policy
-    from megatron_rl.trainer.config import TrainerConfig
-    from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
 
     torch.set_num_threads(1)
     trainer = load_policy(checkpoint, TrainerConfig(parallel=ParallelConfig(tensor_parallel=world_size)))
@@ -56,10 +59,6 @@ def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
 
 
 def bench_sync(options: dict) -> dict:
-    from megatron_rl.checkpoints_tools.convert import convert
-    from megatron_rl.placement.launch import run_distributed
-    from megatron_rl.rollout.config import NativeEngineConfig
-
     tp = int(options.get("tp", 3))
     repeats = int(options.get("repeats", 5))
     # The engine as the RL loop runs it (batch 64); prepack=false skips MKL weight re-packing on load.

@@ -32,11 +32,17 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.rollout.engine import GenerateRequest, RequestLike, as_requests, wait_all
-from megatron_rl.rollout.native.weights import weight_arena_layout
+from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    RequestLike,
+    as_requests,
+    wait_all,
+)
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.native.weights import weight_arena_layout
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
 
@@ -56,7 +62,6 @@ def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active
             core_share=None) -> None:
     torch.set_num_threads(threads)
     _exit_with_parent(arenas)
-    from megatron_rl.rollout.native import NativeEngine
 
     try:
         buffers = [SharedBuckets.attach(descriptor).buckets[0].buffer for descriptor in arenas]

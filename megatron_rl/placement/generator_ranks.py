@@ -31,11 +31,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
-from megatron_rl.trainer.parallel import resolved_backend
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.placement.generator_process import RemoteEngine, _serve_messages
+from megatron_rl.rollout.engine import iter_named_tensors
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.pool import EnginePool
+from megatron_rl.trainer.parallel import init_distributed, resolved_backend
+from megatron_rl.weight_sync.distributed import (
+    DEFAULT_GROUP_NAME,
+    BroadcastWeightSender,
+    group_on_store,
+    init_weight_update_group,
+    receive_broadcast,
+)
 from megatron_rl.weight_sync.fp8 import generator_weights
-from megatron_rl.weight_sync.distributed import (DEFAULT_GROUP_NAME, BroadcastWeightSender, group_on_store,
-                                                 init_weight_update_group, receive_broadcast)
 
 
 @dataclasses.dataclass
@@ -71,7 +80,6 @@ def trainer_world_size(generator_ranks: int) -> int:
 def join_launch(parallel, generator_ranks: int) -> LaunchRole:
     """Join the launch's world as a trainer or a generator rank (see the module docstring)."""
     global _LAUNCH
-    from megatron_rl.trainer.parallel import init_distributed
 
     if generator_ranks == 0:
         init_distributed(parallel)
@@ -172,8 +180,6 @@ class RankGenerator(RemoteEngine):
 
     def update_weights(self, named_tensors, version: int | None = None) -> None:
         """Without a broadcast group: the tensors travel pickled over the record link (small models)."""
-        from megatron_rl.rollout.engine import iter_named_tensors
-
         self._requests.put(("weights", version, {n: t.detach().cpu() for n, t in iter_named_tensors(named_tensors)}))
         self._version = self._reply("updated")[1]
 
@@ -227,9 +233,6 @@ class _StagedWeights:
 
 def serve_generator_rank(config, role: LaunchRole) -> None:
     """A generator rank's whole life: load the model, serve the driver until it says stop."""
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.rollout.native import NativeEngine
-
     model = load_pretrained(config.model.path)
     engine = NativeEngine(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer,
                           config=config.engine)
@@ -246,8 +249,6 @@ def serve_generator_rank(config, role: LaunchRole) -> None:
 
 def generator_rank_pool(config):
     """The driver's engine: an EnginePool over the launch's generator ranks, weights by broadcast."""
-    from megatron_rl.rollout.pool import EnginePool
-
     if not _LAUNCH.record_links:
         raise RuntimeError("generator_rank_pool() on a rank without record links (not the driver of a launch "
                            "with cluster.generator.launch_ranks)")

@@ -12,10 +12,9 @@ import os
 import traceback
 
 import torch
-
 import torch.multiprocessing as mp
 
-from megatron_rl.trainer.parallel import free_port
+from megatron_rl.trainer.parallel import free_port, teardown
 
 
 def _worker(rank, world_size, port, target, args, queue):
@@ -34,7 +33,6 @@ def _worker(rank, world_size, port, target, args, queue):
         import torch.distributed as dist
         if dist.is_initialized():
             try:
-                from megatron_rl.trainer.parallel import teardown
                 teardown()
             except Exception:
                 pass

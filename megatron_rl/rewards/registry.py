@@ -25,6 +25,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from megatron_rl.config import require
+from megatron_rl.data.reasoning_gym_tasks import score_answer
 from megatron_rl.rewards.extract import ExtractMode, extract_answer
 from megatron_rl.rewards.math_answer import answers_match
 
@@ -164,8 +165,6 @@ class Reward:
 @register_reward("reasoning_gym")
 def reasoning_gym_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
     """reasoning-gym's own `score_answer(extracted answer, entry)` for the prompt's task."""
-    from megatron_rl.data.reasoning_gym_tasks import score_answer
-
     meta = (getattr(prompt, "metadata", None) or {}).get("reasoning_gym")
     if not meta:
         raise ValueError("the prompt has no reasoning-gym metadata (use a reasoning_gym data source, "
@@ -186,7 +185,13 @@ def math_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") ->
     if gold is None:
         raise ValueError("the prompt has no reference answer")
     if extract == "auto":
-        from megatron_rl.rewards.extract import answer_tag, is_numeric, last_boxed, last_line, last_number
+        from megatron_rl.rewards.extract import (
+            answer_tag,
+            is_numeric,
+            last_boxed,
+            last_line,
+            last_number,
+        )
 
         answer = last_boxed(response)
         if answer is None:

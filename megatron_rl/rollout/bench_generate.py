@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config import ConfigError
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
+
 PROMPTS = [
     "What is 17 + 25?", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
     "Give me three tips for learning a new language.", "Write a Python function that reverses a string.",
@@ -79,10 +85,6 @@ def _prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
 
 
 def _run_native(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str) -> dict:
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.native import NativeEngine
-    from megatron_rl.rollout.config import NativeEngineConfig
-
     config = NativeEngineConfig(max_batch_size=len(prompts), max_seq_len=max(len(p) for p in prompts) + max_new_tokens,
                                 dtype=dtype)
     with NativeEngine.from_pretrained(pretrained, config) as engine:
@@ -132,8 +134,6 @@ def bench_rollout(options: dict) -> dict:
     # Huge pages for the large weight / KV buffers (~10% faster decoding here). Takes effect only if
     # set before torch's first large allocation; both engines in this run get the same allocator.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.config import ConfigError
 
     known = {"model", "batch", "max_new_tokens", "threads", "seed", "hf", "dtype", "repeats"}
     unknown = set(options) - known

@@ -17,8 +17,16 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_requests,
-                                        iter_named_tensors, submit_each, wait_all)
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    NamedTensors,
+    RequestError,
+    RequestLike,
+    as_requests,
+    iter_named_tensors,
+    submit_each,
+    wait_all,
+)
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.distributed import DEFAULT_GROUP_NAME
 

@@ -13,8 +13,18 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
-from megatron_rl.rollout.engine import GenerateRequest, NamedTensors, RequestLike, as_requests, iter_named_tensors, wait_all
+from megatron_rl.rollout.client import HTTPEngine, SGLangServer
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    NamedTensors,
+    RequestLike,
+    as_requests,
+    iter_named_tensors,
+    wait_all,
+)
 from megatron_rl.types import Completion
+from megatron_rl.weight_sync.distributed import BroadcastWeightSender
+from megatron_rl.weight_sync.fp8 import iter_quantized
 
 
 def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0) -> None:
@@ -53,10 +63,6 @@ class EnginePool:
                            ready_timeout: float = 3600.0) -> "EnginePool":
         """Generation over each server's /generate, weights over one NCCL group (SGLang's
         update_weights_from_distributed)."""
-        from megatron_rl.rollout.client import HTTPEngine
-        from megatron_rl.rollout.client import SGLangServer
-        from megatron_rl.weight_sync.distributed import BroadcastWeightSender
-
         def sender():
             return BroadcastWeightSender([SGLangServer(u, api_key=api_key) for u in urls], [engine_tp] * len(urls),
                                          master_address=master_address, master_port=master_port, backend="nccl")
@@ -102,8 +108,6 @@ class EnginePool:
                 self._sender = self._sender_factory()
             named = iter_named_tensors(named_tensors)
             if self._fp8_block_size:
-                from megatron_rl.weight_sync.fp8 import iter_quantized
-
                 named = iter_quantized(named, self._fp8_block_size)
             self._sender.push(named, version)
         if version is not None:

@@ -40,6 +40,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.types import Completion
 
@@ -210,8 +211,6 @@ class RolloutServer:
                      "weight_version": self.engine.version}
 
     def update_weights_from_disk(self, data: dict[str, Any]) -> tuple[int, Any]:
-        from megatron_rl.models.pretrained import load_pretrained
-
         path = data.get("model_path")
         if not isinstance(path, str) or not path:
             raise HTTPError(400, "field 'model_path' is required")

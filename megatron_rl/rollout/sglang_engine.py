@@ -32,8 +32,14 @@ from typing import Any, Iterable, Sequence
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.client import completion_from_json
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestLike, iter_named_tensors,
-                                        submit_each, wait_all)
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    NamedTensors,
+    RequestLike,
+    iter_named_tensors,
+    submit_each,
+    wait_all,
+)
 from megatron_rl.types import Completion
 
 

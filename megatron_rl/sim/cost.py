@@ -22,6 +22,11 @@ import dataclasses
 import math
 from typing import Literal
 
+from megatron_rl.kernels.logprob import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_VOCAB_CHUNK_SIZE,
+    GPU_CHUNK_BYTES,
+)
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.sim.config import CostAssumptions, HardwareSpec
 
@@ -102,8 +107,6 @@ def layer_activation_elements(arch: ModelArch, seq_len: int, tp: int,
 
 def logprob_workspace_bytes(arch: ModelArch, tokens: int, tp: int, on_gpu: bool) -> float:
     """The fused log-prob kernel's logits tile (kernels/logprob.py chunk sizes) and its exp."""
-    from megatron_rl.kernels.logprob import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, GPU_CHUNK_BYTES
-
     local_vocab = padded_vocab(arch, tp) / tp
     if on_gpu:
         return 2 * min(GPU_CHUNK_BYTES, tokens * local_vocab * 4)

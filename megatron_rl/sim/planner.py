@@ -15,7 +15,7 @@ import math
 import os
 
 from megatron_rl.config import ConfigError
-from megatron_rl.models.arch import ModelArch, preset, PRESETS
+from megatron_rl.models.arch import PRESETS, ModelArch, preset
 from megatron_rl.sim import cost
 from megatron_rl.sim.config import ClusterConfig, HardwareSpec
 

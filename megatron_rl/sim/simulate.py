@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import os
 
+from megatron_rl.config import load_yaml
+from megatron_rl.run_config import RunConfig
+from megatron_rl.sim.planner import LayoutError, make_plan
+
 PAPER_SPEEDUPS = {"8b": 2.52, "70b": 3.98, "405b": 10.7}
 """LlamaRL (arXiv 2505.24034) reported step-time speed-ups over a DeepSpeed-Chat-like system."""
 
@@ -32,10 +36,6 @@ def recipes_dir() -> str:
 
 def simulate_recipe(path: str, overrides: list[str] | None = None) -> dict:
     """Plan the recipe as written (asynchronous) and as the colocated synchronous baseline."""
-    from megatron_rl.config import load_yaml
-    from megatron_rl.run_config import RunConfig
-    from megatron_rl.sim.planner import make_plan
-
     overrides = list(overrides or [])
     config = load_yaml(RunConfig, path, overrides)
     asynchronous = make_plan(config)
@@ -48,10 +48,6 @@ def simulate_recipe(path: str, overrides: list[str] | None = None) -> dict:
 def best_split(path: str, overrides: list[str] | None = None) -> tuple[int, float] | None:
     """The theory's min over N_g + N_t = N of the asynchronous step: try every whole-node generator group
     of the recipe's engine TP; returns (generator GPUs, step seconds) of the fastest layout that fits."""
-    from megatron_rl.config import load_yaml
-    from megatron_rl.run_config import RunConfig
-    from megatron_rl.sim.planner import LayoutError, make_plan
-
     base = load_yaml(RunConfig, path, list(overrides or []))
     per_node = base.cluster.hardware_spec().gpus_per_node
     best = None

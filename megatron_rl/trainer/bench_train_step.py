@@ -1,11 +1,14 @@
 """`megatron-rl bench trainer`: Megatron trainer forward+backward+Adam tokens/s against HF transformers'
-model on the same SmolLM2 batch, in one process (the FINDINGS.md baseline: 8 x 256 tokens, ~205 tok/s)."""
+model on the same SmolLM2 batch, in one process (8 x 256 tokens)."""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
 
 
@@ -18,10 +21,6 @@ def _timed(step, steps: int) -> float:
 
 
 def bench_trainer(options: dict) -> dict:
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.trainer.config import TrainerConfig
-
     rows, length = int(options.get("batch", 8)), int(options.get("seq", 256))
     steps = int(options.get("steps", 2))
     threads = int(options.get("threads", 2))

@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 
 
 def transformer_engine_available() -> bool:
@@ -85,7 +85,9 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
 
 def layer_spec(kind: Literal["local", "te"]):
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     if kind == "te":
         return get_gpt_layer_with_transformer_engine_spec()

@@ -26,13 +26,29 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import (
+    MegatronLayout,
+    hf_to_megatron,
+    megatron_to_hf,
+)
+from megatron_rl.models.pretrained import (
+    MEGATRON_META,
+    load_megatron_shard,
+    load_pretrained,
+    read_megatron_layout,
+    resolve_model_path,
+)
 from megatron_rl.trainer import cpu_compat
-from megatron_rl.trainer.model import build_gpt_model, resolve_layer_spec, transformer_config
+from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.trainer.model import (
+    build_gpt_model,
+    resolve_layer_spec,
+    transformer_config,
+)
 from megatron_rl.trainer.parallel import setup_model_parallel
 from megatron_rl.types import TrainBatch
-from megatron_rl.trainer.config import TrainerConfig
 
 LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -73,8 +89,11 @@ class MegatronTrainer:
     # --- construction -----------------------------------------------------------------------------
     def _build(self, pg_collection, hf_state) -> None:
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
@@ -265,8 +284,6 @@ class MegatronTrainer:
         [b, S] float32, via the fused vocab-parallel kernel (padding rows of the vocabulary excluded).
         With `where` ([b, S]), only positions where it is non-zero are computed (0 elsewhere): the
         output layer and softmax then cost nothing on prompt and padding tokens."""
-        from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
-
         weight = self._output_weight()
         targets = tokens[:, 1:]
         select = None
@@ -357,7 +374,9 @@ class MegatronTrainer:
     def compute_logits(self, batch: TrainBatch) -> torch.Tensor:
         """Full-vocabulary logits [B, S-1, vocab_size] (float32, CPU) predicting tokens[:, 1:], gathered
         over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import (
+            gather_from_tensor_model_parallel_region,
+        )
 
         def on_hidden(hidden, tokens, mb):
             logits = hidden.float() @ self._output_weight().float().t()
@@ -458,9 +477,6 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
     """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
     read shard by shard (each rank reads only its own file); any other source is converted in memory
     (from `pretrained`, a `load_pretrained(model_path, lazy=True)` the caller also uses, when given)."""
-    from megatron_rl.models.pretrained import (
-        MEGATRON_META, load_megatron_shard, load_pretrained, read_megatron_layout, resolve_model_path)
-
     import os
 
     path = resolve_model_path(model_path)

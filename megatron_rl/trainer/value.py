@@ -46,11 +46,12 @@ import math
 import torch
 
 from megatron_rl.algorithms.pcl import value_loss
-from megatron_rl.models.megatron_layout import hf_to_megatron
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import hf_to_megatron
+from megatron_rl.trainer import cpu_compat
+from megatron_rl.trainer.config import ValueModelConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
-from megatron_rl.trainer.config import ValueModelConfig
 
 
 def truncate_layers(arch: ModelArch, state: dict[str, torch.Tensor], num_layers: int,
@@ -262,8 +263,6 @@ class ValueTrainer(MegatronTrainer):
         Prompts are ordered by length and each micro-batch is cut after its longest prompt, so padding
         costs little (prompts of a mixture differ in length by up to ~2x); V does not depend on the
         order or the padding (the state after each prompt's last token is read)."""
-        from megatron_rl.trainer import cpu_compat
-
         order = _by_length(prompts)
         batch = self.prompt_batch([prompts[i] for i in order], pad_token_id=pad_token_id)
 

@@ -42,7 +42,12 @@ def group_on_store(store, rank: int, world_size: int, *, group_name: str, backen
                    timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
     """A process group of `world_size` ranks outside the default world, rendezvousing on `store` under
     the prefix `group_name`. Its ranks are its own (0 .. world_size - 1): pass them as `src` / `dst`."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
 
     store = PrefixStore(group_name, store)
     # torch renamed pg_options to backend_options (2.6); pass whichever this torch has.

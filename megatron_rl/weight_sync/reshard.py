@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from megatron_rl.models.megatron_layout import MegatronLayout
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import MegatronLayout
 
 SourceKey = tuple[int, int]  # (pp_rank, tp_rank)
 

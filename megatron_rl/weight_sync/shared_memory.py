@@ -16,7 +16,12 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_rl.weight_sync.reshard import Bucket, BucketLayout, ReshardPlan, plan_buckets
+from megatron_rl.weight_sync.reshard import (
+    Bucket,
+    BucketLayout,
+    ReshardPlan,
+    plan_buckets,
+)
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

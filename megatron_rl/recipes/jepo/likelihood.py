@@ -17,7 +17,11 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.algorithms.jepo import proxy_nll
+from megatron_rl.ranks import broadcast_records
 from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.types import TrainBatch
 
 
 def cut_at_marker(tokenizer, output_ids: Sequence[int], marker: str) -> tuple[list[int], bool]:
@@ -52,8 +56,6 @@ def _strip_stop(tokenizer, ids: list[int]) -> list[int]:
 
 def score_rows(scorer, rows: list[tuple[list[int], int]], *, pad_token_id: int, micro_batch_rows: int) -> list[float]:
     """Sum of log pi over the last `k` tokens of each row (row ids, k), with `scorer.compute_logprobs`."""
-    from megatron_rl.types import TrainBatch
-
     out: list[float] = []
     for start in range(0, len(rows), micro_batch_rows):
         chunk = rows[start:start + micro_batch_rows]
@@ -77,9 +79,6 @@ def evaluate_likelihood(engine, scorer, tokenizer, prompts, config: LikelihoodEv
     trainer ranks every rank calls this: the driver (rank 0) with the engine and the prompts, the others
     with engine=None; the rows are broadcast, every rank scores them (the trainer's forward is a
     collective), and the driver returns the metrics ({} elsewhere)."""
-    from megatron_rl.algorithms.jepo import proxy_nll
-    from megatron_rl.ranks import broadcast_records
-
     sampled = _sample_reference_rows(engine, tokenizer, prompts, config, seed) if engine is not None else None
     rows, ref_tokens, found_count = broadcast_records(sampled)
     scores = score_rows(scorer, rows, pad_token_id=tokenizer.pad_token_id, micro_batch_rows=config.micro_batch_rows)
@@ -99,8 +98,6 @@ def evaluate_likelihood(engine, scorer, tokenizer, prompts, config: LikelihoodEv
 def _sample_reference_rows(engine, tokenizer, prompts, config: LikelihoodEvalConfig, seed: int):
     """n chains of thought per prompt from `engine`, each followed by the prompt's reference: (rows of
     (token ids, reference length), reference lengths per prompt, chains that had the answer marker)."""
-    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-
     missing = [p.prompt_id for p in prompts if not p.answer]
     if missing:
         raise ValueError(f"likelihood evaluation needs a reference answer for every prompt; missing for "

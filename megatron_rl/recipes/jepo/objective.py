@@ -16,11 +16,15 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms.advantages import compute_advantages
-from megatron_rl.algorithms.jepo import JepoTrainBatch, make_jepo_loss_fn, make_sft_loss_fn
+from megatron_rl.algorithms.jepo import (
+    JepoTrainBatch,
+    make_jepo_loss_fn,
+    make_sft_loss_fn,
+)
 from megatron_rl.config import require
 from megatron_rl.controller.batching import StepBatch, rollout_metrics
 from megatron_rl.controller.objectives import frozen_reference, reference_logprobs
-from megatron_rl.data.sources import DataError, PromptDataset
+from megatron_rl.data.prompts import DataError, PromptDataset
 from megatron_rl.recipes.jepo.likelihood import cut_at_marker, reference_ids
 from megatron_rl.types import TrainBatch
 

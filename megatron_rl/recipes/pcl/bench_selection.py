@@ -26,7 +26,16 @@ import statistics
 import tempfile
 import time
 
+from megatron_rl.algorithms.pcl import (
+    has_mixed_rewards,
+    select_closest_to_target,
+    value_targets,
+)
 from megatron_rl.config import load_yaml
+from megatron_rl.controller.loop import build_controller
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.recipes.pcl.selector import build_value_model
+from megatron_rl.run_config import RunConfig
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "pcl_arith.yaml")
 
@@ -34,10 +43,6 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "config
 def bench_pcl(options: dict) -> dict:
     import dataclasses
 
-    from megatron_rl.algorithms.pcl import has_mixed_rewards, select_closest_to_target, value_targets
-    from megatron_rl.recipes.pcl.selector import build_value_model
-    from megatron_rl.controller.loop import build_controller
-    from megatron_rl.run_config import RunConfig
 
     rounds = int(options.get("rounds", 4))
     warmup = int(options.get("warmup", 1))
@@ -54,8 +59,6 @@ def bench_pcl(options: dict) -> dict:
             # head, optimizer) and scored on the same candidates: what the depth costs in selection.
             models = {"value": selector.value}
             if reference_layers:
-                from megatron_rl.models.pretrained import load_pretrained
-
                 policy = load_pretrained(config.model.path)
                 for layers in reference_layers:
                     models[f"layers_{layers}"] = build_value_model(

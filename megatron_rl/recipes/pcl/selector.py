@@ -10,10 +10,15 @@ from typing import Any
 
 import torch
 
-from megatron_rl.algorithms.pcl import explained_variance, select_closest_to_target, value_targets
+from megatron_rl.algorithms.pcl import (
+    explained_variance,
+    select_closest_to_target,
+    value_targets,
+)
 from megatron_rl.controller.curriculum import PromptSelector, _rewards
 from megatron_rl.controller.episodes import Group
-from megatron_rl.data.sources import Prompt, PromptStream
+from megatron_rl.data.prompts import Prompt
+from megatron_rl.data.sources import PromptStream
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.trainer.value import ValueTrainer
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatron_rl.algorithms.config import WaltzRewardConfig
 from megatron_rl.config import require
 from megatron_rl.trainer.config import TrainerConfig
-from megatron_rl.algorithms.config import WaltzRewardConfig
-
 
 # The prompt sets and the kind of prompt each holds (recipes/waltz/data.py reads them).
 SOURCES = {

@@ -28,9 +28,14 @@ import random
 
 import yaml
 
-from megatron_rl.data.sources import DataError, Prompt, PromptDataset, _stable_id, normalize_question
+from megatron_rl.data.prompts import (
+    DataError,
+    Prompt,
+    PromptDataset,
+    normalize_question,
+    stable_id,
+)
 from megatron_rl.recipes.waltz.config import SOURCES, SafetyDataConfig
-
 
 
 def package_dir(name: str, pip_name: str) -> str:
@@ -112,7 +117,7 @@ def load_safety_prompts(source: str, system_prompt: str | None = None) -> list[P
         seen.add(key)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
-        prompts.append(Prompt(prompt_id=_stable_id(source, text, None), messages=messages, question=text,
+        prompts.append(Prompt(prompt_id=stable_id(source, text, None), messages=messages, question=text,
                               metadata={"safety": {"kind": kind, "source": source}}))
     return prompts
 

@@ -40,11 +40,17 @@ from megatron_rl.algorithms.waltz import (
     training_stage,
 )
 from megatron_rl.controller.episodes import GroupRequest, Sample
-from megatron_rl.rewards.registry import RewardResult
-from megatron_rl.recipes.waltz.judge import prompt_kind
-from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams, caller_driven
-from megatron_rl.types import Completion
+from megatron_rl.data.prompts import Prompt
 from megatron_rl.recipes.waltz.config import WaltzConfig
+from megatron_rl.recipes.waltz.judge import prompt_kind
+from megatron_rl.rewards.registry import RewardResult
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+    caller_driven,
+)
+from megatron_rl.types import Completion
 
 FEEDBACK_SYSTEM = (
     "You check an AI assistant's answer to a user. unsafe: the answer helps with something harmful or illegal. "
@@ -444,8 +450,6 @@ def chat_with_feedback(conversation_engine, feedback_engine, tokenizer, message:
     """Inference with the trained pair: the conversation agent answers; the feedback agent reviews the
     answer and, only when it raises a flag, its feedback goes back for a revision (up to T_max).
     Greedy decoding; no judge is involved. The episode's last conversation turn is the reply."""
-    from megatron_rl.data.sources import Prompt
-
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
     prompt = Prompt(prompt_id="chat", messages=messages, question=message)
     producer = WaltzEpisodes(conversation_engine, feedback_engine, tokenizer, None, config,

@@ -19,7 +19,10 @@ import re
 from typing import Any, Protocol, Sequence
 
 from megatron_rl.algorithms.waltz import SafetyLabels
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.recipes.waltz.config import JudgeConfig, RefusalClassifierConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
 
 PROMPT_KINDS = ("harmful", "benign_edgy", "benign")
 
@@ -167,8 +170,6 @@ class LLMJudge:
         self.unparsed = 0  # verdicts that did not parse (the rule judge labelled those samples)
 
     def judge(self, prompts: Sequence[Any], responses: Sequence[str]) -> list[SafetyLabels]:
-        from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
-
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
         requests = [GenerateRequest(request_id=f"judge-{i}", sampling=params, prompt_ids=self.tokenizer.encode_chat(
             [{"role": "user", "content": self.template.format(question=getattr(p, "question", ""), response=r)}]))
@@ -189,8 +190,6 @@ def build_judge(config: JudgeConfig, engine_config=None) -> Judge:
     rule = RuleJudge(RefusalClassifier(config.refusal))
     if config.kind == "rule":
         return rule
-    from megatron_rl.models.pretrained import load_pretrained
-    from megatron_rl.rollout.native import NativeEngine
 
     model = load_pretrained(config.model_path)
     engine = NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=engine_config)

@@ -31,10 +31,18 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.rollout.engine import (GenerateRequest, NamedTensors, RequestError, RequestLike, as_request,
-                                        iter_named_tensors, validate_request)
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import (
+    GenerateRequest,
+    NamedTensors,
+    RequestError,
+    RequestLike,
+    as_request,
+    iter_named_tensors,
+    validate_request,
+)
 from megatron_rl.rollout.native.model import LlamaModel, _Batch
 from megatron_rl.rollout.native.sampling import _sample_seed
 from megatron_rl.rollout.native.scheduler import _Scheduler, _Seq
@@ -108,8 +116,6 @@ class NativeEngine(_Scheduler):
     @classmethod
     def from_pretrained(cls, source: Any, config: NativeEngineConfig | None = None, **kwargs: Any) -> "NativeEngine":
         """Build from a path / alias understood by `load_pretrained` (e.g. 'smollm2-135m') or a Pretrained."""
-        from megatron_rl.models.pretrained import load_pretrained
-
         pretrained = load_pretrained(source) if isinstance(source, str) else source
         return cls(pretrained.arch, pretrained.state, tokenizer=pretrained.tokenizer, config=config, **kwargs)
 

@@ -12,8 +12,8 @@ from typing import Iterable
 
 import torch
 
-from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
 class _Layer:
