@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 
 from megatron_rl.config import require
 from megatron_rl.data.reasoning_gym_tasks import score_answer
-from megatron_rl.rewards.extract import ExtractMode, extract_answer
+from megatron_rl.rewards.extract import (ExtractMode, answer_tag, extract_answer, is_numeric, last_boxed, last_line,
+                                         last_number)
 from megatron_rl.rewards.math_answer import answers_match
 
 logger = logging.getLogger(__name__)
@@ -185,14 +186,6 @@ def math_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") ->
     if gold is None:
         raise ValueError("the prompt has no reference answer")
     if extract == "auto":
-        from megatron_rl.rewards.extract import (
-            answer_tag,
-            is_numeric,
-            last_boxed,
-            last_line,
-            last_number,
-        )
-
         answer = last_boxed(response)
         if answer is None:
             answer = answer_tag(response)
