@@ -35,7 +35,7 @@ def _status() -> dict[str, int]:
 
 
 def _child() -> None:
-    import torch
+    import torch  # in the measured child only: the parent's memory stays out of the peak
 
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(spec["threads"])

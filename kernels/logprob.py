@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 # Tile sized on CPU (2 threads; 2 MiB L2 per core): a [512, 4096] fp32 logits tile is 8 MiB; measured best
 # of 128x16384, 256x8192, 512x4096, 512x8192, 1024x4096 on the bench shape.
@@ -54,7 +55,7 @@ _NEG = -1.0e30  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * _NEG == 0 
 
 
 def triton_available() -> bool:
-    from megatron_rl.kernels import triton_logprob
+    from megatron_rl.kernels import triton_logprob  # optional Triton: importing it costs ~1 s
 
     return triton_logprob.AVAILABLE
 
@@ -108,8 +109,6 @@ def fused_logprobs_and_entropy(
     t1 = targets.reshape(-1)
     tp_size, tp_rank = 1, 0
     if tp_group is not None:
-        import torch.distributed as dist
-
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     v_local = weight.shape[0]
     if vocab_start is None:
@@ -159,7 +158,7 @@ class _FusedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, cfg: _Config):
         if cfg.backend == "triton":
-            from megatron_rl.kernels import triton_logprob as impl
+            from megatron_rl.kernels import triton_logprob as impl  # optional Triton, GPU path only
         else:
             impl = _TorchImpl
         m, s, t, zt = impl.partial_stats(hidden, weight, targets, cfg)
@@ -180,12 +179,10 @@ class _FusedLogprob(torch.autograd.Function):
             g_logp = torch.zeros_like(logz)
         impl = _TorchImpl
         if cfg.backend == "triton":
-            from megatron_rl.kernels import triton_logprob as impl
+            from megatron_rl.kernels import triton_logprob as impl  # optional Triton, GPU path only
         grad_h, grad_w = impl.grads(hidden, weight, targets, logz, ent, g_logp.float().contiguous(),
                                     None if g_ent is None else g_ent.float().contiguous(), cfg, need_h, need_w)
         if grad_h is not None and cfg.tp_group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(grad_h, group=cfg.tp_group)
         return (None if grad_h is None else grad_h.to(hidden.dtype),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None)
@@ -194,8 +191,6 @@ class _FusedLogprob(torch.autograd.Function):
 def _combine(m, s, t, zt, tp_group):
     """Local (max, sum-exp, centred t, target logit) -> (logp, entropy, log Z), reduced over tp_group."""
     if tp_group is not None:
-        import torch.distributed as dist
-
         m_global = m.clone()
         dist.all_reduce(m_global, op=dist.ReduceOp.MAX, group=tp_group)
         scale = torch.exp(m - m_global)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.algorithms.config import LOSS_NAMES, LossConfig
 
@@ -62,8 +63,6 @@ def compute_normalizer(loss_mask: torch.Tensor | list[torch.Tensor], config: Los
     tokens = sum(float((m != 0).sum()) for m in masks)
     seqs = sum(float(((m != 0).sum(-1) > 0).sum()) for m in masks)
     if group is not None:
-        import torch.distributed as dist
-
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
         dist.all_reduce(counts, group=group)
         tokens, seqs = counts.tolist()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -37,6 +38,7 @@ import zlib
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -303,8 +305,6 @@ class CheckpointManager:
 
 def _safe_torch_load(path: str) -> Any:
     """torch.load restricted to tensors and plain containers; anything else is refused, by name."""
-    import pickle
-
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -350,8 +350,6 @@ def _load_optimizer_state(trainer, saved: dict[str, Any], where: str) -> None:
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
@@ -360,8 +358,6 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
-        from megatron.core import tensor_parallel
-
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

@@ -7,6 +7,7 @@ BENCHMARKS; `key=value` options after the name are passed to it (values read as 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import sys
@@ -44,7 +45,6 @@ def parse_options(items: list[str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
-        import difflib
         close = difflib.get_close_matches(args.name, list(BENCHMARKS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown benchmark '{args.name}'{hint} (known: {', '.join(BENCHMARKS)})")

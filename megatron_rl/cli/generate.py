@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from tqdm import tqdm
+
 from megatron_rl.cli.serve import add_engine_arguments, build_engine
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
@@ -71,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
         futures = engine.submit(requests)
         progress = None
         if len(futures) > 4 and sys.stderr.isatty() or len(futures) > 16:
-            from tqdm import tqdm
             progress = tqdm(total=len(futures), desc="generate", unit="completion", file=sys.stderr)
             for f in futures:
                 f.add_done_callback(lambda _: progress.update(1))

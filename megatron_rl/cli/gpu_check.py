@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import time
+import traceback
 
 import torch
 
@@ -142,8 +143,6 @@ def weight_sync(trainer, engine, device: str) -> dict:
 def _section(result: dict, name: str, fn):
     """Run one part; a failure is printed and recorded under `name` and the check goes on to the next
     part (one GPU session should report everything that works, not stop at the first failure)."""
-    import traceback
-
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - reported, and counted in the JSON

@@ -101,7 +101,7 @@ def bench_reshard(copy_bw: float, arch, tp=8, engine_tp=4, device="cuda") -> dic
 
 
 def bench_logprob(copy_bw: float, n: int, v: int, h: int, device="cuda", rows=2048) -> dict:
-    from megatron_rl.kernels import triton_logprob as T
+    from megatron_rl.kernels import triton_logprob as T  # optional Triton, on a GPU only
 
     cuda = torch.device(device).type == "cuda"
 

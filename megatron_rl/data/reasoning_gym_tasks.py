@@ -14,6 +14,8 @@ do not). Import `reasoning_gym` fully before calling this module if other code n
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.machinery
@@ -84,8 +86,6 @@ def load_task(name: str) -> tuple[type, type]:
     with _LOCK:
         modules = task_modules()
         if name not in modules:
-            import difflib
-
             close = difflib.get_close_matches(name, list(modules), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise TaskNotFound(f"unknown reasoning-gym task {name!r}{hint}")
@@ -105,8 +105,6 @@ def create_task_dataset(name: str, config: dict[str, Any], *, size: int, seed: i
     try:
         cfg = config_cls(**options)
     except TypeError as exc:
-        import dataclasses
-
         valid = sorted(f.name for f in dataclasses.fields(config_cls))
         raise ValueError(f"reasoning-gym task {name!r}: bad generator option ({exc}); valid: {valid}") from None
     if hasattr(cfg, "validate"):

@@ -117,7 +117,7 @@ def _read_rows(cfg: SourceConfig) -> Iterator[tuple[int, str, Any]]:
                         f"{path}:{lineno}: malformed JSON row ({exc.msg} at column {exc.colno})")
     else:
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional (parquet extra): only for .parquet sources
         except ImportError:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         try:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import jinja2
 import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from megatron_rl.config import ConfigError
 
@@ -54,8 +55,6 @@ class ChatTokenizer:
     # --- construction -----------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: TokenizerSpec) -> "ChatTokenizer":
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
         vocab = {t: i for i, t in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -71,8 +70,6 @@ class ChatTokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ChatTokenizer":
-        from tokenizers import Tokenizer
-
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise ConfigError(f"{path}: no tokenizer.json in the model directory")

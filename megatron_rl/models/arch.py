@@ -6,6 +6,7 @@ or named presets, and turned into Megatron's `TransformerConfig` by `trainer/mod
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any
@@ -146,7 +147,6 @@ PRESETS: dict[str, ModelArch] = {
 
 def preset(name: str) -> ModelArch:
     if name not in PRESETS:
-        import difflib
         close = difflib.get_close_matches(name, list(PRESETS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown model preset '{name}'{hint} (known: {', '.join(PRESETS)})")

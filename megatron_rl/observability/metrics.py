@@ -55,7 +55,7 @@ class MetricsLogger:
         mode = _wandb_mode(config.wandb)
         if mode != "disabled":
             try:
-                import wandb
+                import wandb  # optional: only for runs that log to W&B
 
                 self._wandb = wandb.init(project=config.wandb_project, dir=run_dir, mode=mode,
                                          name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
@@ -99,10 +99,10 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def write_plots(run_dir: str) -> list[str]:
     """reward_accuracy.png and step_time.png from metrics.jsonl."""
-    import matplotlib
+    import matplotlib  # heavy, and only for the plots at the end of a run
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend (no display)
 
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     train = [r for r in records if "rollout/reward_mean" in r]
@@ -130,7 +130,7 @@ def write_plots(run_dir: str) -> list[str]:
 
 
 def _save(fig, ax, title: str, path: str) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after write_plots chose the Agg backend
 
     ax.set_xlabel("step")
     ax.set_title(title)

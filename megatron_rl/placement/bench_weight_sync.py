@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.checkpoints_tools.convert import convert
 from megatron_rl.models.pretrained import load_pretrained
@@ -22,8 +23,6 @@ from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
 
 
 def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     trainer = load_policy(checkpoint, TrainerConfig(parallel=ParallelConfig(tensor_parallel=world_size)))
     generator = None

@@ -12,6 +12,7 @@ import os
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_rl.trainer.parallel import free_port, teardown
@@ -30,7 +31,6 @@ def _worker(rank, world_size, port, target, args, queue):
     except BaseException:  # report every failure, including SystemExit from a bad config
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        import torch.distributed as dist
         if dist.is_initialized():
             try:
                 teardown()

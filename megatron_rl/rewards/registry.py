@@ -22,12 +22,20 @@ import importlib
 import inspect
 import logging
 import math
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from megatron_rl.config import require
 from megatron_rl.data.reasoning_gym_tasks import score_answer
-from megatron_rl.rewards.extract import (ExtractMode, answer_tag, extract_answer, is_numeric, last_boxed, last_line,
-                                         last_number)
+from megatron_rl.rewards.extract import (
+    ExtractMode,
+    answer_tag,
+    extract_answer,
+    is_numeric,
+    last_boxed,
+    last_line,
+    last_number,
+)
 from megatron_rl.rewards.math_answer import answers_match
 
 logger = logging.getLogger(__name__)
@@ -226,8 +234,6 @@ def soft_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "aut
     meta = getattr(prompt, "metadata", None) or {}
     short = meta.get("short_answer")
     if short and meta.get("verifiable", True):
-        from types import SimpleNamespace
-
         return math_reward(response, SimpleNamespace(answer=short), extract=extract)
     if judge is None:
         raise ValueError("no verifiable short answer and no judge configured (reward.kwargs.judge)")

@@ -101,7 +101,7 @@ def _run_native(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, 
 
 
 def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int) -> dict:
-    import transformers
+    import transformers  # the baseline only (dev extra), never the library's code path
 
     path = pretrained.source
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import torch
+from safetensors.torch import save as save_safetensors
 
 from megatron_rl.rollout.engine import (
     GenerateRequest,
@@ -125,8 +126,6 @@ class HTTPEngine:
         return submit_each(requests, lambda request: self._pool.submit(self._generate_batch, [request]))
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        from safetensors.torch import save as save_safetensors
-
         count = 0
         self.request("POST", "/begin_weight_update", {})
         try:

@@ -10,6 +10,7 @@ engine GPU, joined lazily on the first update, with block-fp8 quantization when 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
@@ -29,8 +30,6 @@ from megatron_rl.weight_sync.fp8 import iter_quantized
 
 def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0) -> None:
     """Block until every engine reports healthy (servers load 100s of GB before they answer)."""
-    import time
-
     deadline = time.monotonic() + timeout
     pending = list(engines)
     while pending:

@@ -40,6 +40,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from safetensors.torch import load as load_safetensors
+
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.types import Completion
@@ -178,8 +180,6 @@ class RolloutServer:
         return 200, outs if (batched or len(outs) != 1) else outs[0]
 
     def update_weights_from_tensor(self, body: bytes, content_type: str, query: dict[str, list[str]]) -> tuple[int, Any]:
-        from safetensors.torch import load as load_safetensors
-
         if content_type.startswith("application/octet-stream"):
             payloads = [body]
             version = _opt_int(query.get("weight_version", [None])[0], "weight_version")

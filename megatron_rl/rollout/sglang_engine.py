@@ -25,6 +25,7 @@ Its tests run only where sglang imports and CUDA is present (tests/test_rollout_
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import threading
 from concurrent.futures import Future
@@ -44,8 +45,6 @@ from megatron_rl.types import Completion
 
 
 def sglang_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("sglang") is not None
 
 
@@ -55,7 +54,7 @@ class SGLangEngine:
     def __init__(self, model_path: str, *, version: int = 0, **engine_kwargs: Any):
         os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
         try:
-            import sglang
+            import sglang  # optional (gpu extra): imported when an SGLang engine is built
         except ImportError as exc:
             raise ConfigError(f"the SGLang backend needs the 'sglang' package (pip install sglang): {exc}") from None
         self._engine = sglang.Engine(model_path=model_path, **engine_kwargs)
@@ -71,7 +70,7 @@ class SGLangEngine:
     # --- helpers --------------------------------------------------------------------------------
     @staticmethod
     def _io() -> Any:
-        from sglang.srt.managers import io_struct
+        from sglang.srt.managers import io_struct  # optional SGLang (gpu extra)
 
         return io_struct
 

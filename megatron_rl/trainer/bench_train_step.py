@@ -38,7 +38,7 @@ def bench_trainer(options: dict) -> dict:
     results["megatron_step_s"] = _timed(lambda: trainer.train_step(batch, lm_loss), steps)
     del trainer
 
-    import transformers
+    import transformers  # the baseline only (dev extra), never the library's code path
 
     config = transformers.LlamaConfig(**{k: v for k, v in model.arch.to_hf_config().items()
                                          if k not in ("architectures", "model_type", "torch_dtype")})

@@ -24,6 +24,8 @@ import contextlib
 import time
 from typing import Iterator
 
+import megatron.core.optimizer.clip_grads as clip_grads
+import megatron.core.optimizer.optimizer as optimizer
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -101,8 +103,6 @@ def apply() -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.Tensor.type = _cuda_named_type
     torch.cuda.Event = _WallClockEvent
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _APPLIED = True

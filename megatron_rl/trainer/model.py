@@ -10,6 +10,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
@@ -19,7 +27,7 @@ def transformer_engine_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  (optional: Transformer Engine needs CUDA)
     except ImportError:
         return False
     return True
@@ -39,8 +47,6 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     `fp8_recipe` ("delayed" or "tensorwise") turns on Transformer Engine FP8 GEMMs in the "hybrid" format
     (e4m3 forward, e5m2 gradients); Megatron's TransformerBlock then enters TE's fp8 autocast itself
     (around the whole block for delayed scaling, per layer otherwise). Needs the TE layer spec."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     check_parallel_layout(arch, tensor_parallel, pipeline_parallel)
     on_gpu = torch.cuda.is_available()
     kwargs = {}
@@ -84,11 +90,6 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
 
 
 def layer_spec(kind: Literal["local", "te"]):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     if kind == "te":
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -102,9 +103,6 @@ def _sdpa_attention_class():
     the probabilities of every layer for backward: ~17 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
     which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
     and GPU) keep O(s) per layer. Masks, windows, attention offsets and biases keep the local path."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
     class SDPADotProductAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -127,8 +125,6 @@ def _sdpa_attention_class():
 
 def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_process: bool, post_process: bool):
     """The GPTModel stage this rank holds. Its vocabulary is padded as `layout` says."""
-    from megatron.core.models.gpt import GPTModel
-
     arch = layout.arch
     return GPTModel(
         config=config,

@@ -9,6 +9,8 @@ import socket
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rl.trainer.config import ParallelConfig
 
@@ -47,9 +49,6 @@ def init_distributed(config: ParallelConfig) -> None:
 
 def setup_model_parallel(config: ParallelConfig):
     """Initialise Megatron's parallel state over the current world; return its process groups."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     init_distributed(config)
     config.data_parallel(dist.get_world_size())  # validates divisibility with a clear message
     if parallel_state.model_parallel_is_initialized():
@@ -63,8 +62,6 @@ def setup_model_parallel(config: ParallelConfig):
 
 
 def teardown() -> None:
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -20,11 +20,23 @@ is what the hook receives).
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.module import Float16Module
 
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
@@ -88,16 +100,6 @@ class MegatronTrainer:
 
     # --- construction -----------------------------------------------------------------------------
     def _build(self, pg_collection, hf_state) -> None:
-        from megatron.core import tensor_parallel
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer.module import Float16Module
-
         cfg, parallel = self.config, self.config.parallel
         self.pg = pg_collection if pg_collection is not None else setup_model_parallel(parallel)
         self.tp_rank, self.tp_size = self.pg.tp.rank(), self.pg.tp.size()
@@ -304,8 +306,6 @@ class MegatronTrainer:
         the last stage (hidden: final hidden states [b, S-1, H] of the micro-batch) for each
         micro-batch. Returns the per-micro-batch outputs (last stage only). `trim`: drop each
         micro-batch's columns after its last loss token (without pipeline parallelism)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         micro = list(batch.micro_batches(self.config.micro_batch_size))
         if trim and self.pp_size == 1:  # (pipeline stages exchange activations of one fixed shape)
             micro = [mb.trimmed() for mb in micro]
@@ -374,10 +374,6 @@ class MegatronTrainer:
     def compute_logits(self, batch: TrainBatch) -> torch.Tensor:
         """Full-vocabulary logits [B, S-1, vocab_size] (float32, CPU) predicting tokens[:, 1:], gathered
         over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
-        from megatron.core.tensor_parallel import (
-            gather_from_tensor_model_parallel_region,
-        )
-
         def on_hidden(hidden, tokens, mb):
             logits = hidden.float() @ self._output_weight().float().t()
             full = gather_from_tensor_model_parallel_region(logits)[..., :self.arch.vocab_size]
@@ -477,8 +473,6 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
     """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
     read shard by shard (each rank reads only its own file); any other source is converted in memory
     (from `pretrained`, a `load_pretrained(model_path, lazy=True)` the caller also uses, when given)."""
-    import os
-
     path = resolve_model_path(model_path)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, MEGATRON_META)):
         saved = read_megatron_layout(path)

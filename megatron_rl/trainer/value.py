@@ -44,6 +44,9 @@ import dataclasses
 import math
 
 import torch
+from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer.optimizer_config import ParamKey
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from megatron_rl.algorithms.pcl import value_loss
 from megatron_rl.models.arch import ModelArch
@@ -163,10 +166,6 @@ class ValueTrainer(MegatronTrainer):
         return self.network
 
     def _param_group_overrides(self, opt_config):
-        from megatron.core.optimizer import get_standard_config_overrides
-        from megatron.core.optimizer.optimizer_config import ParamKey
-        from megatron.core.optimizer_param_scheduler import ParamGroupOverride
-
         head_lr, backbone_lr = self.value_config.head_lr, self.config.lr
         overrides = dict(get_standard_config_overrides(config=opt_config) or {})
         if head_lr == backbone_lr:

@@ -42,6 +42,7 @@ def group_on_store(store, rank: int, world_size: int, *, group_name: str, backen
                    timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
     """A process group of `world_size` ranks outside the default world, rendezvousing on `store` under
     the prefix `group_name`. Its ranks are its own (0 .. world_size - 1): pass them as `src` / `dst`."""
+    # torch's private process-group helpers move between releases: looked up when a group is made.
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,

@@ -15,9 +15,16 @@ which reproduces the fp8 model's numbers up to the GEMM's accumulation order.
 """
 from __future__ import annotations
 
+import argparse
+import glob
+import json
+import os
+import shutil
 from typing import Iterable, Iterator, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -122,13 +129,6 @@ def write_fp8_checkpoint(src: str, out: str, block: int = 128) -> str:
     [block, block]} in config.json: the block-quantized layout SGLang loads natively, whose parameters
     `quantize_state` then refreshes on every sync. Streams one safetensors file at a time (a 405B model
     never sits in memory whole); other files (tokenizer, generation config) are copied as they are."""
-    import glob
-    import json
-    import os
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
     if not os.path.isfile(os.path.join(src, "config.json")) or not files:
@@ -159,8 +159,6 @@ def write_fp8_checkpoint(src: str, out: str, block: int = 128) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m megatron_rl.weight_sync.fp8 SRC_HF_DIR OUT_DIR [--block 128]`: the fp8 engines' checkpoint."""
-    import argparse
-
     parser = argparse.ArgumentParser(description="write a block-fp8 copy of an HF checkpoint for fp8 engines")
     parser.add_argument("src")
     parser.add_argument("out")

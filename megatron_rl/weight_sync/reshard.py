@@ -220,7 +220,7 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    from megatron_rl.kernels import triton_reshard
+    from megatron_rl.kernels import triton_reshard  # optional Triton: only when a backend is chosen
 
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
@@ -264,7 +264,7 @@ def execute_plan(plan: ReshardPlan, engine_rank: int, sources, *, out: Mapping[s
         s2, d2 = _as_2d(src), _as_2d(dst)
         be = be or _resolve_backend(backend, dst.device)
         if be == "triton":
-            from megatron_rl.kernels import triton_reshard
+            from megatron_rl.kernels import triton_reshard  # optional Triton, on the GPU path only
 
             segs = c.segments
             triton_reshard.segment_copy(s2, d2, c.table(s2.device), max(s[4] for s in segs), max(s[5] for s in segs))

@@ -21,6 +21,7 @@ Options: rounds (4), warmup (1), reference_layers (none), and any dotted config 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -41,8 +42,6 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "config
 
 
 def bench_pcl(options: dict) -> dict:
-    import dataclasses
-
 
     rounds = int(options.get("rounds", 4))
     warmup = int(options.get("warmup", 1))

@@ -7,6 +7,7 @@ CPU, optionally keeps MKL-packed copies of the matrices for the forward of model
 """
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Iterable
 
@@ -159,7 +160,6 @@ class LlamaWeights:
             return None  # some checkpoints carry RoPE buffers; we compute them
         target = self._targets.get(name)
         if target is None:
-            import difflib
             close = difflib.get_close_matches(name, list(self._targets), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"update_weights: unknown tensor name {name!r}{hint}")
