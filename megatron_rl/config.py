@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import difflib
 import functools
 import inspect
@@ -298,3 +299,18 @@ def require(condition: bool, field: str, message: str) -> None:
     """Validation helper for `__post_init__`: raise a ConfigError naming `field`."""
     if not condition:
         raise ConfigError(f"field '{field}': {message}", field=field, reason=message)
+
+
+def import_object(spec: str, what: str):
+    """The object a 'package.module:attr' path names (a user's reward, objective, ...); ValueError naming
+    `what` and the path when the module does not import or lacks the attribute."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj

@@ -16,7 +16,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.observability.metrics import LoggingConfig
 from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
 from megatron_rl.recipes.waltz.config import WaltzConfig
-from megatron_rl.rewards.registry import RewardConfig
+from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import NativeEngineConfig, RolloutConfig
 from megatron_rl.sim.config import ClusterConfig
 from megatron_rl.trainer.config import TrainerConfig

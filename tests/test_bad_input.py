@@ -176,7 +176,8 @@ def test_prompt_longer_than_the_context_is_named_or_skipped_and_counted(tmp_path
     from megatron_rl.data.config import DataConfig, SourceConfig
     from megatron_rl.data.prompts import DataError
     from megatron_rl.data.sources import PromptStream, build_datasets
-    from megatron_rl.rewards.registry import Reward, RewardConfig
+    from megatron_rl.rewards.registry import Reward
+    from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
 
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "short", "answer": "1"}, {"prompt": "x" * 50, "answer": "2"},
@@ -207,7 +208,8 @@ def test_rollout_buffer_of_changed_data_is_refused(tmp_path):
     from megatron_rl.data.config import DataConfig, SourceConfig
     from megatron_rl.data.prompts import DataError
     from megatron_rl.data.sources import PromptStream, build_datasets
-    from megatron_rl.rewards.registry import Reward, RewardConfig
+    from megatron_rl.rewards.registry import Reward
+    from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
 
     def producer(rows):

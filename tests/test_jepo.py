@@ -326,7 +326,8 @@ def test_champ_source_gives_worked_solutions_as_references_and_short_answers():
 def test_soft_match_uses_the_verifier_then_the_judge():
     from types import SimpleNamespace
 
-    from megatron_rl.rewards.registry import Reward, RewardConfig
+    from megatron_rl.rewards.registry import Reward
+    from megatron_rl.rewards.config import RewardConfig
 
     checkable = SimpleNamespace(prompt_id="p", answer="long proof", metadata={"short_answer": "239", "verifiable": True})
     open_ended = SimpleNamespace(prompt_id="q", answer="long proof", metadata={"short_answer": "n!", "verifiable": False})

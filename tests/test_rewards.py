@@ -11,15 +11,9 @@ from megatron_rl.config import ConfigError
 from megatron_rl.data.config import DataConfig, SourceConfig
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.sources import build_datasets
-from megatron_rl.rewards import (
-    REWARDS,
-    Reward,
-    RewardConfig,
-    RewardResult,
-    answers_match,
-    have_math_verify,
-    register_reward,
-)
+from megatron_rl.rewards.config import REWARD_NAMES, RewardConfig
+from megatron_rl.rewards.math_answer import answers_match, have_math_verify
+from megatron_rl.rewards.registry import REWARDS, Reward, RewardResult, register_reward
 from megatron_rl.rewards.extract import extract_answer, last_boxed, last_number
 
 
@@ -155,9 +149,15 @@ def test_registry_and_config_errors():
             register_reward("test_constant_reward")(constant)
     finally:
         REWARDS.pop("test_constant_reward")
+        REWARD_NAMES.discard("test_constant_reward")
     with pytest.raises(ConfigError, match="name.*unknown reward"):
         RewardConfig(name="nope")
     with pytest.raises(ConfigError, match="cannot import module"):
         RewardConfig(name="no_such_module_xyz:fn")
     with pytest.raises(ConfigError, match="has no attribute"):
         RewardConfig(name="math:no_such_fn")
+
+
+def test_config_names_match_the_registry():
+    """The reward section validates names without importing the reward functions: its list is the registry's."""
+    assert REWARD_NAMES == set(REWARDS)

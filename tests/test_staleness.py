@@ -13,7 +13,8 @@ from megatron_rl.controller.episodes import SingleTurnSampling
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.data.config import DataConfig, SourceConfig
 from megatron_rl.data.sources import PromptStream, build_datasets
-from megatron_rl.rewards.registry import Reward, RewardConfig
+from megatron_rl.rewards.registry import Reward
+from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.types import Completion
 

@@ -18,14 +18,14 @@ Built-in rewards:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import logging
 import math
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from megatron_rl.config import require
+from megatron_rl.config import import_object
+from megatron_rl.rewards.config import REWARD_NAMES, RewardConfig
 from megatron_rl.data.reasoning_gym_tasks import score_answer
 from megatron_rl.rewards.extract import (
     ExtractMode,
@@ -70,6 +70,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered")
         REWARDS[name] = fn
+        REWARD_NAMES.add(name)
         return fn
 
     return wrap
@@ -82,40 +83,10 @@ def resolve_reward(name: str) -> RewardFn:
     if ":" not in name:
         raise ValueError(f"unknown reward {name!r}: registered {sorted(REWARDS)}, "
                          f"or give a user function as 'module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+    fn = import_object(name, "reward")
     if not callable(fn):
-        raise ValueError(f"reward {name!r}: {attr!r} is not callable")
+        raise ValueError(f"reward {name!r}: {name.partition(':')[2]!r} is not callable")
     return fn
-
-
-@dataclasses.dataclass(kw_only=True)
-class RewardConfig:
-    """Which reward function scores the responses."""
-
-    name: str = "reasoning_gym"
-    """A registered reward (reasoning_gym, math, exact_match) or a user function 'module:function'."""
-    extract: ExtractMode = "auto"
-    """How the final answer is found in the response (auto: answer tag, boxed, last number when the
-    reference is a number, else last line); passed to functions that take an `extract` argument."""
-    correct_threshold: float = 1.0
-    """A response counts as correct (accuracy) when its reward is >= this (unless the function says)."""
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Extra keyword arguments for the reward function."""
-
-    def __post_init__(self) -> None:
-        try:
-            resolve_reward(self.name)
-        except ValueError as exc:
-            require(False, "name", str(exc))
 
 
 def _describe_sample(prompt: Any, response: str) -> str:
