@@ -38,11 +38,10 @@ from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.recipes.pcl.selector import build_value_model
 from megatron_rl.run_config import RunConfig
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "pcl_arith.yaml")
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs", "pcl_arith.yaml")
 
 
 def bench_pcl(options: dict) -> dict:
-
     rounds = int(options.get("rounds", 4))
     warmup = int(options.get("warmup", 1))
     reference_layers = [int(n) for n in str(options.get("reference_layers", "")).split(",") if n.strip()]
