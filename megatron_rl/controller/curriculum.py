@@ -43,7 +43,8 @@ from megatron_rl.data.prompts import Prompt, PromptDataset
 from megatron_rl.data.sources import PromptStream
 
 
-def _rewards(group: Group) -> list[float]:
+def scored_rewards(group: Group) -> list[float]:
+    """The rewards of a group's samples that were scored without error."""
     return [s.reward.reward for s in group.samples if s.reward.ok]
 
 
@@ -95,7 +96,7 @@ class Prefilter(PromptSelector):
         start = time.perf_counter()
         pool = producer.stream.next_indexed(self.config.prefilter_pool)
         groups = producer.rollout([prompt for _, prompt in pool], tag="prefilter", seed=7919)
-        kept = [index for (index, _), g in zip(pool, groups) if has_mixed_rewards(_rewards(g))]
+        kept = [index for (index, _), g in zip(pool, groups) if has_mixed_rewards(scored_rewards(g))]
         if not kept:
             raise RuntimeError(f"curriculum.kind=prefilter: none of the {len(pool)} pool prompts had mixed rewards "
                                "under the initial policy; raise curriculum.prefilter_pool")
@@ -138,7 +139,7 @@ class DynamicSampling(PromptSelector):
         return stream.next_indexed(count * self.config.candidates_factor)
 
     def keep_groups(self, groups: list[Group], count: int) -> list[Group]:
-        mixed = [g for g in groups if has_mixed_rewards(_rewards(g))]
+        mixed = [g for g in groups if has_mixed_rewards(scored_rewards(g))]
         self._metrics = {"curriculum/candidates": float(len(groups)), "curriculum/mixed_candidates": float(len(mixed)),
                          "curriculum/short_groups": float(max(count - len(mixed), 0))}
         return mixed[:count]

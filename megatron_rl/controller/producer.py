@@ -272,8 +272,8 @@ class RolloutProducer:
 
         episode_groups = metadata.get("episode_groups", [])
         if episode_groups and self.episodes.keeps_in_flight_samples:
-            raise DataError("checkpoint rollout buffer: it holds multi-agent episode groups, but this run has no "
-                            "episode producer (was it written by a WaltzRL run?)")
+            raise DataError("checkpoint rollout buffer: it holds episode groups to generate again (a multi-agent run's, "
+                            "e.g. WaltzRL), but this run's episode producer keeps in-flight samples")
         restored = [restore(group) for group in episode_groups]
         self._unsubmitted = list(restored)  # the engines get their restored weights before the next admission
         for group in metadata["groups"]:

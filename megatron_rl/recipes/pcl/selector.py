@@ -15,7 +15,7 @@ from megatron_rl.algorithms.pcl import (
     select_closest_to_target,
     value_targets,
 )
-from megatron_rl.controller.curriculum import PromptSelector, _rewards
+from megatron_rl.controller.curriculum import PromptSelector, scored_rewards
 from megatron_rl.controller.episodes import Group
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.sources import PromptStream
@@ -69,10 +69,10 @@ class PCLSelector(PromptSelector):
 
     def observe(self, groups: list[Group], step: int) -> dict[str, float]:
         metrics = dict(self._draw_metrics.pop(step, {}))
-        groups = [g for g in groups if _rewards(g)]
+        groups = [g for g in groups if scored_rewards(g)]
         if not groups:
             return metrics
-        realised = value_targets([_rewards(g) for g in groups])
+        realised = value_targets([scored_rewards(g) for g in groups])
         predicted = torch.tensor([self._predicted.pop(g.prompt.prompt_id, float("nan")) for g in groups])
         known = ~torch.isnan(predicted)
         self._history.extend(zip(predicted[known].tolist(), realised[known].tolist()))
