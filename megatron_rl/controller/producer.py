@@ -183,7 +183,7 @@ class RolloutProducer:
             if self.timeline is not None:
                 finished = max(getattr(f, "finished_at", time.perf_counter()) for f in pending.futures)
                 self.timeline.add(f"generate {pending.prompt.prompt_id}", pending.submitted, finished,
-                                  category="generate", step=pending.step,
+                                  category="generate", lane="generate", step=pending.step,
                                   versions=sorted({s.completion.weight_version for s in samples}))
             groups.append(Group(pending.prompt, samples, pending.step, elapsed))
         if self.selector is not None:

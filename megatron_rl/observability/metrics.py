@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 from typing import Any, Literal
 
 from megatron_rl.config import require
@@ -58,11 +59,18 @@ class MetricsLogger:
                 import wandb  # optional: only for runs that log to W&B
 
                 self._wandb = wandb.init(project=config.wandb_project, dir=run_dir, mode=mode,
+                                         id=wandb_run_id(run_dir, resume),
                                          name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
-                                         config=run_config, resume="allow" if resume else None,
-                                         settings=wandb.Settings(silent=True, console="off"))
+                                         config=run_config, resume="allow",
+                                         # "wrap" copies the console into the run's Logs tab without
+                                         # redirecting file descriptors the engines' processes share
+                                         settings=wandb.Settings(silent=True, console="wrap"))
             except Exception as exc:  # a broken W&B set-up must not stop training; the JSONL has everything
                 print(f"W&B disabled ({type(exc).__name__}: {exc}); metrics still go to {self.path}")
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return None if self._wandb is None else os.path.dirname(self._wandb.dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -79,6 +87,25 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: str, resume: bool) -> str:
+    """The W&B run id of this training run, kept in the run directory so that every resume continues
+    the same W&B run (one dashboard line across restarts); a fresh run gets a new id."""
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    if resume and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+        if run_id:
+            return run_id
+    run_id = secrets.token_hex(6)  # W&B ids: up to 64 characters of [a-z0-9_-]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    os.replace(path + ".tmp", path)
+    return run_id
 
 
 def console_line(step: int, m: dict[str, float]) -> str:
