@@ -9,5 +9,7 @@
 #SBATCH --exclusive
 #SBATCH --time=1:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
 RECIPE=examples/configs/llama3_8b.yaml
 source "${MEGATRON_RL_HOME:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}/examples/slurm_common.sh" "$@"

@@ -3,14 +3,23 @@
 # examples/configs) and sources this file with its own arguments:
 #   --dry-run          validate the layout and print per-GPU memory and predicted step time (no GPU,
 #                      no Slurm needed): `megatron-rl plan RECIPE`; exits non-zero on an impossible layout
+#   --resume           continue the run in RUN_DIR from its latest checkpoint (a requeued job does so itself)
+#   --chain N          submit this script N times as a chain of singleton jobs (each starts when the one
+#                      before it ends, and resumes it): runs longer than the partition's time limit
 #   key=value ...      dotted config overrides, passed to plan and train alike
 # Inside a Slurm allocation it splits the nodes into the trainer (first nodes) and the generator group
 # (last nodes, one SGLang server per engine), then starts one torchrun per trainer node with a c10d
-# rendezvous on the first node. Environment (all optional):
+# rendezvous on the first node. A liveness monitor fails the job, naming the step and its log, as soon
+# as any engine or trainer step dies. On SIGUSR1 (`#SBATCH --signal=B:USR1@600`: ten minutes before the
+# time limit) the trainer is asked to checkpoint and stop, and the job requeues itself to resume.
+# Environment (all optional):
 #   MODEL_DIR   HF or Megatron checkpoint directory of the policy     RUN_DIR   metrics, checkpoints, logs
-#   ENGINE_MODEL_DIR  block-fp8 copy for fp8 engines (default MODEL_DIR-fp8-block128, written if missing)
+#   ENGINE_MODEL_DIR  block-fp8 copy for fp8 engines (default RUN_DIR/engine-model-fp8, written if missing)
 #   DATA_FILE   training prompts (JSONL)                              WANDB_PROJECT / WANDB_MODE / WANDB_DIR
 #   PYTHON      interpreter with megatron_rl installed (default: the repo's .venv, else python3)
+#   CONTAINER_IMAGE / CONTAINER_MOUNTS   run every step in this container (pyxis/enroot flags on each srun)
+#   SRUN_EXTRA_ARGS   more flags for every srun step (e.g. "--mpi=pmix --network=...")
+#   CPUS_PER_GPU      CPU cores requested per GPU on each step (default 8)
 set -euo pipefail
 
 REPO=${MEGATRON_RL_HOME:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
@@ -18,16 +27,27 @@ cd "$REPO"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
+SCRIPT=${LAUNCH_SCRIPT:-$0}
 
 DRY_RUN=0
+RESUME=0
+CHAIN=0
 OVERRIDES=()
-for arg in "$@"; do
-  case "$arg" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *=*) OVERRIDES+=("$arg") ;;
-    *) echo "unknown argument '$arg' (expected --dry-run or key=value overrides)" >&2; exit 2 ;;
+    --resume) RESUME=1 ;;
+    --chain)
+      CHAIN=${2:-}
+      if ! [[ "$CHAIN" =~ ^[1-9][0-9]*$ ]]; then
+        echo "--chain needs a positive number of jobs, got '${2:-}'" >&2; exit 2
+      fi
+      shift ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *=*) OVERRIDES+=("$1") ;;
+    *) echo "unknown argument '$1' (expected --dry-run, --resume, --chain N or key=value overrides)" >&2; exit 2 ;;
   esac
+  shift
 done
 if [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then
   OVERRIDES+=("cluster.nodes=$SLURM_JOB_NUM_NODES")  # plan what Slurm actually granted
@@ -38,19 +58,49 @@ fi
 if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
+
+if [ "$CHAIN" -gt 0 ]; then
+  # One job name, --dependency=singleton: Slurm runs the jobs one after another; every job after the
+  # first resumes from the checkpoint its predecessor left. RUN_DIR must be fixed for the whole chain.
+  if [ -z "${RUN_DIR:-}" ]; then
+    echo "--chain needs RUN_DIR set: every job of the chain continues the same run directory" >&2; exit 2
+  fi
+  name=${CHAIN_JOB_NAME:-megatron-rl-$(basename "$RUN_DIR")}
+  for ((i = 0; i < CHAIN; i++)); do
+    resume_flag=()
+    [ "$i" -gt 0 ] || [ "$RESUME" = 1 ] && resume_flag=(--resume)
+    sbatch --job-name="$name" --dependency=singleton --export=ALL,RUN_DIR="$RUN_DIR" \
+      "$SCRIPT" ${resume_flag[@]+"${resume_flag[@]}"} ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+  done
+  exit 0
+fi
+
 if [ -z "${SLURM_JOB_ID:-}" ]; then
-  echo "not inside a Slurm allocation: submit with sbatch $0, or pass --dry-run" >&2
+  echo "not inside a Slurm allocation: submit with sbatch $SCRIPT, or pass --dry-run" >&2
   exit 2
 fi
 
 # --- layout from the recipe (the planner's numbers, as shell variables) ------------------------
 eval "$("$PYTHON" -m megatron_rl.cli.launch_env "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"})"
 # -> GPUS_PER_NODE TRAINER_NODES GENERATOR_NODES ENGINES_PER_NODE ENGINE_TP ENGINE_PRECISION PLACEMENT
+#    ENGINE_SERVER_ARGS
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${NODES[0]}
 MASTER_PORT=${MASTER_PORT:-29500}
-RUN_DIR=${RUN_DIR:-$REPO/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+RUN_DIR=${RUN_DIR:-$REPO/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}  # a requeued job keeps its id, so its RUN_DIR
 mkdir -p "$RUN_DIR/logs"
+CPUS_PER_GPU=${CPUS_PER_GPU:-8}
+
+# Flags every srun step gets: the container (pyxis) and the site's extra flags.
+STEP_ARGS=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+  STEP_ARGS+=("--container-image=$CONTAINER_IMAGE" "--container-workdir=$REPO")
+  [ -n "${CONTAINER_MOUNTS:-}" ] && STEP_ARGS+=("--container-mounts=$CONTAINER_MOUNTS")
+fi
+if [ -n "${SRUN_EXTRA_ARGS:-}" ]; then
+  read -r -a extra <<< "$SRUN_EXTRA_ARGS"
+  STEP_ARGS+=("${extra[@]}")
+fi
 
 # --- environment: NCCL, checkpoints, W&B ----------------------------------------------------------
 export MASTER_ADDR MASTER_PORT
@@ -65,16 +115,24 @@ export SGLANG_RETURN_ORIGINAL_LOGPROB=1       # engines report log-probs of the 
 RUN_OVERRIDES=("run_dir=$RUN_DIR")
 [ -n "${MODEL_DIR:-}" ] && RUN_OVERRIDES+=("model.path=$MODEL_DIR")
 [ -n "${DATA_FILE:-}" ] && RUN_OVERRIDES+=("data.train.path=$DATA_FILE")
+TRAIN_FLAGS=()
+# A requeued job (SLURM_RESTART_COUNT > 0) resumes, once its first attempt has left a checkpoint.
+if [ "$RESUME" = 1 ] || { [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -e "$RUN_DIR/checkpoints/latest" ]; }; then
+  TRAIN_FLAGS+=(--resume)
+fi
 
 # --- generator group: one SGLang server per engine on the last nodes ------------------------------
+declare -A STEP_NAME=()   # pid of each srun step -> what it runs, for the liveness monitor
 ENGINE_URLS=()
 if [ "$PLACEMENT" = disaggregated ]; then
   MODEL_PATH=${MODEL_DIR:-$("$PYTHON" -c "from megatron_rl.config import load_yaml; from megatron_rl.run_config import RunConfig; import sys; print(load_yaml(RunConfig, sys.argv[1]).model.path)" "$RECIPE")}
   ENGINE_MODEL=$MODEL_PATH
+  read -r -a SERVER_ARGS <<< "$ENGINE_SERVER_ARGS"
   if [ "$ENGINE_PRECISION" = fp8 ]; then
     # fp8 engines start from a block-fp8 copy (128x128 scales, quantization_config in config.json), the
-    # layout every later sync refreshes; written once, streaming one safetensors file at a time.
-    ENGINE_MODEL=${ENGINE_MODEL_DIR:-$MODEL_PATH-fp8-block128}
+    # layout every later sync refreshes; written once, under the run directory (the model's own folder
+    # is often read-only shared storage), streaming one safetensors file at a time.
+    ENGINE_MODEL=${ENGINE_MODEL_DIR:-$RUN_DIR/engine-model-fp8}
     if [ ! -f "$ENGINE_MODEL/config.json" ]; then
       "$PYTHON" -m megatron_rl.weight_sync.fp8 "$MODEL_PATH" "$ENGINE_MODEL"
     fi
@@ -85,9 +143,12 @@ if [ "$PLACEMENT" = disaggregated ]; then
       port=$((30000 + e))
       gpus=$(seq -s, $((e * ENGINE_TP)) $(((e + 1) * ENGINE_TP - 1)))
       ENGINE_URLS+=("http://$node:$port")
-      srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --output="$RUN_DIR/logs/engine-$node-$e.log" \
+      log="$RUN_DIR/logs/engine-$node-$e.log"
+      srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --gpus="$ENGINE_TP" \
+        --cpus-per-task=$((ENGINE_TP * CPUS_PER_GPU)) --output="$log" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} \
         env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$ENGINE_MODEL" \
-        --tp-size "$ENGINE_TP" --host 0.0.0.0 --port "$port" &
+        "${SERVER_ARGS[@]}" --host 0.0.0.0 --port "$port" &
+      STEP_NAME[$!]="SGLang engine $e on $node (log: $log)"
     done
   done
   URLS=$(IFS=,; echo "${ENGINE_URLS[*]}")
@@ -96,11 +157,54 @@ fi
 
 # --- trainer: one torchrun per trainer node, c10d rendezvous on the first node ---------------------
 TRAINER_NODELIST=$(IFS=,; echo "${NODES[*]:0:$TRAINER_NODES}")
-status=0
 srun --nodes="$TRAINER_NODES" --ntasks-per-node=1 --nodelist="$TRAINER_NODELIST" --kill-on-bad-exit=1 \
-  --output="$RUN_DIR/logs/trainer-%N.log" \
+  --gpus-per-node="$GPUS_PER_NODE" --cpus-per-task=$((GPUS_PER_NODE * CPUS_PER_GPU)) \
+  --output="$RUN_DIR/logs/trainer-%N.log" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} \
   "$PYTHON" -m torch.distributed.run --nnodes="$TRAINER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    -m megatron_rl.cli train "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"} "${RUN_OVERRIDES[@]}" || status=$?
-kill $(jobs -p) 2>/dev/null || true   # stop the engine servers started above
+    -m megatron_rl.cli train "$RECIPE" ${TRAIN_FLAGS[@]+"${TRAIN_FLAGS[@]}"} \
+    ${OVERRIDES[@]+"${OVERRIDES[@]}"} "${RUN_OVERRIDES[@]}" &
+TRAINER_PID=$!
+STEP_NAME[$TRAINER_PID]="trainer (logs: $RUN_DIR/logs/trainer-*.log)"
+
+stop_steps() {
+  local pid
+  for pid in "${!STEP_NAME[@]}"; do kill "$pid" 2>/dev/null || true; done
+}
+
+# Near the time limit: ask the trainer to checkpoint and stop (the file is read by every trainer rank
+# at the next step boundary, megatron_rl/controller/loop.py), then requeue to resume from it.
+REQUEUE=0
+on_time_limit() {
+  REQUEUE=1
+  echo "$(date -u +%FT%TZ) time limit near: asking the trainer to checkpoint and stop; the job requeues" >&2
+  touch "$RUN_DIR/STOP"
+}
+trap on_time_limit USR1
+trap 'stop_steps; exit 143' TERM INT
+
+# Liveness: the first step to end decides. A dead engine fails the job at once (not after the
+# trainer's ready timeout); the trainer ending ends the job with its status.
+status=0
+while :; do
+  finished=""
+  wait -n -p finished ${!STEP_NAME[@]} && step_status=0 || step_status=$?
+  if [ -z "${finished:-}" ]; then
+    continue  # interrupted by a signal (USR1): keep waiting for the trainer's checkpoint
+  fi
+  if [ "$finished" = "$TRAINER_PID" ]; then
+    status=$step_status
+    break
+  fi
+  echo "$(date -u +%FT%TZ) ${STEP_NAME[$finished]} exited with status $step_status: stopping the job" >&2
+  status=1
+  break
+done
+stop_steps
+wait 2>/dev/null || true
+rm -f "$RUN_DIR/STOP"
+if [ "$REQUEUE" = 1 ] && [ "$status" = 0 ]; then
+  echo "$(date -u +%FT%TZ) checkpoint written: requeueing job $SLURM_JOB_ID to resume" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+fi
 exit $status

@@ -1,5 +1,6 @@
 """`python -m megatron_rl.cli.launch_env RECIPE [overrides]`: the planned layout as shell assignments,
-for examples/slurm_common.sh (which node runs what). Validates through the planner first."""
+for examples/slurm_common.sh (which node runs what, and the SGLang server flags that make each engine
+what the planner priced). Validates through the planner first."""
 from __future__ import annotations
 
 import shlex
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo {shlex.quote(f'launch_env: {exc}')} >&2; exit 2")
         return 2
     per_node = plan.hardware.gpus_per_node
+    gen = config.cluster.generator
     values = {
         "GPUS_PER_NODE": per_node,
         "TRAINER_NODES": plan.trainer_gpus // per_node,
@@ -27,9 +29,22 @@ def main(argv: list[str] | None = None) -> int:
         "ENGINE_TP": plan.engine_tp,
         "ENGINE_PRECISION": plan.engine_precision,
         "PLACEMENT": plan.placement,
+        "ENGINE_SERVER_ARGS": shlex.join(sglang_server_args(plan.engine_tp, plan.engine_precision,
+                                                            gen.max_running_requests, gen.cuda_graphs)),
     }
     print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
     return 0
+
+
+def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool) -> list[str]:
+    """`sglang.launch_server` flags for one engine of the plan: its TP size, fp8 weights, the continuous
+    batch and CUDA-graph setting the planner's generation time assumes."""
+    args = ["--tp-size", str(engine_tp), "--max-running-requests", str(max_running_requests)]
+    if precision == "fp8":
+        args += ["--quantization", "fp8"]
+    if not cuda_graphs:
+        args.append("--disable-cuda-graph")
+    return args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""The real Slurm launch scripts (examples/run_70b.sh -> examples/slurm_common.sh) against stand-ins for
+srun, sbatch and scontrol (tests/fake_slurm/): which steps start with which flags, resume, requeue near
+the time limit, a dead engine failing the job, singleton chains. The planner and launch_env are real."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_SLURM = os.path.join(REPO, "tests", "fake_slurm")
+SCRIPT = os.path.join(REPO, "examples", "run_70b.sh")
+
+
+def _env(tmp_path, **extra):
+    run_dir = tmp_path / "run"
+    engine_model = tmp_path / "engine-fp8"  # an existing fp8 copy: the launcher must not write one
+    engine_model.mkdir(exist_ok=True)
+    (engine_model / "config.json").write_text("{}")
+    env = dict(os.environ, PATH=f"{FAKE_SLURM}:{os.environ['PATH']}", FAKE_SLURM_LOG=str(tmp_path),
+               PYTHON=sys.executable, RUN_DIR=str(run_dir), MODEL_DIR="/models/llama-70b",
+               ENGINE_MODEL_DIR=str(engine_model), SLURM_JOB_ID="4242", SLURM_JOB_NAME="rl70b",
+               SLURM_JOB_NUM_NODES="32", SLURM_JOB_NODELIST="node[0-31]", MEGATRON_RL_HOME=REPO)
+    env.pop("SLURM_RESTART_COUNT", None)
+    env.update(extra)
+    return env
+
+
+def _launch(tmp_path, *args, **env):
+    return subprocess.Popen(["bash", SCRIPT, *args], env=_env(tmp_path, **env), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc, timeout=120):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
+def _lines(tmp_path, name):
+    path = tmp_path / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_every_step_gets_the_container_resources_and_the_planned_server_flags(tmp_path):
+    code, out, err = _finish(_launch(tmp_path, CONTAINER_IMAGE="nvcr.io/org/rl:1", CONTAINER_MOUNTS="/data:/data",
+                                     SRUN_EXTRA_ARGS="--mpi=pmix"))
+    assert code == 0, err
+    steps = _lines(tmp_path, "srun.log")
+    engines = [s for s in steps if "sglang.launch_server" in s]
+    trainers = [s for s in steps if "torch.distributed.run" in s]
+    assert len(engines) == 32 and len(trainers) == 1  # 32 engines x TP4 on 16 nodes, as the recipe plans
+    for step in steps:
+        assert "--container-image=nvcr.io/org/rl:1" in step and "--container-mounts=/data:/data" in step
+        assert "--mpi=pmix" in step and "--cpus-per-task=" in step
+    for engine in engines:
+        assert "--gpus=4" in engine
+        # what the planner priced: TP 4, fp8 weights, a continuous batch of 256, CUDA graphs on
+        assert "--tp-size 4 --max-running-requests 256 --quantization fp8" in engine
+        assert "--disable-cuda-graph" not in engine
+        assert f"--model-path {tmp_path}/engine-fp8" in engine
+    assert "--gpus-per-node=8" in trainers[0] and "--resume" not in trainers[0]
+    assert f"run_dir={tmp_path}/run" in trainers[0]
+
+
+def test_resume_is_passed_on_request_and_after_a_requeue(tmp_path):
+    code, _, err = _finish(_launch(tmp_path, "--resume"))
+    assert code == 0, err
+    assert "--resume" in [s for s in _lines(tmp_path, "srun.log") if "torch.distributed.run" in s][0]
+
+    (tmp_path / "srun.log").unlink()
+    # the second attempt of a requeued job resumes once the first left a checkpoint
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000020")
+    code, _, err = _finish(_launch(tmp_path, SLURM_RESTART_COUNT="1"))
+    assert code == 0, err
+    assert "--resume" in [s for s in _lines(tmp_path, "srun.log") if "torch.distributed.run" in s][0]
+
+
+def test_the_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
+    proc = _launch(tmp_path, FAKE_TRAINER="until_stop")
+    deadline = time.time() + 60
+    while not any("torch.distributed.run" in s for s in _lines(tmp_path, "srun.log")):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@600` sends the batch shell
+    code, _, err = _finish(proc)
+    assert code == 0, err
+    assert "requeue 4242" in _lines(tmp_path, "scontrol.log")
+    assert not (tmp_path / "run" / "STOP").exists()  # the next attempt must not stop at once
+
+
+def test_a_dead_engine_fails_the_job_within_a_minute(tmp_path):
+    start = time.time()
+    code, _, err = _finish(_launch(tmp_path, FAKE_ENGINE="die", FAKE_TRAINER="long"), timeout=90)
+    elapsed = time.time() - start
+    assert code != 0
+    assert elapsed < 60
+    assert "SGLang engine" in err and "logs/engine-node" in err  # names the dead step and its log
+
+
+def test_a_chain_submits_singleton_jobs_that_resume(tmp_path):
+    env = _env(tmp_path)
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST"):
+        env.pop(name)
+    result = subprocess.run(["bash", SCRIPT, "--chain", "3", "rollout.temperature=0.9"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    jobs = _lines(tmp_path, "sbatch.log")
+    assert len(jobs) == 3
+    assert all("--dependency=singleton" in j and "--job-name=megatron-rl-run" in j for j in jobs)
+    assert all(j.endswith("rollout.temperature=0.9") for j in jobs)
+    assert ["--resume" in j for j in jobs] == [False, True, True]
+
+
+@pytest.mark.parametrize("args", [["--chain", "x"], ["--bogus"]])
+def test_bad_launcher_arguments_are_one_line(tmp_path, args):
+    result = subprocess.run(["bash", SCRIPT, *args], env=_env(tmp_path), cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
