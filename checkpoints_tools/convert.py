@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+from typing import Any
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
+from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
 from megatron_rl.models.pretrained import (
+    SAFE_WEIGHTS_INDEX,
     load_pretrained,
     shard_dir_name,
     shard_file,
@@ -33,8 +38,21 @@ def _atomic_dir(final: str):
     return tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
 
 
+# Written into every output: the only kind of existing OUTPUT that convert replaces (with --overwrite).
+CONVERT_MARK = ".megatron-rl-convert"
+
+
+def written_by_convert(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, CONVERT_MARK))
+
+
 def _publish(tmp: str, final: str) -> None:
-    if os.path.exists(final):
+    with open(os.path.join(tmp, CONVERT_MARK), "w", encoding="utf-8") as f:
+        f.write("written by megatron-rl convert; `convert --overwrite` may replace this directory\n")
+    if os.path.lexists(final):
+        if not written_by_convert(final):  # never delete what we did not write
+            raise ConfigError(f"{final} exists and is not a directory megatron-rl convert wrote; refusing to "
+                              "replace it (choose another OUTPUT)")
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
@@ -44,20 +62,83 @@ def _publish(tmp: str, final: str) -> None:
         os.rename(tmp, final)
 
 
-def save_hf(path: str, arch: ModelArch, state: dict[str, torch.Tensor], tokenizer: ChatTokenizer | None) -> None:
-    """An HF directory that transformers (and SGLang) load: config.json, model.safetensors, tokenizer."""
+# What `save_pretrained` of transformers 5.x uses when no size is given (modeling_utils.py).
+DEFAULT_MAX_SHARD_SIZE = "50GB"
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes from an int or a string such as '5GB' / '500MB' (decimal units, as huggingface_hub reads them)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", size, flags=re.IGNORECASE)
+        if match is None:
+            raise ConfigError(f"--max-shard-size {size!r} is not a size such as 5GB, 500MB or a byte count")
+        unit = _SIZE_UNITS[match.group(2).upper()] if match.group(2) else 1
+        value = int(float(match.group(1)) * unit)
+    if value <= 0:
+        raise ConfigError(f"--max-shard-size {size!r} must be positive")
+    return value
+
+
+def _state_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The model's dtype as transformers reports it: that of the first floating-point tensor."""
+    return next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+
+
+def _generation_config(tokenizer: ChatTokenizer | None) -> dict[str, Any]:
+    """generation_config.json as `save_pretrained` writes it (`GenerationConfig.from_model_config`): the
+    special token ids (None left out, so transformers' defaults hold) and the model config's defaults of
+    the generation fields."""
+    ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id,
+                                        "eos_token_id": tokenizer.eos_token_id,
+                                        "pad_token_id": tokenizer.pad_token_id}
+    return {"_from_model_config": True, "output_attentions": False, "output_hidden_states": False,
+            "use_cache": True, **{k: v for k, v in ids.items() if v is not None}}
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _save_safetensors_shards(directory: str, state: dict[str, torch.Tensor], max_shard_size: int) -> None:
+    """`model.safetensors`, or above `max_shard_size` the shards `model-0000i-of-0000N.safetensors` and
+    `model.safetensors.index.json`, split as `save_pretrained` splits them (huggingface_hub)."""
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name].contiguous() for name in names}, os.path.join(directory, filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        total_parameters = sum(t.numel() for t in state.values())
+        _write_json(os.path.join(directory, SAFE_WEIGHTS_INDEX),
+                    {"metadata": {"total_parameters": total_parameters, **split.metadata},
+                     "weight_map": split.tensor_to_filename})
+
+
+def save_hf(path: str, arch: ModelArch, state: dict[str, torch.Tensor], tokenizer: ChatTokenizer | None, *,
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """An HF directory as transformers' `save_pretrained` writes one (transformers and SGLang load it):
+    config.json (dtype of the tensors), generation_config.json, safetensors sharded above
+    `max_shard_size` with their index, and the tokenizer."""
+    shard_bytes = parse_shard_size(max_shard_size)
+    if arch.tie_word_embeddings:
+        # save_pretrained leaves out the tied head: it is the embedding
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     tmp = _atomic_dir(path)
     try:
-        dtype = next(iter(state.values())).dtype
-        config = arch.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
+        dtype_name = str(_state_dtype(state)).removeprefix("torch.")
+        # transformers >= 4.56 reads `dtype`; older 4.x releases read `torch_dtype`: write both.
+        config = families.to_hf_config(arch, dtype=dtype_name, torch_dtype=dtype_name)
         if tokenizer is not None:
             config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id)
             tokenizer.save_hf(tmp)
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        _write_json(os.path.join(tmp, "config.json"), config)
+        _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(tokenizer))
+        _save_safetensors_shards(tmp, state, shard_bytes)
         _publish(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,15 +165,16 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 
 
 def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            layer_spec: str = "local") -> str:
+            layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> str:
     """`megatron-rl convert`: any supported source -> an HF directory or a Megatron checkpoint at TP x PP."""
+    parse_shard_size(max_shard_size)  # a bad size fails before the model is read
     model = load_pretrained(source)
     torch_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, "bad")
     if torch_dtype == "bad":
         raise ConfigError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16")
     state = cast_state(model.state, torch_dtype)
     if to == "hf":
-        save_hf(output, model.arch, state, model.tokenizer)
+        save_hf(output, model.arch, state, model.tokenizer, max_shard_size=max_shard_size)
     elif to == "megatron":
         layout = MegatronLayout(model.arch, tp=tp, pp=pp, layer_spec=layer_spec)
         save_megatron(output, layout, hf_to_megatron(state, layout), model.tokenizer)

@@ -18,10 +18,11 @@ from megatron_rl.weight_sync import reshard as R
 needs_triton = pytest.mark.skipif(not triton_reshard.AVAILABLE, reason="triton not importable")
 
 
-def _arch(heads=8, groups=4, vocab=250, tied=False, layers=2, hidden=32, ffn=48):
+def _arch(heads=8, groups=4, vocab=250, tied=False, layers=2, hidden=32, ffn=48, family="llama", head_dim=4):
     return ModelArch(vocab_size=vocab, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                     num_attention_heads=heads, num_query_groups=groups, head_dim=4,
-                     tie_word_embeddings=tied, max_position_embeddings=64)
+                     num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
+                     tie_word_embeddings=tied, max_position_embeddings=64, family=family,
+                     attention_bias=family == "qwen2", qk_norm=family == "qwen3")
 
 
 def _random_hf(arch: ModelArch, dtype=torch.float32, seed=0) -> dict[str, torch.Tensor]:
@@ -38,6 +39,11 @@ def _random_hf(arch: ModelArch, dtype=torch.float32, seed=0) -> dict[str, torch.
                       p + "mlp.gate_proj.weight": rnd(f, h), p + "mlp.up_proj.weight": rnd(f, h),
                       p + "mlp.down_proj.weight": rnd(h, f), p + "input_layernorm.weight": rnd(h),
                       p + "post_attention_layernorm.weight": rnd(h)})
+        if arch.attention_bias:
+            state.update({p + "self_attn.q_proj.bias": rnd(q), p + "self_attn.k_proj.bias": rnd(kv),
+                          p + "self_attn.v_proj.bias": rnd(kv)})
+        if arch.qk_norm:
+            state.update({p + "self_attn.q_norm.weight": rnd(arch.head_dim), p + "self_attn.k_norm.weight": rnd(arch.head_dim)})
     return state
 
 
@@ -50,12 +56,12 @@ def _expected(hf: dict[str, torch.Tensor], engine: R.EngineLayout, rank: int) ->
     for name, t in hf.items():
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = t[rank * per:(rank + 1) * per]
-        elif t.dim() == 1:
-            out[name] = t
-        elif name.endswith("q_proj.weight"):
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             n = a.num_attention_heads // E * hd
             out[name] = t[rank * n:(rank + 1) * n]
-        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+        elif t.dim() == 1 and not name.endswith(("k_proj.bias", "v_proj.bias")):
+            out[name] = t  # every norm, the q/k head norms included
+        elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             kv = a.num_query_groups
             head0, count = (rank * (kv // E), kv // E) if E <= kv else (rank // (E // kv), 1)
             out[name] = t[head0 * hd:(head0 + count) * hd]
@@ -97,6 +103,18 @@ def test_reshard_bit_exact_vs_converter(tp, pp, engine_tp):
     _check(_arch(), tp, pp, engine_tp)
 
 
+@pytest.mark.parametrize("tp,pp,engine_tp", [(2, 1, 1), (2, 2, 4), (4, 1, 2), (1, 1, 8)])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_reshard_bit_exact_qkv_bias_and_qk_norm(family, tp, pp, engine_tp):
+    # qwen2: q/k/v biases split like their rows (kv heads replicated at engine TP=8); qwen3: per-head
+    # q/k norm weights replicated, head_dim 6 independent of hidden / heads (32 / 8)
+    plan = _check(_arch(family=family, head_dim=6 if family == "qwen3" else 4), tp, pp, engine_tp)
+    names = set(plan.shapes[0])
+    extra = {"qwen2": {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"},
+             "qwen3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}}[family]
+    assert {f"model.layers.1.{n}" for n in extra} <= names
+
+
 def test_reshard_tied_bf16_and_mha():
     _check(_arch(tied=True), 2, 2, 2, dtype=torch.bfloat16)
     _check(_arch(heads=4, groups=4), 4, 1, 2)
@@ -130,6 +148,8 @@ def _triton_worker(rank, world_size):
     arch = _arch(heads=4, groups=2, vocab=70, hidden=16, ffn=16, layers=1)
     _check(arch, 2, 1, 1, backend="triton")
     _check(arch, 2, 1, 4, backend="triton", dtype=torch.bfloat16)
+    _check(_arch(heads=4, groups=2, vocab=70, hidden=16, ffn=16, layers=1, family="qwen2"), 2, 1, 4, backend="triton")
+    _check(_arch(heads=4, groups=2, vocab=70, hidden=16, ffn=16, layers=1, family="qwen3"), 2, 1, 1, backend="triton")
     return True
 
 

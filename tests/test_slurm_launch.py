@@ -2,6 +2,7 @@
 srun, sbatch and scontrol (tests/fake_slurm/): which steps start with which flags, resume, requeue near
 the time limit, a dead engine failing the job, singleton chains. The planner and launch_env are real."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,8 +49,8 @@ def _lines(tmp_path, name):
 
 
 def test_every_step_gets_the_container_resources_and_the_planned_server_flags(tmp_path):
-    code, out, err = _finish(_launch(tmp_path, CONTAINER_IMAGE="nvcr.io/org/rl:1", CONTAINER_MOUNTS="/data:/data",
-                                     SRUN_EXTRA_ARGS="--mpi=pmix"))
+    code, _, err = _finish(_launch(tmp_path, CONTAINER_IMAGE="nvcr.io/org/rl:1", CONTAINER_MOUNTS="/data:/data",
+                                     SRUN_EXTRA_ARGS="--mpi=pmix", FAKE_ENGINES="32"))
     assert code == 0, err
     steps = _lines(tmp_path, "srun.log")
     engines = [s for s in steps if "sglang.launch_server" in s]
@@ -66,6 +67,35 @@ def test_every_step_gets_the_container_resources_and_the_planned_server_flags(tm
         assert f"--model-path {tmp_path}/engine-fp8" in engine
     assert "--gpus-per-node=8" in trainers[0] and "--resume" not in trainers[0]
     assert f"run_dir={tmp_path}/run" in trainers[0]
+
+
+def test_the_8b_launch_places_engines_and_trainers_on_their_nodes(tmp_path, tiny_arch):
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from tests.helpers import tiny_state
+
+    model_dir = str(tmp_path / "ckpt")
+    save_hf(model_dir, tiny_arch, tiny_state(tiny_arch), None)  # stands in for the policy checkpoint
+    env = _env(tmp_path, MODEL_DIR=model_dir, DATA_FILE="/data/math.jsonl", FAKE_ENGINES="128",
+               ENGINE_MODEL_DIR=str(tmp_path / "ckpt-fp8"))  # missing: this time the launcher writes it
+    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_8b.sh"), "trainer.lr=2e-6"],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = _lines(tmp_path, "srun.log")
+    servers = [line for line in lines if "sglang.launch_server" in line]
+    trainers = [line for line in lines if "torch.distributed.run" in line]
+    assert len(servers) == 16 * 8 and len(trainers) == 1  # 8B recipe: 16 generator nodes x 8 engines of TP 1
+    placed = {re.search(r"--nodelist=(node\d+) .*CUDA_VISIBLE_DEVICES=(\d+) .*--port (\d+)", line).groups()
+              for line in servers}  # the servers start in the background, in any order
+    assert placed == {(f"node{n}", str(e), str(30000 + e)) for n in range(16, 32) for e in range(8)}
+    assert all("--tp-size 1" in s and f"--model-path {tmp_path}/ckpt-fp8 " in s for s in servers)
+    assert (tmp_path / "ckpt-fp8" / "config.json").is_file()  # the fp8 engines' checkpoint was written
+    launch = trainers[0]
+    assert "--nodes=16" in launch and "--nodelist=node0,node1," in launch and "node15 " in launch + " "
+    assert "--nnodes=16 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node0:29500 --rdzv-id=4242" in launch
+    for override in ("trainer.lr=2e-6", "cluster.nodes=32", f"model.path={model_dir}",
+                     "data.train.path=/data/math.jsonl", "cluster.generator.urls=[http://node16:30000,"):
+        assert override in launch, override
+    assert launch.count("http://node") == 128
 
 
 def test_resume_is_passed_on_request_and_after_a_requeue(tmp_path):

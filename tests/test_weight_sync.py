@@ -3,6 +3,9 @@ engine's weights equal the trainer's. Two channels: the shared-memory arena of a
 tensor checksummed on both sides) and bucketed assembly on rank 0 for an engine held there."""
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from megatron_rl.placement.launch import run_distributed
@@ -10,7 +13,7 @@ from tests.helpers import near_uniform_state
 from tests.test_trainer_parallel import _data
 
 
-def _sync_worker(rank, world_size, arch, state, batch):
+def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2):
     import torch.distributed as dist
 
     from megatron_rl.placement.generator_process import GeneratorProcess
@@ -24,7 +27,7 @@ def _sync_worker(rank, world_size, arch, state, batch):
     )
 
     torch.set_num_threads(1)
-    trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=2, pipeline_parallel=2),
+    trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
                                                   micro_batch_size=2, lr=1e-2, vocab_divisible_by=1), hf_state=state)
     generator = engine = None
     if rank == 0:
@@ -61,4 +64,26 @@ def _sync_worker(rank, world_size, arch, state, batch):
 def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):
     state = near_uniform_state(tiny_arch)
     mismatches = run_distributed(_sync_worker, 4, tiny_arch, state, _data(tiny_arch))[0]
+    assert mismatches == [[], []]
+
+
+@pytest.mark.slow  # ~1 min per family on 2 cores (a 2-rank trainer and a generator process)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_tp2_trainer_to_engine_carries_qkv_biases_and_qk_norms(tiny_arch, family):
+    """Qwen2's q/k/v biases (Megatron's fused linear_qkv.bias, split by query group) and Qwen3's q/k norm
+    weights (replicated; head_dim 24 apart from hidden / heads) reach the engine exactly, trained."""
+    extra = {"qwen2": dict(attention_bias=True), "qwen3": dict(qk_norm=True, head_dim=24)}[family]
+    arch = dataclasses.replace(tiny_arch, num_layers=2, family=family, **extra)
+    state = near_uniform_state(arch)
+    generator = torch.Generator().manual_seed(7)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        if arch.attention_bias:
+            state.update({p + "q_proj.bias": 0.1 * torch.randn(arch.q_size, generator=generator),
+                          p + "k_proj.bias": 0.1 * torch.randn(arch.kv_size, generator=generator),
+                          p + "v_proj.bias": 0.1 * torch.randn(arch.kv_size, generator=generator)})
+        if arch.qk_norm:
+            state.update({p + n: 1.0 + 0.1 * torch.randn(arch.head_dim, generator=generator)
+                          for n in ("q_norm.weight", "k_norm.weight")})
+    mismatches = run_distributed(_sync_worker, 2, arch, state, _data(arch), 2, 1)[0]
     assert mismatches == [[], []]

@@ -51,7 +51,7 @@ def load_champ(cfg: SourceConfig) -> PromptDataset:
     try:
         with open(path, encoding="utf-8") as f:
             problems = json.load(f)["problems"]
-    except (json.JSONDecodeError, KeyError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: not a CHAMP data file ({type(exc).__name__}: {exc})") from None
     prompts, bad, first_error = [], 0, None
     for identifier, problem in problems.items():

@@ -17,10 +17,25 @@ class SourceConfig:
     reasoning_gym sources listed in `components`, interleaved (e.g. tasks of different difficulty);
     champ: the CHAMP competition-math set (reference = worked solution; data/champ.py)."""
     path: str | None = None
-    """jsonl / parquet: the file; champ: optional (default: the file in the champ-dataset package)."""
+    """jsonl / parquet: a file, a folder laid out as an HF dataset (`data/train-00000-of-00002.parquet`,
+    `train.jsonl` + `test.jsonl`, `train/*.json`, ...: every .parquet / .jsonl / .json file of `split`,
+    found as the `datasets` library finds split files), or a glob (`shards/*.parquet`: every
+    matching file, sorted). Files are read by extension (.parquet, .jsonl, .json: JSON lines or one JSON
+    array of rows), a file of another name as `kind` says. champ: optional (default: the file in the
+    champ-dataset package)."""
+    split: str = "train"
+    """jsonl / parquet folder: the split to read ('train', 'validation', 'test' or a name used in
+    `data/{split}-NNNNN-of-NNNNN.*` files; their synonyms such as 'dev' and 'eval' count). A folder with no
+    split in its file names is all 'train'."""
     prompt_field: str = "prompt"
     """jsonl / parquet: field with the prompt, a string (the user message) or a list of chat messages
-    ({'role', 'content'}). Dotted paths reach nested fields ('extra.question')."""
+    ({'role', 'content'}; content a string or OpenAI text parts [{'type': 'text', 'text': ...}], joined
+    with newlines as vLLM joins them). Dotted paths reach nested fields ('extra.question')."""
+    final_assistant_turn: Literal["answer", "drop", "error"] = "answer"
+    """jsonl / parquet, a prompt of chat messages that ends with an assistant turn (an SFT-style
+    `messages` row): that turn is never prompt text. answer: it is the row's reference answer (a row that
+    also has `answer_field` is refused as ambiguous); drop: it is left out and `answer_field` gives the
+    answer; error: such a row is refused."""
     answer_field: str | None = "answer"
     """jsonl / parquet: field with the reference answer (None: no answers)."""
     id_field: str | None = None
@@ -58,6 +73,7 @@ class SourceConfig:
         require(self.size >= 1, "size", "must be >= 1")
         require("{question}" in self.prompt_template, "prompt_template", "must contain {question}")
         require(bool(self.prompt_field), "prompt_field", "must not be empty")
+        require(bool(self.split), "split", "must not be empty")
 
     @property
     def name(self) -> str:
@@ -67,7 +83,10 @@ class SourceConfig:
             return "rg_mixture"
         if self.kind == "champ":
             return "champ"
-        return os.path.splitext(os.path.basename(self.path or "data"))[0]
+        path = (self.path or "data").rstrip("/\\") or "data"
+        if any(ch in path for ch in "*?["):  # a glob: named for the folder it searches
+            path = os.path.dirname(path.split("*")[0].split("?")[0].split("[")[0]) or "data"
+        return os.path.splitext(os.path.basename(path))[0]
 
 
 @dataclasses.dataclass(kw_only=True)

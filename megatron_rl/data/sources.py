@@ -1,4 +1,5 @@
-"""Prompt sources: JSONL / parquet files and reasoning-gym generators, held-out splits, a resumable cursor.
+"""Prompt sources: JSONL / JSON / parquet files (one file, an HF dataset folder's split, or a glob) and
+reasoning-gym generators, held-out splits, a resumable cursor.
 
     train, heldout = build_datasets(DataConfig())      # default: the quickstart chain_sum task
     stream = PromptStream(train, seed=1)               # deterministic shuffled order, epoch after epoch
@@ -7,7 +8,9 @@
     stream.load_state_dict(state)                      # resume exactly where it stopped
 
 Every prompt is a typed `Prompt`: chat messages for the model, the question text, the reference
-answer, metadata (for reasoning-gym, the task entry its scorer needs) and a stable id.
+answer, metadata (for reasoning-gym, the task entry its scorer needs) and a stable id. A row's prompt is a
+string or chat messages (OpenAI text content parts accepted); a conversation that ends with the
+assistant's turn gives that turn as the reference answer, never as prompt text (`final_assistant_turn`).
 
 Splits never overlap: both are de-duplicated by question text (whitespace-normalised) and every
 training question that also appears in the held-out set is dropped from training. Measured: with
@@ -25,9 +28,13 @@ seed 1, held-out seed 987654. In YAML:
 """
 from __future__ import annotations
 
+import codecs
+import glob
 import json
+import logging
 import os
 import random
+import re
 from typing import Any, Iterator, Sequence
 
 from megatron_rl.data.champ import load_champ
@@ -37,15 +44,91 @@ from megatron_rl.data.prompts import (
     Prompt,
     PromptDataset,
     chat_messages,
+    normalize_messages,
     normalize_question,
+    split_final_assistant,
     stable_id,
 )
 from megatron_rl.data.reasoning_gym_tasks import create_task_dataset
 
+logger = logging.getLogger(__name__)
+
 # --- reading ----------------------------------------------------------------------------------------------
 
+# Which files of an HF dataset folder belong to which split: the rules of the `datasets` library
+# (data_files.py: a `data/{split}-NNNNN-of-NNNNN.*` shard name, else a split keyword as a folder name, else
+# in the file name, delimited by one of NON_WORDS_CHARS; else every file is 'train').
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_SEP = r"[-._ 0-9]"
+_SHARDED_SPLIT = re.compile(r"data/(\w+)-[0-9]{5}-of-[0-9]{5}[^/]*")
+DATA_EXTENSIONS = (".parquet", ".jsonl", ".ndjson", ".json")
+# JSON files `datasets` writes about a data set, not rows of it
+_METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 
 
+def _keyword_in(name: str, keyword: str, *, followed: bool) -> bool:
+    tail = f"{_SEP}.*" if followed else f"({_SEP}.*)?"
+    return re.fullmatch(f"(.*{_SEP})?{re.escape(keyword)}{tail}", name) is not None
+
+
+def split_data_files(files: Sequence[str]) -> dict[str, list[str]]:
+    """Split name -> the files (paths relative to the folder, '/'-separated) that belong to it."""
+    sharded: dict[str, list[str]] = {}
+    for f in files:
+        if match := _SHARDED_SPLIT.fullmatch(f):
+            sharded.setdefault(match.group(1), []).append(f)
+    if sharded:
+        return sharded
+    for in_dir in (True, False):  # a keyword as a folder name wins over one in a file name
+        found = {}
+        for split, keywords in SPLIT_KEYWORDS.items():
+            names = [f for f in files if any(_keyword_in(part, kw, followed=not in_dir) for kw in keywords
+                                             for part in (f.split("/")[:-1] if in_dir else f.split("/")[-1:]))]
+            if names:
+                found[split] = names
+        if found:
+            return found
+    return {"train": list(files)}
+
+
+def _folder_files(folder: str, split: str) -> list[str]:
+    files, arrow = [], False
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]  # hidden and special, as `datasets` skips
+        for name in names:
+            arrow = arrow or name.endswith(".arrow")
+            if name.lower().endswith(DATA_EXTENSIONS) and not name.startswith((".", "__")) \
+                    and name not in _METADATA_FILES:
+                files.append(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"))
+    if not files:
+        hint = (" (its .arrow files are a `datasets` save_to_disk folder: write it out with "
+                "Dataset.to_parquet or to_json)") if arrow else ""
+        raise DataError(f"{folder}: no data files (.parquet, .jsonl, .json) in the folder{hint}")
+    splits = split_data_files(sorted(files))
+    canonical = next((name for name, keywords in SPLIT_KEYWORDS.items() if split in keywords), split)
+    if canonical not in splits:
+        raise DataError(f"{folder}: no split '{split}' (data split); the folder's splits: {', '.join(sorted(splits))}")
+    return [os.path.join(folder, f) for f in sorted(splits[canonical])]
+
+
+def source_files(cfg: SourceConfig) -> list[str]:
+    """The files of a file source: the file, a glob's matches (sorted), or an HF dataset folder's split."""
+    path = cfg.path
+    assert path is not None
+    if os.path.isdir(path):
+        return _folder_files(path, cfg.split)
+    if cfg.split != "train":  # a split picks files of a folder; a file or a glob has none to pick
+        raise DataError(f"{path}: split={cfg.split!r} applies to a dataset folder, not to a file or a glob "
+                        "(point path at the folder, or at the split's files)")
+    if os.path.isfile(path):
+        return [path]
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"data files not found: no file matches {path}")
+        return files
+    raise DataError(f"data file not found: {path}")
 
 
 def _get(row: dict, dotted: str) -> Any:
@@ -57,9 +140,34 @@ def _get(row: dict, dotted: str) -> Any:
     return value
 
 
+def _has(row: dict, dotted: str) -> bool:
+    try:
+        _get(row, dotted)
+    except KeyError:
+        return False
+    return True
 
 
-def _row_to_prompt(row: Any, cfg: SourceConfig, where: str, row_number: int) -> Prompt:
+def _reference_answer(row: dict, cfg: SourceConfig, where: str, final_turn: str | None) -> str | None:
+    if final_turn is not None and cfg.final_assistant_turn == "answer":
+        if cfg.answer_field and _has(row, cfg.answer_field):
+            raise DataError(f"{where}: two reference answers: field '{cfg.prompt_field}' ends with an assistant "
+                            f"turn and the row has '{cfg.answer_field}' (answer_field); set answer_field=null to "
+                            f"use the assistant turn, or final_assistant_turn=drop to use '{cfg.answer_field}'")
+        return final_turn
+    if not cfg.answer_field:
+        return None
+    try:
+        answer = _get(row, cfg.answer_field)
+    except KeyError:
+        raise DataError(f"{where}: missing field '{cfg.answer_field}' (answer_field); "
+                        f"fields present: {sorted(row)}") from None
+    if answer is not None and not isinstance(answer, str):
+        answer = json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)
+    return answer
+
+
+def _row_to_prompt(row: Any, cfg: SourceConfig, where: str, row_number: int, file: str) -> Prompt:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     try:
@@ -67,15 +175,14 @@ def _row_to_prompt(row: Any, cfg: SourceConfig, where: str, row_number: int) -> 
     except KeyError:
         raise DataError(f"{where}: missing field '{cfg.prompt_field}' (prompt_field); "
                         f"fields present: {sorted(row)}") from None
-    answer = None
-    if cfg.answer_field:
-        try:
-            answer = _get(row, cfg.answer_field)
-        except KeyError:
-            raise DataError(f"{where}: missing field '{cfg.answer_field}' (answer_field); "
-                            f"fields present: {sorted(row)}") from None
-        if answer is not None and not isinstance(answer, str):
-            answer = json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)
+    final_turn = None
+    if isinstance(raw_prompt, (list, tuple)) and raw_prompt:
+        conversation = normalize_messages(raw_prompt, where, cfg.prompt_field)
+        raw_prompt, final_turn = split_final_assistant(conversation, cfg.final_assistant_turn, where,
+                                                       cfg.prompt_field)
+        if not raw_prompt:
+            raise DataError(f"{where}: field '{cfg.prompt_field}' has no user message")
+    answer = _reference_answer(row, cfg, where, final_turn)
     system = cfg.system_prompt
     if cfg.system_prompt_field:
         try:
@@ -96,36 +203,98 @@ def _row_to_prompt(row: Any, cfg: SourceConfig, where: str, row_number: int) -> 
     used = {cfg.prompt_field, cfg.answer_field, cfg.id_field, cfg.system_prompt_field}
     extra = {k: v for k, v in row.items() if k not in used}
     return Prompt(prompt_id=prompt_id, messages=messages, question=question, answer=answer,
-                  metadata={"source": cfg.path, "row": row_number, "row_data": extra})
+                  metadata={"source": file, "row": row_number, "row_data": extra})
 
 
-def _read_rows(cfg: SourceConfig) -> Iterator[tuple[int, str, Any]]:
-    """(row number, location text, row or exception) for each row of the file."""
-    path = cfg.path
-    assert path is not None
-    if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
-    if cfg.kind == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield lineno, f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield lineno, f"{path}:{lineno}", DataError(
-                        f"{path}:{lineno}: malformed JSON row ({exc.msg} at column {exc.colno})")
-    else:
+def _unicode_error(value: Any, where: str, field: str = "") -> DataError | None:
+    """A DataError naming the first string (or key) of a JSON value holding a lone surrogate (`"\\ud800"`
+    decodes to one): no tokenizer or UTF-8 file takes it."""
+    if isinstance(value, str):
         try:
-            import pyarrow.parquet as pq  # optional (parquet extra): only for .parquet sources
-        except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for unreadable files
-            raise DataError(f"{path}: cannot read parquet file: {exc}") from None
-        for i, row in enumerate(table.to_pylist()):
-            yield i, f"{path}: row {i}", row
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return DataError(f"{where}: field '{field or '(row)'}' holds a lone surrogate "
+                             f"(\\u{ord(value[exc.start]):04x} at character {exc.start}), which is not valid Unicode")
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{field}.{key}" if field else str(key)
+            if error := _unicode_error(key, where, f"{name} (a key)") or _unicode_error(item, where, name):
+                return error
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if error := _unicode_error(item, where, f"{field}[{i}]"):
+                return error
+    return None
+
+
+def _json_lines(path: str) -> Iterator[tuple[int, str, Any]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]  # a byte-order mark written by Windows editors: not data
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield lineno, where, DataError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                                               f"byte {exc.start + 1} of the line)")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, where, DataError(f"{where}: malformed JSON row ({exc.msg} at column {exc.colno})")
+                continue
+            yield lineno, where, _unicode_error(row, where) or row
+
+
+def _json_array(path: str) -> Iterator[tuple[int, str, Any]]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            rows = json.load(f)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not valid UTF-8 (byte {exc.start + 1} of the file)") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    for i, row in enumerate(rows):
+        where = f"{path}: row {i}"
+        yield i, where, _unicode_error(row, where) or row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    try:
+        import pyarrow.parquet as pq  # optional (parquet extra): only for .parquet sources
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: a string column is not valid UTF-8 ({exc.reason})") from None
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DataError(f"{path}: cannot read parquet file: {exc}") from None
+    for i, row in enumerate(rows):
+        yield i, f"{path}: row {i}", row
+
+
+def _file_rows(path: str, kind: str) -> Iterator[tuple[int, str, Any]]:
+    lower = path.lower()
+    if lower.endswith(".parquet") or (kind == "parquet" and not lower.endswith(DATA_EXTENSIONS)):
+        return _parquet_rows(path)
+    if lower.endswith(".json"):
+        with open(path, "rb") as f:
+            head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        if head.startswith(b"["):
+            return _json_array(path)
+    return _json_lines(path)
+
+
+def _read_rows(cfg: SourceConfig) -> Iterator[tuple[str, int, str, Any]]:
+    """(file, row number, location text, row or DataError) for each row of the source's files."""
+    for file in source_files(cfg):
+        for number, where, row in _file_rows(file, cfg.kind):
+            yield file, number, where, row
 
 
 def _dedup(prompts: Sequence[Prompt], exclude: set[str] = frozenset(), limit: int | None = None,
@@ -149,27 +318,32 @@ def _dedup(prompts: Sequence[Prompt], exclude: set[str] = frozenset(), limit: in
 
 
 def load_file_source(cfg: SourceConfig) -> PromptDataset:
-    """All rows of a JSONL / parquet (or CHAMP) source as prompts (not yet de-duplicated)."""
+    """All rows of a JSONL / parquet source (file, folder or glob; or CHAMP) as prompts (not yet
+    de-duplicated). With on_bad_row=skip, bad rows (undecodable or malformed lines included) are counted
+    in the stats (`bad_rows_skipped`, with `first_bad_row`); `build_datasets` logs them."""
     if cfg.kind == "champ":
         return load_champ(cfg)
     prompts: list[Prompt] = []
     read = bad = 0
     first_error: DataError | None = None
-    for number, where, row in _read_rows(cfg):
+    for file, number, where, row in _read_rows(cfg):
         read += 1
         try:
             if isinstance(row, Exception):
                 raise row
-            prompts.append(_row_to_prompt(row, cfg, where, number))
+            prompts.append(_row_to_prompt(row, cfg, where, number, file))
         except DataError as exc:
             if cfg.on_bad_row == "error":
                 raise
             bad += 1
             first_error = first_error or exc
+    if read == 0:
+        raise DataError(f"{cfg.path}: no rows (the data is empty)")
     if not prompts:
         detail = f"; first error: {first_error}" if first_error else ""
         raise DataError(f"{cfg.path}: no usable rows ({read} read, {bad} bad){detail}")
-    return PromptDataset(cfg.name, prompts, {"rows_read": read, "bad_rows_skipped": bad})
+    return PromptDataset(cfg.name, prompts, {"rows_read": read, "bad_rows_skipped": bad},
+                         first_bad_row=None if first_error is None else str(first_error))
 
 
 def reasoning_gym_prompt(task: str, task_config: dict[str, Any], entry: dict[str, Any],
@@ -244,7 +418,8 @@ def build_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset]:
         else:
             raw = load_file_source(config.heldout)
             kept, dup, _ = _dedup(raw.prompts, limit=config.heldout_size or None)
-            heldout = PromptDataset(raw.name, kept, {**raw.stats, "duplicates_dropped": dup})
+            heldout = PromptDataset(raw.name, kept, {**raw.stats, "duplicates_dropped": dup},
+                                    first_bad_row=raw.first_bad_row)
         exclude = heldout.questions()
         if train_cfg.kind in ("reasoning_gym", "mixture"):
             train = generate_reasoning_gym(train_cfg, exclude=exclude)
@@ -252,7 +427,8 @@ def build_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset]:
             raw = load_file_source(train_cfg)
             kept, dup, excl = _dedup(raw.prompts, exclude)
             train = PromptDataset(raw.name, kept,
-                                  {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": excl})
+                                  {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": excl},
+                                  first_bad_row=raw.first_bad_row)
     elif train_cfg.kind in ("reasoning_gym", "mixture"):
         if config.heldout_size:
             heldout = generate_reasoning_gym(train_cfg, seed=config.heldout_seed, unique=config.heldout_size)
@@ -272,10 +448,16 @@ def build_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset]:
         heldout = PromptDataset(f"{raw.name}_heldout", [unique[i] for i in sorted(held_idx)],
                                 {"rows_read": len(held_idx)})
         train = PromptDataset(raw.name, [p for i, p in enumerate(unique) if i not in held_idx],
-                              {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": len(held_idx)})
+                              {**raw.stats, "duplicates_dropped": dup, "heldout_overlap_dropped": len(held_idx)},
+                              first_bad_row=raw.first_bad_row)
     if not train.prompts:
         raise DataError(f"training source {train_cfg.name}: no prompts left after de-duplication "
                         f"against the held-out set")
+    # logged once the data is accepted, so that a refused data set is one line (its error) and no more
+    for source, dataset in ((train_cfg, train), (config.heldout, heldout)):
+        if source is not None and dataset.stats.get("bad_rows_skipped"):
+            logger.warning("%s: skipped %d bad rows of %d (on_bad_row=skip); first: %s", source.path or source.name,
+                           dataset.stats["bad_rows_skipped"], dataset.stats["rows_read"], dataset.first_bad_row)
     return train, heldout
 
 

@@ -1,8 +1,10 @@
-"""Tokenizer and chat template, rebuilt from a GGUF header or read from an HF `tokenizer.json`.
+"""Tokenizer and chat templates through transformers' own tokenizer, so a training prompt is the text and
+the token ids that transformers, vLLM and SGLang produce for the same messages.
 
-Only `tokenizers` and `jinja2` are used at run time (no transformers). The GGUF path rebuilds the
-byte-level BPE exactly as SmolLM2's `tokenizer.json` defines it (individual digits, then GPT-2 byte
-level), checked against transformers in tests/test_trainer_parity.py.
+An HF model directory is read by `AutoTokenizer` (tokenizer.json, tokenizer_config.json,
+chat_template.jinja, named templates). A GGUF file's vocabulary is rebuilt as a `tokenizers` BPE (the
+same byte-level BPE SmolLM2's tokenizer.json defines) and wrapped in `PreTrainedTokenizerFast` with the
+file's chat template, so both sources render through `apply_chat_template`.
 """
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import json
 import os
 from typing import Any, Sequence
 
-import jinja2
-import jinja2.sandbox
+from jinja2 import TemplateError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from megatron_rl.config import ConfigError
+
+ChatTemplate = str | dict[str, str] | list[dict[str, str]] | None
 
 
 @dataclasses.dataclass
@@ -28,33 +32,30 @@ class TokenizerSpec:
     bos_token_id: int | None
     eos_token_id: int
     pad_token_id: int | None
-    chat_template: str | None
+    chat_template: ChatTemplate
     pre_tokenizer: str = "smollm"
 
 
 class ChatTokenizer:
-    """Encode/decode text and render chat messages with the model's own template."""
+    """Encode/decode text and render chat messages with the model's own template (transformers'
+    `apply_chat_template`). `template` names one of a model's named templates (e.g. "tool_use") and
+    `chat_template_kwargs` are extra template variables (e.g. enable_thinking) used by every call
+    unless a call overrides them. Pickles as is, for executors in other processes."""
 
-    def __init__(self, tokenizer: Any, *, bos_token_id: int | None, eos_token_id: int,
-                 pad_token_id: int | None, chat_template: str | None):
-        self.backend = tokenizer
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
-        self.chat_template = chat_template
-        self._template = _compile_template(chat_template)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The compiled jinja template does not pickle; executors in other processes recompile it.
-        return {k: v for k, v in self.__dict__.items() if k != "_template"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._template = _compile_template(self.chat_template)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None, source: str = "tokenizer"):
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"{source}: the tokenizer has no eos_token (or it is not in the vocabulary)")
+        self.hf_tokenizer = tokenizer
+        self.source = source
+        self.template = template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if template is not None:
+            self._named_template(template)  # refuse an unknown name now, not at the first prompt
 
     # --- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_spec(cls, spec: TokenizerSpec) -> "ChatTokenizer":
+    def from_spec(cls, spec: TokenizerSpec, **options: Any) -> "ChatTokenizer":
         vocab = {t: i for i, t in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -65,80 +66,133 @@ class ChatTokenizer:
         tk.decoder = decoders.ByteLevel()
         control = [spec.tokens[i] for i, kind in enumerate(spec.token_types) if int(kind) == 3]
         tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in control])
-        return cls(tk, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
-                   pad_token_id=spec.pad_token_id, chat_template=spec.chat_template)
+        eos = spec.tokens[spec.eos_token_id]
+        bos = None if spec.bos_token_id is None else spec.tokens[spec.bos_token_id]
+        pad = eos if spec.pad_token_id is None else spec.tokens[spec.pad_token_id]
+        hf = PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=spec.chat_template, bos_token=bos,
+                                     eos_token=eos, pad_token=pad, clean_up_tokenization_spaces=False)
+        return cls(hf, source="GGUF tokenizer", **options)
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "ChatTokenizer":
+    def from_hf_dir(cls, path: str | os.PathLike, **options: Any) -> "ChatTokenizer":
+        path = os.fspath(path)
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise ConfigError(f"{path}: no tokenizer.json in the model directory")
-        tk = Tokenizer.from_file(file)
-        cfg: dict[str, Any] = {}
-        cfg_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                cfg = json.load(f)
-
-        def token_id(key: str) -> int | None:
-            token = cfg.get(key)
-            if isinstance(token, dict):
-                token = token.get("content")
-            return tk.token_to_id(token) if token else None
-
-        eos = token_id("eos_token")
-        if eos is None:
-            raise ConfigError(f"{cfg_file}: field 'eos_token' is missing or not in the vocabulary")
-        return cls(tk, bos_token_id=token_id("bos_token"), eos_token_id=eos,
-                   pad_token_id=token_id("pad_token"), chat_template=cfg.get("chat_template"))
+        # A broken file is named in one line, not buried in a transformers traceback.
+        for name in ("tokenizer_config.json", "chat_template.json"):
+            _check_json(os.path.join(path, name))
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            _check_tokenizer_file(file)  # the usual culprit (checked only now: parsing it costs a second)
+            raise ConfigError(f"{path}: transformers cannot load the tokenizer "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+        return cls(hf, source=path, **options)
 
     def save_hf(self, path: str | os.PathLike) -> None:
-        """Write tokenizer.json + tokenizer_config.json so transformers and SGLang can load them."""
-        os.makedirs(path, exist_ok=True)
-        self.backend.save(os.path.join(path, "tokenizer.json"))
-        name = lambda i: None if i is None else self.backend.id_to_token(i)  # noqa: E731
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_token_id),
-               "eos_token": name(self.eos_token_id), "pad_token": name(self.pad_token_id),
-               "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "model_max_length": 1_000_000_000}
-        if self.chat_template:
-            cfg["chat_template"] = self.chat_template
-        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2)
+        """Write the tokenizer as transformers' `save_pretrained` does (tokenizer.json,
+        tokenizer_config.json, chat_template.jinja), loadable by AutoTokenizer, vLLM and SGLang."""
+        self.hf_tokenizer.save_pretrained(os.fspath(path))
 
     # --- use --------------------------------------------------------------------------------------
     @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        return self.hf_tokenizer.chat_template
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf_tokenizer.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.hf_tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.hf_tokenizer.pad_token_id
+        return self.eos_token_id if pad is None else pad
+
+    @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return len(self.hf_tokenizer)  # added tokens included
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.hf_tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.backend.decode([token_id], skip_special_tokens=False)
+        return self.hf_tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
-            raise ConfigError("this tokenizer has no chat template; pass raw prompts instead")
-        token = lambda i: "" if i is None else self.backend.id_to_token(i)  # noqa: E731
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id))
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool | None = None, *,
+                    tools: Sequence[dict[str, Any]] | None = None, documents: Sequence[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, template: str | None = None,
+                    **template_kwargs: Any) -> str:
+        """The prompt text, exactly as `apply_chat_template(..., tokenize=False)` renders it. A generation
+        prompt is added unless `add_generation_prompt=False` or the final message is continued."""
+        return self._apply(messages, add_generation_prompt, tools, documents, continue_final_message, template,
+                           template_kwargs, tokenize=False)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool | None = None, *,
+                    tools: Sequence[dict[str, Any]] | None = None, documents: Sequence[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, template: str | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """The prompt ids, exactly as `apply_chat_template(..., tokenize=True)` returns them (the template
+        writes any BOS itself; no special tokens are added on top)."""
+        return self._apply(messages, add_generation_prompt, tools, documents, continue_final_message, template,
+                           template_kwargs, tokenize=True)
+
+    # --- internals --------------------------------------------------------------------------------
+    def _apply(self, messages, add_generation_prompt, tools, documents, continue_final_message, template,
+               template_kwargs, *, tokenize: bool):
+        if not self.chat_template:
+            raise ConfigError(f"{self.source}: this tokenizer has no chat template; pass raw prompts instead")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        elif add_generation_prompt and continue_final_message:
+            raise ConfigError("chat template: add_generation_prompt and continue_final_message exclude each other")
+        name = template if template is not None else self.template
+        kwargs = {**self.chat_template_kwargs, **template_kwargs}
+        try:
+            out = self.hf_tokenizer.apply_chat_template(
+                list(messages), tools=None if tools is None else list(tools),
+                documents=None if documents is None else list(documents),
+                chat_template=None if name is None else self._named_template(name),
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=tokenize, return_dict=False, **kwargs)
+        except (TemplateError, ValueError) as exc:
+            # raise_exception(...) in the template, a template bug, or transformers refusing the messages
+            # (e.g. a continued final message that the template rewrites)
+            raise ConfigError(f"chat template of {self.source}: {_first_line(exc)}") from None
+        return list(out) if tokenize else out
+
+    def _named_template(self, name: str) -> str:
+        templates = self.chat_template
+        if not isinstance(templates, dict) or name not in templates:
+            known = ", ".join(sorted(templates)) if isinstance(templates, dict) else "none: it has one template"
+            raise ConfigError(f"{self.source}: no chat template named '{name}' (named templates: {known})")
+        return templates[name]
 
 
-def _compile_template(chat_template: str | None):
-    if not chat_template:
-        return None
-    # The same environment transformers renders chat templates with (sandboxed, trimmed blocks).
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_template_error
-    return env.from_string(chat_template)
+def _check_json(file: str) -> None:
+    if not os.path.isfile(file):
+        return
+    try:
+        with open(file, encoding="utf-8") as f:
+            json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({_first_line(exc)})") from None
 
 
-def _raise_template_error(message: str) -> None:
-    raise ConfigError(f"chat template: {message}")
+def _check_tokenizer_file(file: str) -> None:
+    try:
+        Tokenizer.from_file(file)
+    except Exception as exc:  # the Rust loader raises plain Exceptions
+        raise ConfigError(f"{file}: not a valid tokenizers file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

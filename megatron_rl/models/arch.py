@@ -1,22 +1,65 @@
-"""Llama-family architecture description shared by the trainer, the rollout engines and the converters.
+"""Decoder architecture description shared by the trainer, the rollout engines and the converters.
 
-One `ModelArch` describes the network's shapes; it is read from a GGUF header, an HF `config.json`,
-or named presets, and turned into Megatron's `TransformerConfig` by `trainer/model.py`.
+One `ModelArch` describes the network's shapes and numerics; it is read from a GGUF header, an HF
+`config.json` (through the family registry in `models/families.py`), or named presets, and turned into
+Megatron's `TransformerConfig` by `trainer/model.py`. docs/models.md lists the families and what each
+honours or refuses.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 from typing import Any
 
 from megatron_rl.config import ConfigError, require
 
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, with the semantics of transformers' `modeling_rope_utils` for the same
+    `rope_type` (the HF `rope_parameters` / `rope_scaling` dict, with defaults already filled in)."""
+
+    rope_type: str
+    """'linear', 'dynamic' (NTK, depends on the sequence length), 'llama3' or 'yarn'."""
+    factor: float
+    original_max_position_embeddings: int | None = None
+    """Pretraining context (llama3, yarn)."""
+    low_freq_factor: float | None = None
+    """llama3 only."""
+    high_freq_factor: float | None = None
+    """llama3 only."""
+    beta_fast: float | None = None
+    """yarn only (HF default 32)."""
+    beta_slow: float | None = None
+    """yarn only (HF default 1)."""
+    mscale: float | None = None
+    """yarn only."""
+    mscale_all_dim: float | None = None
+    """yarn only."""
+    attention_factor: float | None = None
+    """yarn only: cos/sin multiplier; derived from factor / mscale when None."""
+    truncate: bool | None = None
+    """yarn only: round the correction range to whole dimensions (HF default True)."""
+
+    def __post_init__(self) -> None:
+        require(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
+                f"{self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        require(self.factor > 0, "rope_scaling.factor", f"must be positive, got {self.factor}")
+        if self.rope_type in ("llama3", "yarn"):
+            require(self.original_max_position_embeddings is not None and self.original_max_position_embeddings > 0,
+                    "rope_scaling.original_max_position_embeddings", f"required (positive) for {self.rope_type}")
+        if self.rope_type == "llama3":
+            require(self.low_freq_factor is not None and self.high_freq_factor is not None,
+                    "rope_scaling.low_freq_factor", "llama3 needs low_freq_factor and high_freq_factor")
+            require(self.high_freq_factor != self.low_freq_factor, "rope_scaling.high_freq_factor",
+                    "must differ from low_freq_factor")
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelArch:
-    """Shapes of a Llama-family decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
+    """Shapes and numerics of a pre-norm decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
 
     vocab_size: int
     """Tokenizer vocabulary size (unpadded; trainers pad it for tensor parallelism)."""
@@ -40,6 +83,17 @@ class ModelArch:
     """Share the input embedding with the output projection."""
     max_position_embeddings: int = 4096
     """Longest sequence (prompt + response) the model supports."""
+    family: str = "llama"
+    """Registry key in models/families.py: 'llama' (Llama 1-3.3, SmolLM2), 'mistral', 'qwen2', 'qwen3'."""
+    attention_bias: bool = False
+    """q/k/v projections carry biases (Qwen2/2.5); the output projection never has one."""
+    qk_norm: bool = False
+    """Per-head RMSNorm (weight [head_dim], eps=norm_eps) on q and k before RoPE (Qwen3)."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling; None is plain RoPE."""
+    sliding_window: int | None = None
+    """Attention window recorded from the HF config. Only windows that never bite (>= max_position_embeddings)
+    are accepted: narrower windows are not implemented and are refused."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -53,6 +107,12 @@ class ModelArch:
                     f"{self.num_attention_heads}; set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         require(self.head_dim % 2 == 0, "head_dim", "must be even for rotary embeddings")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.sliding_window is not None:
+            require(self.sliding_window >= self.max_position_embeddings, "sliding_window",
+                    f"a window of {self.sliding_window} tokens, narrower than max_position_embeddings="
+                    f"{self.max_position_embeddings}, is not implemented (sliding-window attention)")
 
     @property
     def q_size(self) -> int:
@@ -65,64 +125,28 @@ class ModelArch:
     def num_parameters(self) -> int:
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * f + 2 * h
+        if self.attention_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
-    # --- HF config.json -------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], where: str = "config.json") -> "ModelArch":
-        archs = config.get("architectures") or [config.get("model_type", "?")]
-        if config.get("model_type") not in (None, "llama", "mistral", "qwen2") and "LlamaForCausalLM" not in archs:
-            raise ConfigError(f"{where}: unsupported architecture {archs} (model_type="
-                              f"{config.get('model_type')!r}); megatron_rl supports Llama-family models")
-        try:
-            return cls(
-                vocab_size=int(config["vocab_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                hidden_size=int(config["hidden_size"]),
-                ffn_hidden_size=int(config["intermediate_size"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                num_query_groups=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                head_dim=config.get("head_dim"),
-                rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            )
-        except KeyError as exc:
-            raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
-
-    def to_hf_config(self, **extra: Any) -> dict[str, Any]:
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "num_hidden_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.ffn_hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_query_groups,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
-        }
-        config.update(extra)
-        return config
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "ModelArch":
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-        return cls.from_hf_config(data, where=os.fspath(path))
+    def from_dict(cls, data: dict[str, Any], where: str = "arch") -> ModelArch:
+        """Inverse of `dataclasses.asdict(arch)` (checkpoint metadata); unknown keys are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown architecture field(s) {unknown}")
+        fields = dict(data)
+        if isinstance(fields.get("rope_scaling"), dict):
+            rope_known = {f.name for f in dataclasses.fields(RopeScaling)}
+            rope_unknown = sorted(set(fields["rope_scaling"]) - rope_known)
+            if rope_unknown:
+                raise ConfigError(f"{where}: unknown rope_scaling field(s) {rope_unknown}")
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        return cls(**fields)
 
 
 PRESETS: dict[str, ModelArch] = {

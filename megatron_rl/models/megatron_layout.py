@@ -1,9 +1,12 @@
-"""HF Llama tensors <-> Megatron-core GPTModel shards at any tensor (TP) and pipeline (PP) size.
+"""HF decoder tensors <-> Megatron-core GPTModel shards at any tensor (TP) and pipeline (PP) size.
 
 Megatron's layout, as its `GPTModel` state dict names it (local or Transformer Engine layer spec):
 - `linear_qkv` fuses q, k and v per query group: for group g the rows are
   [q heads of g (num_heads/num_groups * head_dim); k_g (head_dim); v_g (head_dim)], and a TP rank
-  owns whole query groups (so TP must divide num_query_groups).
+  owns whole query groups (so TP must divide num_query_groups). Its bias (Qwen2's q/k/v biases,
+  `linear_qkv.bias`) is fused and split exactly like the weight's rows.
+- Qwen3's per-head q/k RMSNorm weights (`self_attention.{q,k}_layernorm.weight`, [head_dim]) are
+  replicated on every TP rank.
 - `linear_fc1` on TP rank r is cat(gate_r, up_r): each of gate and up is split by rows first.
 - `linear_proj` and `linear_fc2` are split along their input (column) dimension.
 - The embedding and output layer are split along a vocabulary padded to a multiple of
@@ -103,6 +106,17 @@ def split_qkv(shards: list[torch.Tensor], arch: ModelArch) -> tuple[torch.Tensor
             v.reshape(-1, hidden).contiguous())
 
 
+def fuse_qkv_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch, tp: int) -> list[torch.Tensor]:
+    """`fuse_qkv` for the 1-D q/k/v biases (a bias row follows its weight row)."""
+    return [s.squeeze(1) for s in fuse_qkv(q[:, None], k[:, None], v[:, None], arch, tp)]
+
+
+def split_qkv_bias(shards: list[torch.Tensor], arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv_bias`."""
+    q, k, v = split_qkv([s[:, None] for s in shards], arch)
+    return q.squeeze(1), k.squeeze(1), v.squeeze(1)
+
+
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [torch.cat([g, u], dim=0) for g, u in zip(_split_rows(gate, tp), _split_rows(up, tp))]
 
@@ -128,6 +142,7 @@ def _require(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> list[list[dict[str, torch.Tensor]]]:
     """HF-named tensors -> shards[pp_rank][tp_rank], each a Megatron GPTModel state dict."""
     arch, tp, pp = layout.arch, layout.tp, layout.pp
+    check_hf_state(state, arch)
     shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
     embed = _pad_vocab(_require(state, "model.embed_tokens.weight"), layout.padded_vocab_size)
     head = embed if arch.tie_word_embeddings else _pad_vocab(_require(state, "lm_head.weight"),
@@ -149,6 +164,8 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
         fc1 = fuse_gate_up(_require(state, hf + "mlp.gate_proj.weight"), _require(state, hf + "mlp.up_proj.weight"), tp)
         fc2 = _split_cols(_require(state, hf + "mlp.down_proj.weight"), tp)
+        if arch.attention_bias:
+            qkv_bias = fuse_qkv_bias(*(_require(state, hf + f"self_attn.{p}_proj.bias") for p in "qkv"), arch, tp)
         for t in range(tp):
             shard = shards[stage][t]
             shard[meg + "self_attention.linear_qkv.weight"] = qkv[t]
@@ -157,7 +174,51 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
             shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
             shard[meg + norm_attn] = _require(state, hf + "input_layernorm.weight").clone()
             shard[meg + norm_mlp] = _require(state, hf + "post_attention_layernorm.weight").clone()
+            if arch.attention_bias:
+                shard[meg + "self_attention.linear_qkv.bias"] = qkv_bias[t]
+            if arch.qk_norm:
+                for p in "qk":
+                    shard[meg + f"self_attention.{p}_layernorm.weight"] = \
+                        _require(state, hf + f"self_attn.{p}_norm.weight").clone()
     return shards
+
+
+def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of `arch` holds, with its shape (lm_head left out when tied)."""
+    h, f, v, hd = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    per_layer = {"self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
+                 "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if arch.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (arch.q_size,), "self_attn.k_proj.bias": (arch.kv_size,),
+                          "self_attn.v_proj.bias": (arch.kv_size,)})
+    if arch.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    for layer in range(arch.num_layers):
+        shapes.update({f"model.layers.{layer}.{n}": s for n, s in per_layer.items()})
+    return shapes
+
+
+def check_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> None:
+    """Refuse, naming the tensor, a checkpoint that does not match its config: a tensor the architecture
+    has no place for (an o_proj bias, an extra layer: the conversion would drop it silently), a missing
+    tensor, or a wrong shape."""
+    shapes = hf_tensor_shapes(arch)
+    where = (f"a {arch.family} model of this config (attention_bias={arch.attention_bias}, qk_norm={arch.qk_norm}, "
+             f"num_layers={arch.num_layers})")
+    extra = sorted(n for n in set(state) - set(shapes) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConfigError(f"checkpoint tensor '{extra[0]}' does not belong to {where} "
+                          f"({len(extra)} unexpected tensor(s))")
+    for name, shape in shapes.items():
+        tensor = _require(state, name)
+        if tuple(tensor.shape) != shape:
+            raise ConfigError(f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)}, but {where} "
+                              f"needs {shape}")
 
 
 def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: MegatronLayout) -> dict[str, torch.Tensor]:
@@ -188,4 +249,13 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         state[hf + "mlp.down_proj.weight"] = torch.cat(gather(stage, meg + "mlp.linear_fc2.weight"), 1)
         state[hf + "input_layernorm.weight"] = _require(shards[stage][0], meg + norm_attn).clone()
         state[hf + "post_attention_layernorm.weight"] = _require(shards[stage][0], meg + norm_mlp).clone()
+        if arch.attention_bias:
+            qb, kb, vb = split_qkv_bias(gather(stage, meg + "self_attention.linear_qkv.bias"), arch)
+            state[hf + "self_attn.q_proj.bias"] = qb
+            state[hf + "self_attn.k_proj.bias"] = kb
+            state[hf + "self_attn.v_proj.bias"] = vb
+        if arch.qk_norm:
+            for p in "qk":
+                state[hf + f"self_attn.{p}_norm.weight"] = \
+                    _require(shards[stage][0], meg + f"self_attention.{p}_layernorm.weight").clone()
     return state

@@ -23,11 +23,13 @@ from safetensors.torch import load_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
+from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.gguf import read_gguf
 from megatron_rl.models.megatron_layout import MegatronLayout, megatron_to_hf
 
 MEGATRON_META = "megatron_rl_checkpoint.json"
+SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded HF model's tensor -> shard file map
 
 
 class Pretrained:
@@ -92,7 +94,7 @@ def load_pretrained(path: str, *, lazy: bool = False) -> Pretrained:
         return Pretrained(arch, None if lazy else megatron_state(), _maybe_tokenizer(path), path,
                           load_state=megatron_state)
     if os.path.isfile(os.path.join(path, "config.json")):
-        arch = ModelArch.from_json(os.path.join(path, "config.json"))
+        arch = families.from_json(os.path.join(path, "config.json"))
         return Pretrained(arch, None if lazy else read_safetensors_dir(path), _maybe_tokenizer(path), path,
                           load_state=lambda: read_safetensors_dir(path))
     raise ConfigError(f"{path}: not a model directory (no config.json, no {MEGATRON_META})")
@@ -115,12 +117,30 @@ def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
 
 
 def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    """Every tensor of an HF directory: the shards its `model.safetensors.index.json` lists (each must
+    exist and hold the tensors mapped to it), else every *.safetensors file."""
+    index_file = os.path.join(path, SAFE_WEIGHTS_INDEX)
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{index_file}: corrupt index ({type(exc).__name__}: {exc})") from None
+        for name in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise ConfigError(f"{index_file}: shard {name!r} listed in 'weight_map' is missing")
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        weight_map = None
     if not files:
         raise ConfigError(f"{path}: no *.safetensors files in the model directory")
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(_load_safetensors(os.path.join(path, name)))
+    if weight_map is not None and (missing := sorted(set(weight_map) - set(state))):
+        raise ConfigError(f"{index_file}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]!r}"
+                          f" ({len(missing)} missing)")
     return state
 
 
@@ -147,7 +167,7 @@ def read_megatron_layout(path: str) -> MegatronLayout:
     try:
         with open(meta_file, encoding="utf-8") as f:
             meta = json.load(f)
-        return MegatronLayout(ModelArch(**meta["arch"]), tp=int(meta["tp"]), pp=int(meta["pp"]),
+        return MegatronLayout(ModelArch.from_dict(meta["arch"], where=meta_file), tp=int(meta["tp"]), pp=int(meta["pp"]),
                               layer_spec=meta.get("layer_spec", "local"),
                               vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)))
     except FileNotFoundError:

@@ -40,10 +40,14 @@ def padded_vocab(arch: ModelArch, tp: int, divisible_by: int = 128) -> int:
 
 
 def layer_parameters(arch: ModelArch, tp: int = 1) -> float:
-    """Parameters of one transformer layer on one TP rank (the two RMSNorm weights are replicated)."""
+    """Parameters of one transformer layer on one TP rank (the RMSNorm weights, q/k norms included, are
+    replicated; q/k/v biases are split like their rows)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * f
-    return sharded / tp + 2 * h
+    if arch.attention_bias:
+        sharded += arch.q_size + 2 * arch.kv_size
+    replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
+    return sharded / tp + replicated
 
 
 def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128) -> float:

@@ -15,6 +15,7 @@ import math
 import os
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models import families
 from megatron_rl.models.arch import PRESETS, ModelArch, preset
 from megatron_rl.sim import cost
 from megatron_rl.sim.config import ClusterConfig, HardwareSpec
@@ -32,7 +33,7 @@ def resolve_arch(cluster: ClusterConfig, model_path: str) -> ModelArch:
         return preset(name)
     candidate = name if name.endswith(".json") else os.path.join(name, "config.json")
     if os.path.isfile(candidate):
-        return ModelArch.from_json(candidate)
+        return families.from_json(candidate)
     raise ConfigError(f"field 'cluster.arch': cannot find the model shape '{name}' (a preset: "
                       f"{', '.join(PRESETS)}, or an HF config.json / directory holding one)")
 

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from megatron_rl.models import families
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
@@ -40,7 +41,7 @@ def bench_trainer(options: dict) -> dict:
 
     import transformers  # the baseline only (dev extra), never the library's code path
 
-    config = transformers.LlamaConfig(**{k: v for k, v in model.arch.to_hf_config().items()
+    config = transformers.LlamaConfig(**{k: v for k, v in families.to_hf_config(model.arch).items()
                                          if k not in ("architectures", "model_type", "torch_dtype")})
     hf = transformers.LlamaForCausalLM(config)
     hf.load_state_dict(model.state, strict=False)

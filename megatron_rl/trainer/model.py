@@ -1,15 +1,20 @@
-"""Build a Megatron-core `GPTModel` for a Llama-family `ModelArch`.
+"""Build a Megatron-core `GPTModel` for a `ModelArch` of any registered family (models/families.py).
 
 Megatron's own `TransformerConfig` carries the architecture and the parallel layout (it is built here,
-never mirrored by hand). The Transformer Engine layer spec is used when TE is importable with CUDA;
-otherwise the local spec (torch RMSNorm, Megatron's own linear layers), which runs on CPU.
+never mirrored by hand): q/k/v biases (Qwen2) are `add_qkv_bias`, per-head q/k RMSNorm (Qwen3) is
+`qk_layernorm`, and RoPE frequencies, scaled or not, come from `models/rope.py`, the function the native
+engine uses too (`ArchRotaryEmbedding` replaces Megatron's own, whose scaling knows only Llama 3 defaults).
+The Transformer Engine layer spec is used when TE is importable with CUDA; otherwise the local spec
+(torch RMSNorm, Megatron's own linear layers), which runs on CPU.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -21,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
+from megatron_rl.models.rope import rope_inv_freq
 
 
 def transformer_engine_available() -> bool:
@@ -42,7 +48,8 @@ def resolve_layer_spec(requested: Literal["auto", "local", "te"]) -> Literal["lo
 def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parallel: int,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
                        fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024):
-    """Megatron's TransformerConfig for a Llama model (RMSNorm, SwiGLU, RoPE, GQA, no biases, no dropout).
+    """Megatron's TransformerConfig for `arch` (RMSNorm, SwiGLU, RoPE, GQA, no dropout; q/k/v biases and
+    q/k norms as the family has them).
 
     `fp8_recipe` ("delayed" or "tensorwise") turns on Transformer Engine FP8 GEMMs in the "hybrid" format
     (e4m3 forward, e5m2 gradients); Megatron's TransformerBlock then enters TE's fp8 autocast itself
@@ -57,6 +64,11 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
                       fp8_amax_compute_algo="max")
     elif fp8:
         kwargs.update(fp8=fp8)
+    _, rope_scale = rope_inv_freq(arch)
+    if rope_scale != 1.0:
+        # HF multiplies both cos and sin by the RoPE attention scaling (YaRN), i.e. q.k by its square:
+        # the same as a softmax scale of scaling^2 / sqrt(head_dim), which Megatron takes as is.
+        kwargs.update(softmax_scale=rope_scale ** 2 / math.sqrt(arch.head_dim))
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -69,7 +81,8 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.attention_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -89,10 +102,11 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     )
 
 
-def layer_spec(kind: Literal["local", "te"]):
+def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False):
+    """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE."""
     if kind == "te":
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
 
@@ -123,12 +137,31 @@ def _sdpa_attention_class():
     return SDPADotProductAttention
 
 
+class ArchRotaryEmbedding(RotaryEmbedding):
+    """Megatron's rotary embedding with the inverse frequencies of `models/rope.py` (every HF rope_type).
+    'dynamic' scaling recomputes them from the forward's sequence length (the padded micro-batch length),
+    as HF does from the longest position in its batch."""
+
+    def __init__(self, arch: ModelArch, *, use_cpu_initialization: bool, cp_group=None):
+        super().__init__(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_interleaved=False,
+                         use_cpu_initialization=use_cpu_initialization, cp_group=cp_group)
+        self.arch = arch
+        self.dynamic = arch.rope_scaling is not None and arch.rope_scaling.rope_type == "dynamic"
+        self.inv_freq = rope_inv_freq(arch, device=self.inv_freq.device)[0]
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.dynamic:
+            # The parent's forward caches by sequence length, which is all the dynamic frequencies depend on.
+            self.inv_freq = rope_inv_freq(self.arch, seq_len=max_seq_len + offset, device=self.inv_freq.device)[0]
+        return super().forward(max_seq_len, offset, packed_seq, cp_group)
+
+
 def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_process: bool, post_process: bool):
     """The GPTModel stage this rank holds. Its vocabulary is padded as `layout` says."""
     arch = layout.arch
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(layout.layer_spec),
+        transformer_layer_spec=layer_spec(layout.layer_spec, qk_norm=arch.qk_norm),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -139,3 +172,6 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
         rotary_percent=1.0,
         pg_collection=pg_collection,
     )
+    model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,
+                                               cp_group=pg_collection.cp)
+    return model

@@ -16,7 +16,8 @@ Engine sharding (vLLM/SGLang `QKVParallelLinear`, `MergedColumnParallelLinear`, 
 - embed_tokens / lm_head: the vocabulary padded to a multiple of `vocab_divisible_by` (64 in vLLM/SGLang)
   is split in E equal row ranges; rank e gets the real rows of its range, [e * per, min((e + 1) * per, V)),
   and its loader zero-fills the padding rows (the shard of the last ranks may be short or empty).
-- norms: replicated.
+- q_proj / k_proj / v_proj biases (Qwen2; Megatron's fused `linear_qkv.bias`): split like their rows.
+- norms, Qwen3's per-head q_norm / k_norm (Megatron `q_layernorm` / `k_layernorm`) included: replicated.
 
 Buckets: `plan_buckets` / `allocate_buckets` / `pack_tensors` / `Bucket.unpack` pack many tensors into
 flat per-dtype buffers of bounded bytes (offsets aligned) and give them back as views (no copies);
@@ -193,6 +194,15 @@ class _PlanBuilder:
                 self.add(r, hf + "self_attn.q_proj.weight", (qe, h), 0, r * qe, (r + 1) * qe, pp, qkv, q_map, h)
                 for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
                     self.add(r, hf + f"self_attn.{name}.weight", ((k1 - k0) * hd, h), 0, k0 * hd, k1 * hd, pp, qkv, mp, h)
+                if a.attention_bias:  # fused like the weight's rows: the same row maps, one column
+                    bias = meg + "self_attention.linear_qkv.bias"
+                    self.add(r, hf + "self_attn.q_proj.bias", (qe,), 0, r * qe, (r + 1) * qe, pp, bias, q_map, 1)
+                    for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
+                        self.add(r, hf + f"self_attn.{name}.bias", ((k1 - k0) * hd,), 0, k0 * hd, k1 * hd, pp, bias, mp, 1)
+                if a.qk_norm:
+                    for p in "qk":
+                        self.add(r, hf + f"self_attn.{p}_norm.weight", (hd,), 0, 0, hd, pp,
+                                 meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
                 self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
                          meg + "self_attention.linear_proj.weight", proj_map, h)
                 fc1 = meg + "mlp.linear_fc1.weight"

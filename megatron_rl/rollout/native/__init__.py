@@ -1,5 +1,6 @@
-"""The native rollout engine (`NativeEngine`): a Llama-family decoder in plain PyTorch with a per-slot
-KV cache, continuous batching, exact seeded sampling and in-place weight updates, on CPU or one GPU.
+"""The native rollout engine (`NativeEngine`): a pre-norm decoder (the Llama, Mistral, Qwen2 and Qwen3
+families of models/families.py) in plain PyTorch with a per-slot KV cache, continuous batching, exact
+seeded sampling and in-place weight updates, on CPU or one GPU.
 
 - engine.py: `NativeEngine` (implements rollout.engine.RolloutEngine): public API, driver threads,
   weight updates and memory release.
@@ -8,6 +9,8 @@ KV cache, continuous batching, exact seeded sampling and in-place weight updates
 - model.py: `LlamaModel`, the forward pass over the KV cache.
 - weights.py: `weight_arena_layout` and `LlamaWeights`, the flat weight arena and its MKL packing.
 - sampling.py: `sample_tokens`, `filtered_logits`, `inverse_cdf` and per-sample seeds.
+- parity.py: `engine_parity`, the engine's column of `megatron-rl parity` (greedy tokens and log-probs
+  against transformers' `generate`).
 """
 from megatron_rl.rollout.native.engine import NativeEngine
 

@@ -1,5 +1,6 @@
-"""The native rollout engine: a Llama-family decoder in plain PyTorch with a per-slot KV cache,
-continuous batching, exact seeded sampling and in-place weight updates. Runs on CPU or one GPU.
+"""The native rollout engine: a pre-norm decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch with a
+per-slot KV cache, continuous batching, exact seeded sampling and in-place weight updates. Runs on CPU
+or one GPU.
 
 This module holds `NativeEngine`: its public API, the threads that drive it and its weight updates.
 The model is in model.py (weights in weights.py), sampling in sampling.py, and the KV cache and the
@@ -27,7 +28,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -43,13 +44,24 @@ from megatron_rl.rollout.engine import (
     iter_named_tensors,
     validate_request,
 )
-from megatron_rl.rollout.native.model import LlamaModel, _Batch
+from megatron_rl.rollout.native.model import LlamaModel, _Batch, dynamic_rope_base
 from megatron_rl.rollout.native.sampling import _sample_seed
 from megatron_rl.rollout.native.scheduler import _Scheduler, _Seq
 from megatron_rl.rollout.native.weights import LlamaWeights
 from megatron_rl.types import Completion
 
 log = logging.getLogger(__name__)
+
+
+def context_limit(arch: ModelArch) -> int:
+    """Longest sequence the engine serves for `arch`: max_position_embeddings, except with dynamic
+    RoPE, which exists to stretch the context: up to `factor` times it (never past a sliding window)."""
+    limit = arch.max_position_embeddings
+    if dynamic_rope_base(arch) is not None:
+        limit = int(limit * max(1.0, arch.rope_scaling.factor))
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)
+    return limit
 
 
 class NativeEngine(_Scheduler):
@@ -78,7 +90,9 @@ class NativeEngine(_Scheduler):
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.arch = arch
         self.tokenizer = tokenizer
-        self.max_seq_len = min(config.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self._dynamic_rope_base = dynamic_rope_base(arch)
+        limit = context_limit(arch)
+        self.max_seq_len = min(config.max_seq_len or limit, limit)
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_token_id] if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -134,7 +148,11 @@ class NativeEngine(_Scheduler):
             out.append(request)
         return out
 
-    def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
+    def submit(self, requests: Sequence[RequestLike] | GenerateRequest,
+               on_token: Callable[[str, int, float, int], None] | None = None) -> list[Future]:
+        """Queue requests; one Future[Completion] per sample. `on_token(sample_id, token_id, logprob,
+        version)` is called on the step thread as each token is sampled (for streaming: keep it cheap,
+        it runs under the engine's lock)."""
         if isinstance(requests, GenerateRequest):
             requests = [requests]
         prepared = self.prepare(requests)
@@ -146,6 +164,7 @@ class NativeEngine(_Scheduler):
             for k, sample_id in enumerate(request.sample_ids()):
                 seqs.append(_Seq(sample_id, request.request_id, request.group_id, list(map(int, request.prompt_ids)),
                                  params, _sample_seed(base_seed, k, params.n), stop_ids, Future()))
+                seqs[-1].on_token = on_token
         with self._cv:
             if self._closing:
                 raise RuntimeError(f"engine is closed{': ' + self._last_error if self._last_error else ''}")
@@ -370,7 +389,8 @@ class NativeEngine(_Scheduler):
         batch = _Batch(tokens=torch.tensor(ids, device=dev), positions=torch.arange(len(ids), device=dev),
                        dec_slots=torch.empty(0, dtype=torch.long, device=dev),
                        dec_lens=torch.empty(0, dtype=torch.long, device=dev), dec_first_slot=-1,
-                       chunks=[(0, 0, 0, len(ids))], logit_rows=torch.arange(len(ids), device=dev))
+                       chunks=[(0, 0, 0, len(ids))], logit_rows=torch.arange(len(ids), device=dev),
+                       rope_lens=torch.full((len(ids),), len(ids), device=dev))
         with self._model_lock:
             return self.model.forward(batch, k, v)
 

@@ -1,11 +1,21 @@
-"""The native engine's model: a Llama-family decoder forward in plain PyTorch over a per-slot KV cache.
+"""The native engine's model: a pre-norm decoder forward (Llama, Mistral, Qwen2, Qwen3 families) in
+plain PyTorch over a per-slot KV cache.
 
 HF-layout weights (the names `models.pretrained.load_pretrained` returns) live in the flat arena of
-weights.py, where per layer `qkv` = [q | k | v] and `gate_up` = [gate | up] are fused, so a layer is
-four matmuls. The forward mirrors transformers' LlamaForCausalLM op for op (RMSNorm in the
-activation dtype, rotate-half RoPE from the same fp32 tables, softmax scale 1/sqrt(head_dim), SiLU
-MLP); grouped-query attention is computed per KV head on [q heads of the group] without repeating K/V.
-Logits are computed only for the positions that sample a token, in fp32.
+weights.py, where per layer `qkv` = [q | k | v] (with its bias, Qwen2) and `gate_up` = [gate | up] are
+fused, so a layer is four matmuls. The forward mirrors transformers' LlamaForCausalLM (and its Qwen2 /
+Qwen3 / Mistral siblings) op for op: RMSNorm in the activation dtype, per-head q/k RMSNorm before RoPE
+(Qwen3), rotate-half RoPE from fp32 tables built from `models.rope.rope_inv_freq` (the trainer's
+function; cos/sin times its attention scaling), softmax scale 1/sqrt(head_dim), SiLU MLP; grouped-query
+attention is computed per KV head on [q heads of the group] without repeating K/V. Logits are computed
+only for the positions that sample a token, in fp32.
+
+Dynamic (NTK) RoPE depends on the sequence length. transformers recomputes the frequencies per forward
+from its longest position, so one `generate` rotates a prompt with those of
+max(prompt length, max_position_embeddings) and the answer token at position p with those of
+max(p + 1, max_position_embeddings); the engine does the same per sequence (`_Batch.rope_lens`), so a
+sequence's result does not depend on what it is batched with (transformers' padded batches, where the
+longest sequence sets the length of all, are not reproduced).
 """
 from __future__ import annotations
 
@@ -15,6 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.weights import LlamaWeights
 
 
@@ -47,6 +59,46 @@ class _Batch:
     dec_first_slot: int             # first slot when dec_slots is a contiguous range, else -1
     chunks: list[tuple[int, int, int, int]]  # (offset in packed rows, slot, start position, length)
     logit_rows: torch.Tensor        # [R] rows of the packed batch whose next token is sampled
+    rope_lens: torch.Tensor | None = None  # [N] long: the sequence length that sets each row's dynamic RoPE
+
+
+def dynamic_rope_base(arch: ModelArch) -> int | None:
+    """For dynamic RoPE, the length up to which the plain frequencies apply (transformers:
+    max_position_embeddings); None for every other rope type."""
+    scaling = arch.rope_scaling
+    return arch.max_position_embeddings if scaling is not None and scaling.rope_type == "dynamic" else None
+
+
+class _Rope:
+    """cos/sin of every row of a batch, as transformers' rotary embedding computes them."""
+
+    def __init__(self, arch: ModelArch, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+        self.arch, self.dtype = arch, dtype
+        inv_freq, self.scaling = rope_inv_freq(arch, device=device)
+        self.inv_freq = inv_freq.float()
+        self.cos, self.sin = self._tables(torch.arange(max_seq_len, device=device), self.inv_freq[None, :])
+        self.dynamic_base = dynamic_rope_base(arch)
+
+    def _tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers: fp32 positions times fp32 inv_freq, cos/sin times attention_scaling, then the cast
+        freqs = positions.float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def __call__(self, positions: torch.Tensor, rope_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, head_dim] cos and sin for `positions`."""
+        base = self.dynamic_base
+        if base is None or rope_lens is None or int(rope_lens.max()) <= base:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        inv = self.inv_freq.expand(positions.numel(), -1).clone()
+        for length in torch.unique(rope_lens[rope_lens > base]).tolist():
+            rows = rope_lens == length
+            inv[rows] = rope_inv_freq(self.arch, seq_len=int(length), device=positions.device)[0].float()
+        cos, sin = self._tables(positions, inv)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 class LlamaModel:
@@ -56,15 +108,7 @@ class LlamaModel:
         self.w = weights
         a = weights.arch
         self.arch = a
-        device = weights.embed.device
-        # transformers' LlamaRotaryEmbedding (default rope): fp32 inv_freq times fp32 positions
-        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64)
-                                          .to(device=device, dtype=torch.float) / a.head_dim))
-        pos = torch.arange(max_seq_len, device=device, dtype=torch.float)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = weights.embed.dtype
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
         self.scale = 1.0 / math.sqrt(a.head_dim)
 
     def forward(self, batch: _Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -82,17 +126,18 @@ class LlamaModel:
         mkl_linear = torch.ops.mkl._mkl_linear if pad >= 0 else None
 
         def matmul(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                   transposed: torch.Tensor | None) -> torch.Tensor:
+                   transposed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
             if packed is None:  # not a nearly full step, or this layer is not packed (yet)
-                return torch.mm(h, transposed) if transposed is not None else F.linear(h, weight)
+                if transposed is None:
+                    return F.linear(h, weight, bias)
+                return torch.mm(h, transposed) if bias is None else torch.addmm(bias, h, transposed)
             if pad:
                 h = F.pad(h, (0, 0, 0, pad))
-            out = mkl_linear(h, packed, weight, None, w.pack_rows)
+            out = mkl_linear(h, packed, weight, bias, w.pack_rows)
             return out[:n] if pad else out
 
         x = F.embedding(tokens, w.embed)
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        cos, sin = self.rope(batch.positions, batch.rope_lens)
         if n_dec:
             t_max = int(batch.dec_lens.max())
             steps = torch.arange(t_max, device=tokens.device)
@@ -112,9 +157,14 @@ class LlamaModel:
             packed = (w.packed[li] if w.packed is not None and mkl_linear is not None else None) or (None,) * 4
             transposed = (w.transposed[li] if w.transposed is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
-            qkv = matmul(h, layer.qkv, packed[0], transposed[0])
-            qk = _rope(qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d), cos, sin)
-            q, k = qk[:, :n_heads], qk[:, n_heads:]
+            qkv = matmul(h, layer.qkv, packed[0], transposed[0], layer.qkv_bias)
+            qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+                q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
+                k = _rope(_rms_norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
+            else:
+                qk = _rope(qk, cos, sin)
+                q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
             kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
             out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype)

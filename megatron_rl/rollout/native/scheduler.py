@@ -73,6 +73,7 @@ class _Seq:
         self.donor: _Seq | None = None      # running sequence whose prompt-prefix K/V we will copy
         self.share_len = 0
         self.kv_epoch: int | None = None     # weights epoch of our prompt K/V (-1: mixed)
+        self.on_token = None                 # streaming listener (sample_id, token, logprob, version)
 
     def completion(self) -> Completion:
         return Completion(request_id=self.sample_id, prompt_ids=list(self.prompt), output_ids=self.output,
@@ -179,12 +180,20 @@ class _Scheduler:
                 for other in self._running:
                     if other.donor is not None or (other.kv_epoch is not None and other.kv_epoch != self._epoch):
                         continue  # no chains of waiting sequences; no prefixes of older weights
+                    if self._prompt_rope_len(other) != self._prompt_rope_len(seq):
+                        continue  # dynamic RoPE: its prompt was rotated with other frequencies
                     length = _common_prefix(seq.prompt, other.prompt, limit)
                     if length > best_len:
                         best, best_len = other, length
                 if best is not None:
                     seq.donor, seq.share_len = best, best_len
             self._running.append(seq)
+
+    def _prompt_rope_len(self, seq: _Seq) -> int:
+        """The length whose dynamic-RoPE frequencies rotate `seq`'s prompt (0: not dynamic or within
+        the plain range, where every prompt shares the same frequencies)."""
+        base = self._dynamic_rope_base
+        return 0 if base is None or len(seq.prompt) <= base else len(seq.prompt)
 
     def _plan(self) -> "_Plan | None":
         decode = [s for s in self._running if s.prefilled == len(s.prompt)]
@@ -235,11 +244,16 @@ class _Scheduler:
         slots = [s.slot for s in decode]
         lens = [p + 1 for p in positions]
         logit_rows = list(range(len(decode)))
+        # dynamic RoPE: prompt rows take the frequencies of the whole prompt's length (one forward in
+        # transformers' generate), an answer token at position p those of length p + 1
+        rope_lens = list(lens) if self._dynamic_rope_base is not None else None
         packed_chunks = []
         offset = len(decode)
         for seq, start, length in chunks:
             tokens.extend(seq.prompt[start:start + length])
             positions.extend(range(start, start + length))
+            if rope_lens is not None:
+                rope_lens.extend([len(seq.prompt)] * length)
             packed_chunks.append((offset, seq.slot, start, length))
             if start + length == len(seq.prompt):
                 logit_rows.append(offset + length - 1)
@@ -264,7 +278,8 @@ class _Scheduler:
                        dec_slots=torch.tensor(slots, dtype=torch.long, device=dev),
                        dec_lens=torch.tensor(lens, dtype=torch.long, device=dev),
                        dec_first_slot=slots[0] if contiguous else -1, chunks=packed_chunks,
-                       logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+                       logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                       rope_lens=None if rope_lens is None else torch.tensor(rope_lens, dtype=torch.long, device=dev))
         logits = self.model.forward(batch, self._k_cache, self._v_cache)
         sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
         self._stats["steps"] += 1
@@ -291,6 +306,8 @@ class _Scheduler:
             seq.output.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
+            if seq.on_token is not None:
+                seq.on_token(seq.sample_id, token, logprob, version)
             reason = self._finish_reason(seq, token)
             if reason:
                 seq.finish = reason

@@ -13,12 +13,13 @@ from typing import Iterable
 
 import torch
 
+from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
 class _Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2")
 
 
 def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
@@ -26,9 +27,11 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
 
     Matrices keep HF's [out, in] orientation, and the tensors the engine fuses are adjacent in HF's
     row order (q_proj, k_proj, v_proj; gate_proj, up_proj), so the fused `qkv` and `gate_up` matrices
-    are plain views of the arena, and every HF-named tensor is one contiguous region of it. A weight
-    producer (a trainer rank, another process through shared memory) can therefore write HF tensors
-    straight into the buffer the engine computes from: no per-update copy or transpose in the engine.
+    are plain views of the arena, and every HF-named tensor is one contiguous region of it. q/k/v biases
+    (Qwen2) are adjacent too (one fused `qkv_bias` vector); per-head q/k RMSNorm weights (Qwen3) get a
+    block of their own. A weight producer (a trainer rank, another process through shared memory) can
+    therefore write HF tensors straight into the buffer the engine computes from: no per-update copy or
+    transpose in the engine.
     """
     h = arch.hidden_size
     align = max(1, 256 // torch.empty((), dtype=dtype).element_size())
@@ -51,6 +54,11 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
         p = f"model.layers.{i}."
         block((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
               (p + "self_attn.v_proj.weight", (kv, h)))
+        if arch.attention_bias:
+            block((p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                  (p + "self_attn.v_proj.bias", (kv,)))
+        if arch.qk_norm:
+            block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
         block((p + "self_attn.o_proj.weight", (h, q)))
         block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
         block((p + "mlp.down_proj.weight", (h, f)))
@@ -92,6 +100,12 @@ class LlamaWeights:
             p = f"model.layers.{i}."
             layer = _Layer()
             layer.qkv = fused(p + "self_attn.q_proj.weight", q + 2 * kv)      # [q + 2kv, h]
+            layer.qkv_bias = layer.q_norm = layer.k_norm = None
+            if arch.attention_bias:
+                start = offsets[p + "self_attn.q_proj.bias"]
+                layer.qkv_bias = arena[start:start + q + 2 * kv]              # [q + 2kv]
+            if arch.qk_norm:
+                layer.q_norm, layer.k_norm = t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"]
             layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
             layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)         # [2f, h]
             layer.down = t[p + "mlp.down_proj.weight"]                      # [h, f]
@@ -160,17 +174,28 @@ class LlamaWeights:
             return None  # some checkpoints carry RoPE buffers; we compute them
         target = self._targets.get(name)
         if target is None:
-            close = difflib.get_close_matches(name, list(self._targets), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"update_weights: unknown tensor name {name!r}{hint}")
+            raise ConfigError(f"update_weights: unknown tensor name {name!r}{self._unknown_hint(name)}", field=name)
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+            raise ConfigError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor", field=name)
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
+            raise ConfigError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected "
+                              f"{tuple(target.shape)} for this model config (family {self.arch.family})", field=name)
         if not (tensor.is_floating_point()):
-            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, expected a float tensor")
+            raise ConfigError(f"update_weights: {name!r} has dtype {tensor.dtype}, expected a float tensor", field=name)
         return target
+
+    def _unknown_hint(self, name: str) -> str:
+        """Why a tensor has no place here: a config flag that would give it one, or a close name."""
+        a = self.arch
+        if name.endswith(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")) \
+                and not a.attention_bias:
+            return f" (a q/k/v bias, but the model config (family {a.family}) has attention_bias=False)"
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) and not a.qk_norm:
+            return f" (a q/k norm, but the model config (family {a.family}) has qk_norm=False)"
+        if name.endswith(".bias"):
+            return f" (the model config (family {a.family}) has no bias for this layer)"
+        close = difflib.get_close_matches(name, list(self._targets), n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
 
     @torch.inference_mode()
     def load(self, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
@@ -185,7 +210,7 @@ class LlamaWeights:
                 seen.add(name)
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     dirty.add(-1)
-                elif self._layer_of[name] >= 0 and not name.endswith("layernorm.weight"):
+                elif self._layer_of[name] >= 0 and target.dim() == 2:  # packed copies exist of matrices only
                     dirty.add(self._layer_of[name])
         finally:
             self.repack(dirty)
@@ -193,5 +218,7 @@ class LlamaWeights:
             missing = sorted(self.required_names() - seen)
             if missing:
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                raise ValueError(f"weights are missing {', '.join(missing[:3])}{more}")
+                raise ConfigError(f"weights are missing {', '.join(missing[:3])}{more} (model config: family "
+                                  f"{self.arch.family}, attention_bias={self.arch.attention_bias}, "
+                                  f"qk_norm={self.arch.qk_norm})")
         return len(seen)

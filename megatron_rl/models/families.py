@@ -1,0 +1,237 @@
+"""The architecture registry: every supported model family declares here how its HF config maps to `ModelArch`.
+
+A family names the HF `model_type` / `architectures` it accepts, the config fields whose numerics it honours
+(everything else that changes numerics is refused with a ConfigError naming the file and field), and what an
+export writes so that transformers loads it as the same class. The trainer (`trainer/model.py`), the
+converter (`models/megatron_layout.py`) and the engines read the resulting `ModelArch` flags
+(attention_bias, qk_norm, rope_scaling). docs/models.md lists the families and how to add one.
+Torch-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.arch import ROPE_TYPES, ModelArch, RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One supported decoder family."""
+
+    name: str
+    model_types: tuple[str, ...]
+    """HF `model_type` values it accepts; the first one is written on export."""
+    architectures: tuple[str, ...]
+    """HF `architectures` entries it accepts; the first one is written on export."""
+    config_class: str
+    """The transformers config class that describes it (tests build tiny models from it)."""
+    qkv_bias: bool = False
+    """q/k/v projections always carry biases (Qwen2: hard-wired, no config field)."""
+    qk_norm: bool = False
+    """Per-head q/k RMSNorm before RoPE (Qwen3: hard-wired)."""
+    bias_field: str | None = None
+    """HF field that would add biases to q/k/v *and* o_proj (Llama, Qwen3): refused when true."""
+    window_flag: str | None = None
+    """HF field that switches `sliding_window` on (Qwen); None means the window always applies (Mistral)."""
+    has_window: bool = False
+    """The family's HF config carries `sliding_window` at all."""
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    # Llama 1 to 3.3 and SmolLM2 (a Llama with tied embeddings).
+    Family("llama", ("llama",), ("LlamaForCausalLM",), "LlamaConfig", bias_field="attention_bias"),
+    Family("mistral", ("mistral",), ("MistralForCausalLM",), "MistralConfig", has_window=True),
+    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "Qwen2Config", qkv_bias=True,
+           window_flag="use_sliding_window", has_window=True),
+    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "Qwen3Config", qk_norm=True, bias_field="attention_bias",
+           window_flag="use_sliding_window", has_window=True),
+)}
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r} (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def family_of_hf_config(config: dict[str, Any], where: str = "config.json") -> Family:
+    """The family whose model_type (or, without one, architectures entry) the HF config names."""
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    for family in FAMILIES.values():
+        if model_type in family.model_types or (model_type is None and any(a in family.architectures for a in archs)):
+            return family
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+    raise ConfigError(f"{where}: unsupported architecture {archs or [model_type]} (model_type={model_type!r}); "
+                      f"supported families: {supported}")
+
+
+def _refuse(where: str, field: str, why: str) -> ConfigError:
+    return ConfigError(f"{where}: field '{field}': {why}")
+
+
+def _rope_scaling(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either the transformers 5 `rope_parameters` or the older `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise _refuse(where, "partial_rotary_factor", f"{partial}: partial rotary embeddings are not implemented")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_TYPES:
+        raise _refuse(where, f"{field}.rope_type", f"{rope_type!r} is not supported "
+                      f"(supported: default, {', '.join(ROPE_TYPES)})")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+             "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise _refuse(where, f"{field}.{unknown[0]}", f"not understood for rope_type {rope_type!r}")
+    max_positions = int(config.get("max_position_embeddings", 4096))
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if original is None and rope_type in ("llama3", "yarn"):
+        original = max_positions  # transformers' default for these two types
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and original:
+        factor = max_positions / original  # transformers derives it this way (DeepSeek-style configs)
+    if factor is None:
+        raise _refuse(where, f"{field}.factor", f"required for rope_type {rope_type!r}")
+
+    def opt_float(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    try:
+        scaling = RopeScaling(
+            rope_type=rope_type, factor=float(factor),
+            original_max_position_embeddings=None if original is None else int(original),
+            low_freq_factor=opt_float("low_freq_factor"), high_freq_factor=opt_float("high_freq_factor"),
+            beta_fast=opt_float("beta_fast"), beta_slow=opt_float("beta_slow"), mscale=opt_float("mscale"),
+            mscale_all_dim=opt_float("mscale_all_dim"), attention_factor=opt_float("attention_factor"),
+            truncate=None if params.get("truncate") is None else bool(params["truncate"]))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return theta, scaling
+
+
+def _sliding_window(family: Family, config: dict[str, Any], where: str, max_positions: int) -> int | None:
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or []
+    if not family.has_window:
+        if window is not None or "sliding_attention" in layer_types:
+            raise _refuse(where, "sliding_window", f"the {family.name} family has no sliding-window attention")
+        return None
+    active = config.get(family.window_flag, False) if family.window_flag else True
+    active = bool(active) or "sliding_attention" in layer_types
+    if window is None or not active:
+        return None
+    if int(window) < max_positions:
+        raise _refuse(where, "sliding_window", f"a {window}-token attention window (narrower than "
+                      f"max_position_embeddings={max_positions}) is not implemented; set sliding_window to null "
+                      f"or >= max_position_embeddings if the model never needs it")
+    return int(window)
+
+
+def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelArch:
+    """The `ModelArch` an HF config.json describes, refusing any numerics field the family does not honour."""
+    family = family_of_hf_config(config, where)
+    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
+    if config.get("mlp_bias"):
+        raise _refuse(where, "mlp_bias", "MLP biases are not implemented")
+    if config.get("attention_bias") and not family.qkv_bias:
+        raise _refuse(where, "attention_bias", f"true adds biases to q/k/v and o_proj in {family.name}; "
+                      "an output-projection bias is not implemented")
+    if float(config.get("attention_dropout") or 0.0) != 0.0:
+        raise _refuse(where, "attention_dropout", "attention dropout is not implemented (must be 0)")
+    if int(config.get("pretraining_tp") or 1) != 1:
+        raise _refuse(where, "pretraining_tp", "sliced-projection emulation (pretraining_tp > 1) is not implemented")
+    try:
+        max_positions = int(config.get("max_position_embeddings", 4096))
+        theta, scaling = _rope_scaling(config, where)
+        arch_fields = dict(
+            vocab_size=int(config["vocab_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            ffn_hidden_size=int(config["intermediate_size"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_query_groups=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            head_dim=None if config.get("head_dim") is None else int(config["head_dim"]),
+            rope_theta=theta,
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
+    window = _sliding_window(family, config, where, max_positions)
+    try:
+        return ModelArch(**arch_fields, family=family.name, attention_bias=family.qkv_bias, qk_norm=family.qk_norm,
+                         rope_scaling=scaling, sliding_window=window)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def rope_parameters(arch: ModelArch) -> dict[str, Any]:
+    """The transformers 5 `rope_parameters` dict for `arch` (None fields left out, as HF would default them)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if arch.rope_scaling is not None:
+        params.update({k: v for k, v in dataclasses.asdict(arch.rope_scaling).items() if v is not None})
+    return params
+
+
+def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
+    """An HF config.json for `arch` that transformers loads as the family's own class with the same numerics."""
+    family = get_family(arch.family)
+    if arch.attention_bias != family.qkv_bias or arch.qk_norm != family.qk_norm:
+        raise ConfigError(f"model family {family.name!r} cannot express attention_bias={arch.attention_bias}, "
+                          f"qk_norm={arch.qk_norm} in an HF config")
+    params = rope_parameters(arch)
+    config: dict[str, Any] = {
+        "architectures": [family.architectures[0]],
+        "model_type": family.model_types[0],
+        "vocab_size": arch.vocab_size,
+        "num_hidden_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_query_groups,
+        "head_dim": arch.head_dim,
+        "rope_theta": arch.rope_theta,
+        "rope_parameters": params,
+        "rms_norm_eps": arch.norm_eps,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+    }
+    if family.bias_field:
+        config[family.bias_field] = False
+    if family.name == "llama":
+        config["mlp_bias"] = False
+    if family.has_window:
+        config["sliding_window"] = arch.sliding_window
+        if family.window_flag:
+            config[family.window_flag] = arch.sliding_window is not None
+            if arch.sliding_window is not None:
+                config["max_window_layers"] = 0  # every layer windowed, as recorded
+    config.update(extra)
+    return config
+
+
+def from_json(path: str | os.PathLike) -> ModelArch:
+    """`from_hf_config` of a config.json file, errors naming the file."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    return from_hf_config(data, where=os.fspath(path))
