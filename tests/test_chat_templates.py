@@ -449,3 +449,24 @@ def test_garbage_tokenizer_json_is_one_line_error(tmp_path, pairs):
     (broken / "tokenizer_config.json").write_text("{\"eos_token\": ", "utf-8")
     with pytest.raises(ConfigError, match=re.escape(f"{broken / 'tokenizer_config.json'}: not valid JSON (")):
         ChatTokenizer.from_hf_dir(broken)
+
+
+def test_a_run_config_picks_the_template_and_its_variables(pairs):
+    """`model.chat_template_kwargs` (e.g. Qwen3's enable_thinking) reach every prompt the run renders."""
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+
+    repo = Path(__file__).resolve().parent.parent
+    config = load_yaml(RunConfig, str(repo / "examples" / "configs" / "quickstart.yaml"),
+                       ["model.chat_template_kwargs={enable_thinking: false}"])
+    _, (ours, reference) = pairs["qwen3"]
+    ours = pickle.loads(pickle.dumps(ours))  # a private copy: the fixture is shared
+    messages = [_user("What is 2 + 2?")]
+    thinking = ours.render_chat(messages)
+    ours.use_template(config.model.chat_template, config.model.chat_template_kwargs)
+    plain = ours.render_chat(messages)
+    assert plain != thinking
+    assert plain == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  enable_thinking=False)
+    with pytest.raises(ConfigError, match="no chat template named 'missing'"):
+        ours.use_template("missing", {})

@@ -53,6 +53,14 @@ class ChatTokenizer:
         if template is not None:
             self._named_template(template)  # refuse an unknown name now, not at the first prompt
 
+    def use_template(self, template: str | None, chat_template_kwargs: dict[str, Any]) -> None:
+        """Render every later prompt with the named `template` (None: the default one) and these extra
+        template variables (a run's `model.chat_template` / `model.chat_template_kwargs`)."""
+        if template is not None:
+            self._named_template(template)
+        self.template = template
+        self.chat_template_kwargs = dict(chat_template_kwargs)
+
     # --- construction -----------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: TokenizerSpec, **options: Any) -> "ChatTokenizer":
