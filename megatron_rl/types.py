@@ -52,6 +52,10 @@ class TrainBatch:
     """[B, S] float log mu of each token under the policy that sampled it (0 where loss_mask is 0)."""
     reference_logprobs: torch.Tensor | None = None
     """[B, S] float log pi_ref of each token, when a KL penalty to a reference model is used."""
+    token_multiple: int = 1
+    """Keep S (here and in every trimmed micro-batch) a multiple of this, padding columns with token 0
+    and no loss: Transformer Engine's FP8 GEMMs need the token count of a micro-batch aligned
+    (controller/batching.py FP8_TOKEN_MULTIPLE). 1: no constraint."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -87,12 +91,28 @@ class TrainBatch:
         causal model); at least 2 columns. Keeps the batch's type and its non-tensor fields."""
         carrying = self.loss_positions().any(dim=0).nonzero()
         width = max(int(carrying[-1]) + 1 if carrying.numel() else 0, 2)
+        width = -(-width // self.token_multiple) * self.token_multiple
         if width >= self.seq_length:
-            return self
+            return self.token_aligned()
         def take(value):  # per-token [B, S] tensors lose their tail; per-row and plain fields stay
             per_token = isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == self.seq_length
             return value[:, :width] if per_token else value
         return type(self)(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def token_aligned(self) -> "TrainBatch":
+        """Columns of padding (token 0, no loss) appended up to a multiple of `token_multiple` columns:
+        a causal model's log-probs at earlier positions do not see them, and the loss masks them out."""
+        extra = -self.seq_length % self.token_multiple
+        if not extra:
+            return self
+        width = self.seq_length
+
+        def pad(value):
+            if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width):
+                return value
+            return torch.cat([value, value.new_zeros((value.shape[0], extra))], dim=1)
+
+        return type(self)(**{f.name: pad(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     def padded_rows(self, multiple: int) -> "TrainBatch":
         """Rows of zeros (token 0, no loss anywhere) appended up to a multiple of `multiple` rows."""

@@ -77,7 +77,9 @@ def _check(results, fp8):
     assert [c[1][2] for c in init_calls] == [1, 2] and all(c[1][3] == 4 for c in init_calls)
     updates = [c for c in sender["calls"][0] if c[0] == "update"]
     assert len(updates) == sender["stats"]["weight_sync/buckets"] > 1
-    assert [n for u in updates for n in u[1]] == list(state) and all(u[4] == 7 for u in updates)
+    # the new version rides on the last bucket only (SGLang labels tokens with it from that bucket on)
+    assert [n for u in updates for n in u[1]] == list(state)
+    assert [u[4] for u in updates] == [None] * (len(updates) - 1) + [7]
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     assert sender["stats"]["weight_sync/bytes"] == nbytes
     return nbytes

@@ -12,28 +12,48 @@
 4. Weight sync trainer -> engine on the device (export HF views, engine load): GB/s against copy bandwidth.
 5. Fused log-prob kernel (cli/gpu_kernels.py `bench_logprob`, N=8192, V=128256, H=4096): Triton vs
    chunked torch vs naive, time and peak memory.
-The last line is one JSON object. `--smoke` shrinks every shape (it runs on CPU too, skipping the
-Triton kernel and FP8) so the script's plumbing is tested without a GPU.
+6. SGLang smoke test, where a GPU and sglang exist: `sglang.launch_server` on a tiny model saved as HF,
+   one greedy generation, one weight sync (begin / update_weights_from_distributed / end, NCCL with a
+   second GPU for the server, else gloo; the
+   client and sender the cluster path uses), the weight version and a checksum of two tensors read back
+   with /get_weights_by_name, and a generation under the new version.
+The FP8 trainer step uses rows of uneven lengths padded by FP8_TOKEN_MULTIPLE (controller/batching.py),
+the shapes RL batches have. The last line is one JSON object, written (and saved to --out) even when a
+section fails; `failed_sections` names them. `--smoke` shrinks every shape (it runs on CPU too, skipping
+the Triton kernel, FP8 and SGLang) so the script's plumbing is tested without a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
+import urllib.request
 
 import torch
 
+from megatron_rl.checkpoints_tools.convert import save_hf
 from megatron_rl.cli.gpu_kernels import _sync, _time, bench_logprob, copy_bandwidth
+from megatron_rl.cli.launch_env import sglang_server_args
+from megatron_rl.controller.batching import FP8_TOKEN_MULTIPLE
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.client import HTTPEngine, SGLangServer
 from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.sglang_engine import sglang_available
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.model import transformer_engine_available
+from megatron_rl.trainer.parallel import free_port
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
+from megatron_rl.weight_sync.distributed import BroadcastWeightSender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +111,13 @@ def trainer_step(s: Shapes, device: str, fp8: str, steps: int = 3) -> tuple[dict
                            fp8=fp8, layer_spec="auto", lr=1e-6)
     trainer = MegatronTrainer(s.arch, config)
     tokens = torch.randint(0, s.arch.vocab_size, (s.train_rows, s.train_seq + 1))
-    batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(tokens.shape))
+    loss_mask = torch.ones(tokens.shape)
+    token_multiple = 1
+    if fp8 != "none":  # RL rows end anywhere: uneven lengths, aligned by padding as the controller does
+        for r in range(s.train_rows):
+            loss_mask[r, s.train_seq + 1 - (2 * r + 3):] = 0.0
+        token_multiple = FP8_TOKEN_MULTIPLE
+    batch = TrainBatch(tokens=tokens, loss_mask=loss_mask, token_multiple=token_multiple).token_aligned()
 
     def loss_fn(logprobs, mb, entropy):
         return -(logprobs * mb.loss_mask.to(logprobs.device)).sum() / batch.loss_mask.sum(), {}
@@ -140,6 +166,77 @@ def weight_sync(trainer, engine, device: str) -> dict:
     return {"sync_s": elapsed, "sync_GBps": nbytes / elapsed / 1e9, "bytes": nbytes}
 
 
+def sglang_smoke(s: Shapes, state_v0: dict, state_v1: dict, timeout: float = 600.0) -> dict:
+    """SGLang server start, generate, one weight sync over NCCL, checksum (see the module docstring)."""
+    workdir = tempfile.mkdtemp(prefix="gpu_check_sglang_")
+    port = free_port()
+    save_hf(os.path.join(workdir, "model"), s.arch, {k: v.cpu() for k, v in state_v0.items()}, None)
+    flags = sglang_server_args(1, "bf16", 16, False, mem_fraction_static=0.3)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", os.path.join(workdir, "model"),
+           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16", *flags]
+    # NCCL refuses two ranks on one GPU: with a second GPU the server takes it and the sync is NCCL, as on
+    # a cluster; on one GPU the group runs over gloo (the protocol is the same, the transport slower).
+    two_gpus = torch.cuda.device_count() > 1
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="1") if two_gpus else dict(os.environ)
+    backend = "nccl" if two_gpus else "gloo"
+    log = open(os.path.join(workdir, "server.log"), "w")
+    start = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.perf_counter() - start > timeout:
+                    raise RuntimeError(f"sglang.launch_server did not come up (log: {log.name})") from None
+                time.sleep(2)
+        startup_s = time.perf_counter() - start
+        engine = HTTPEngine(url, timeout=timeout)
+        request = GenerateRequest(request_id="smoke", prompt_ids=list(range(1, 9)),
+                                  sampling=SamplingParams(max_new_tokens=16, temperature=0.0))
+        before = engine.generate([request])[0]
+        sender = BroadcastWeightSender([SGLangServer(url, timeout=timeout)], [1], master_address="127.0.0.1",
+                                       master_port=free_port(), backend=backend)
+        sync_start = time.perf_counter()
+        sender.push(((k, v.to(torch.bfloat16)) for k, v in state_v1.items()), version=1)
+        sync_s = time.perf_counter() - sync_start
+        after = engine.generate([request])[0]
+        checksum = {}
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name not in state_v1:
+                continue
+            _, served = engine.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": 64})
+            sent = state_v1[name].to(torch.bfloat16).float().flatten()[:len(torch.tensor(served).flatten())]
+            checksum[name] = float((torch.tensor(served).flatten().float() - sent.cpu()).abs().max())
+        sender.close()
+        version = engine.version
+        engine.close()
+        return {"startup_s": startup_s, "sync_s": sync_s, "sync_backend": backend, "version_after_sync": version,
+                "versions_before": sorted(set(before.weight_versions)),
+                "versions_after": sorted(set(after.weight_versions)),
+                "tokens_changed": before.output_ids != after.output_ids, "max_abs_diff_read_back": checksum,
+                "ok": version == 1 and set(after.weight_versions) == {1} and all(v == 0.0 for v in checksum.values())}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _emit(result: dict, out: str | None) -> None:
+    result["failed_sections"] = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    line = json.dumps({"gpu_check": True, **result}, default=str)
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+
+
 def _section(result: dict, name: str, fn):
     """Run one part; a failure is printed and recorded under `name` and the check goes on to the next
     part (one GPU session should report everything that works, not stop at the first failure)."""
@@ -163,6 +260,17 @@ def main(argv=None) -> int:
     s = shapes(args.smoke)
     torch.manual_seed(0)
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "smoke": args.smoke}
+    try:
+        _run(args, device, s, result)
+    except Exception as exc:  # noqa: BLE001 - the JSON is still written: a session reports what it measured
+        traceback.print_exc()
+        result["main"] = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        _emit(result, args.out)
+    return 1 if result["failed_sections"] else 0
+
+
+def _run(args, device: str, s: Shapes, result: dict) -> None:
     copy_bw = copy_bandwidth(s.copy_bytes, device=device)
     bf16_peak = matmul_tflops(s.matmul_n, device, torch.bfloat16 if device == "cuda" else torch.float32)
     fp8_peak = fp8_matmul_tflops(s.matmul_n) if device == "cuda" else None
@@ -190,9 +298,19 @@ def main(argv=None) -> int:
     if len(recipes) == 1:
         print("[train fp8] skipped: Transformer Engine with CUDA is not available")
     if trainer is None:
-        print(json.dumps({"gpu_check": True, **result}))
-        return 1
+        return
 
+    if device == "cuda" and sglang_available():
+        state_v0 = trainer.export_hf_state()
+        state_v1 = {k: v * 0.5 for k, v in state_v0.items()}
+        smoke = _section(result, "sglang", lambda: sglang_smoke(s, state_v0, state_v1))
+        if smoke is not None:
+            result["sglang"] = smoke
+            print(f"[sglang] up in {smoke['startup_s']:.0f} s, weight sync {smoke['sync_s'] * 1e3:.0f} ms, "
+                  f"version {smoke['version_after_sync']}, read-back diff {smoke['max_abs_diff_read_back']}",
+                  flush=True)
+    else:
+        print("[sglang] skipped: needs a CUDA GPU and the sglang package (gpu extra)")
     decoded = _section(result, "decode", lambda: engine_decode(s, device, trainer.export_hf_state()))
     if decoded is not None:
         engine_stats, engine = decoded
@@ -220,14 +338,6 @@ def main(argv=None) -> int:
             result["logprob"] = stats
     else:
         print("[logprob] skipped on CPU (the Triton kernel needs a GPU; tests cover it with the interpreter)")
-    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
-    result["failed_sections"] = failed
-    line = json.dumps({"gpu_check": True, **result})
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

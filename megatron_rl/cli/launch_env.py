@@ -29,22 +29,39 @@ def main(argv: list[str] | None = None) -> int:
         "ENGINE_TP": plan.engine_tp,
         "ENGINE_PRECISION": plan.engine_precision,
         "PLACEMENT": plan.placement,
-        "ENGINE_SERVER_ARGS": shlex.join(sglang_server_args(plan.engine_tp, plan.engine_precision,
-                                                            gen.max_running_requests, gen.cuda_graphs)),
+        "ENGINE_SERVER_ARGS": shlex.join(sglang_server_args(
+            plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
+            mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic)),
     }
     print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
     return 0
 
 
-def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool) -> list[str]:
-    """`sglang.launch_server` flags for one engine of the plan: its TP size, fp8 weights, the continuous
-    batch and CUDA-graph setting the planner's generation time assumes."""
+def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool, *,
+                       mem_fraction_static: float | None = None, deterministic: bool = False) -> list[str]:
+    """`sglang.launch_server` flags (SGLang 0.5.23's names, checked by tests/test_sglang_contract.py) for
+    one engine of the plan: its TP size, fp8 weights, the continuous batch and CUDA-graph setting the
+    planner's generation time assumes, the memory share its memory check allowed, deterministic
+    sampling when the run asks for reproducible rollouts (per-request sampling_seed is ignored without
+    it), and weight version 0 for the checkpoint it loads (SGLang's default label is "default")."""
     args = ["--tp-size", str(engine_tp), "--max-running-requests", str(max_running_requests)]
     if precision == "fp8":
         args += ["--quantization", "fp8"]
     if not cuda_graphs:
         args.append("--disable-cuda-graph")
+    if mem_fraction_static is not None:
+        args += ["--mem-fraction-static", f"{mem_fraction_static:g}"]
+    if deterministic:
+        args.append("--enable-deterministic-inference")
+    args += ["--weight-version", "0"]
     return args
+
+
+def engine_memory_fraction(plan) -> float:
+    """SGLang's mem_fraction_static (weights + KV pool, as a share of the GPU) for a generator engine:
+    the share the planner's memory check gave it (cluster.assumptions.memory_fraction), so the KV pool
+    holds at least the planned max_running_requests sequences at full length."""
+    return round(plan.usable_bytes / plan.hardware.hbm_bytes, 3)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,13 @@ from megatron_rl.algorithms.config import AdvantageConfig
 from megatron_rl.controller.episodes import Group
 from megatron_rl.types import TrainBatch
 
+FP8_TOKEN_MULTIPLE = 16
+"""Token alignment of a micro-batch for Transformer Engine FP8 GEMMs (TE 2.x,
+transformer_engine/pytorch/utils.py `assert_dim_for_fp8_exec`): the forward GEMM needs the product of
+an input's leading dims (batch x sequence) divisible by 8, and the weight-gradient GEMM reads the input
+transposed, tokens last, which must be divisible by 16. Sequences are padded to a multiple of 16, which
+holds for any micro-batch size (micro_batch_size 1 included)."""
+
 
 @dataclasses.dataclass
 class StepBatch:
@@ -25,7 +32,10 @@ class StepBatch:
 
 
 def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer_version: int,
-                     micro_batch_size: int, pad_token_id: int, drop_uninformative: bool) -> StepBatch:
+                     micro_batch_size: int, pad_token_id: int, drop_uninformative: bool,
+                     token_multiple: int = 1) -> StepBatch:
+    """`token_multiple`: FP8_TOKEN_MULTIPLE when the trainer runs FP8 GEMMs; the batch and every
+    micro-batch the trainer trims from it then keep whole multiples of it in columns (TrainBatch)."""
     samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok]
     rewards = torch.tensor([s.reward.reward for _, s in samples], dtype=torch.float64)
     group_ids = torch.tensor([gi for gi, _ in samples])
@@ -64,7 +74,8 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
             return torch.cat([t[index], extra])
 
         batch = TrainBatch(tokens=take(tokens, pad_token_id), loss_mask=take(loss_mask, 0.0),
-                           advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0))
+                           advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0),
+                           token_multiple=token_multiple).token_aligned()
 
     return StepBatch(batch, loss_mask, rollout_metrics(groups, rewards, advantages, trainer_version, kept))
 

@@ -16,7 +16,7 @@ import importlib
 from typing import Any, Callable, Protocol
 
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
-from megatron_rl.controller.batching import StepBatch, build_step_batch
+from megatron_rl.controller.batching import FP8_TOKEN_MULTIPLE, StepBatch, build_step_batch
 from megatron_rl.controller.config import OBJECTIVES
 from megatron_rl.trainer.trainer import MegatronTrainer
 
@@ -60,7 +60,9 @@ class PolicyGradientObjective:
         step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=trainer_version,
                                 micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.pad_token_id,
                                 drop_uninformative=cfg.rollout.drop_uninformative_groups and loss.kl_coef == 0
-                                and loss.entropy_coef == 0)
+                                and loss.entropy_coef == 0,
+                                # Transformer Engine's FP8 GEMMs need whole multiples of 16 tokens
+                                token_multiple=FP8_TOKEN_MULTIPLE if cfg.trainer.fp8 != "none" else 1)
         if step.batch is None:
             return step, None
         if loss.kl_coef > 0:

@@ -24,6 +24,8 @@ from megatron_rl.controller.objectives import make_objective
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.placement.generators import make_engine, policy_weight_channel
 from megatron_rl.rewards.registry import Reward
+from megatron_rl.rollout.sglang_engine import colocated_engine_kwargs
+from megatron_rl.sim.planner import make_plan
 from megatron_rl.trainer.trainer import MegatronTrainer, load_policy
 
 
@@ -72,12 +74,22 @@ class RunParts:
     """Whether a policy takes an optimizer step at a training step (multi-stage recipes)."""
 
 
+def colocated_sglang_kwargs(config) -> dict[str, Any]:
+    """The in-process SGLang engine's share of the GPU as the planner sizes it (beside the trainer), with
+    the memory saver and deterministic inference when the run asks for reproducible sampling."""
+    generator = config.cluster.generator
+    if generator.backend != "sglang" or generator.urls:
+        return {}
+    return colocated_engine_kwargs(make_plan(config), deterministic=config.rollout.deterministic)
+
+
 def build_policy(config, model, *, single_policy: bool = True) -> tuple[PolicyExecutor, PromptSelector | None]:
     """The run's primary policy (trainer, engine on the driver, objective, weight channel) and the
     curriculum's selector, built in the order every run's random state depends on."""
     trainer = load_policy(config.model.path, config.trainer, pretrained=model)
     driver = ranks.is_driver()
-    engine = make_engine(config, model, single_policy=single_policy) if driver else None
+    engine = make_engine(config, model, single_policy=single_policy,
+                         sglang_kwargs=colocated_sglang_kwargs(config)) if driver else None
     # A generator process on this host's cores: train on the cores it leaves idle too.
     cores = getattr(engine, "trainer_cores", None)
     if cores is not None:

@@ -25,10 +25,11 @@ def engine_context(config, arch) -> int:
     return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 
-def make_engine(config, model, *, single_policy: bool = True):
+def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dict | None = None):
     """The generator executor for the configured placement (see RolloutConfig.placement). A run of several
     policies (`single_policy=False`) keeps the fixed core split: their generator processes would each
-    lend and take back the same cores."""
+    lend and take back the same cores. `sglang_kwargs`: more `sglang.Engine` arguments for an in-process
+    SGLang engine (its planned memory fraction)."""
     rollout = config.rollout
     generator = config.cluster.generator
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
@@ -38,7 +39,7 @@ def make_engine(config, model, *, single_policy: bool = True):
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
                                              precision=generator.precision, fp8_block_size=generator.fp8_block_size)
     if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
-        return SGLangEngine(config.model.path, tp_size=generator.engine_tp,
+        return SGLangEngine(config.model.path, tp_size=generator.engine_tp, **(sglang_kwargs or {}),
                             **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
         torch.set_num_threads(rollout.trainer_threads)

@@ -4,11 +4,18 @@ SGLang server) over HTTP. Standard library only.
 generate() sends one batched /generate call; submit() sends one call per request from a thread pool,
 so a caller streaming prompts keeps the server's continuous batch full. update_weights() sends
 safetensors buckets (raw octet-stream bodies, never pickles) inside a begin/end weight-update session,
-so the server applies all buckets between the same two decoding steps.
+so the server applies all buckets between the same two decoding steps (our own server's protocol;
+SGLang servers take weights through `SGLangServer` and weight_sync/distributed.py).
+
+Written against SGLang 0.5.23 (docs/gpu.md; tests/test_sglang_contract.py checks every body against
+tests/fixtures/sglang_0.5.23_contract.json): `/abort_request` takes one `rid` string per call; the info
+endpoints are `/model_info` and `/server_info` (the `/get_*` ones are deprecated); a server launched
+from the checkpoint reports weight version "default", which is our version 0.
 """
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -63,10 +70,32 @@ def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: s
 
 
 def _version_int(value: Any) -> int:
+    if value is None or value == "default":
+        return 0  # SGLang's weight_version before any update: the checkpoint it was launched from
     try:
         return int(value)
     except (TypeError, ValueError):
-        return -1  # SGLang's default weight_version is the string "default"
+        return -1
+
+
+# How each server URL is paused, shared by the clients of one server in this process (the HTTPEngine
+# that generates and the SGLangServer that syncs weights): a weight sync pauses a server itself only if
+# nobody else has, and flushes the cache only where the pause freed the running requests.
+_PAUSE_MODES: dict[str, str] = {}
+_PAUSE_LOCK = threading.Lock()
+
+
+def pause_mode(base_url: str) -> str | None:
+    with _PAUSE_LOCK:
+        return _PAUSE_MODES.get(base_url.rstrip("/"))
+
+
+def _set_pause_mode(base_url: str, mode: str | None) -> None:
+    with _PAUSE_LOCK:
+        if mode is None:
+            _PAUSE_MODES.pop(base_url.rstrip("/"), None)
+        else:
+            _PAUSE_MODES[base_url.rstrip("/")] = mode
 
 
 class HTTPEngine:
@@ -138,40 +167,45 @@ class HTTPEngine:
             self.request("POST", "/end_weight_update", {"weight_version": version})
         return count
 
-    def pause(self) -> None:
-        self.request("POST", "/pause_generation", {"mode": "in_place"})
+    def pause(self, mode: str = "retract") -> None:
+        """Pause generation. retract (default) moves running requests back to the queue and frees their
+        KV cache, so the flush that follows a paused weight update succeeds (SGLang refuses to flush
+        while requests run, which in_place leaves them doing); they resume under the new weights."""
+        self.request("POST", "/pause_generation", {"mode": mode})
+        _set_pause_mode(self.base_url, mode)
 
     def resume(self) -> None:
         self.request("POST", "/continue_generation", {})
+        _set_pause_mode(self.base_url, None)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         if request_ids is None:
             self.request("POST", "/abort_request", {"abort_all": True})
             return
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        if ids:
-            self.request("POST", "/abort_request", {"rid": ids})
+        # SGLang's AbortReq.rid is one string (a list is a 422); it aborts every request whose id starts with it
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            self.request("POST", "/abort_request", {"rid": str(rid)})
 
     def flush_cache(self) -> bool:
         try:
             self.request("POST", "/flush_cache")
             return True
-        except RequestError:
+        except (RequestError, EngineHTTPError):
             return False
 
     def health(self) -> dict[str, Any]:
+        """ok when /health answers 200; version from /model_info (what SGLang reports there)."""
         try:
-            _, info = self.request("GET", "/get_server_info")
+            self.request("GET", "/health")
+            _, info = self.request("GET", "/model_info")
         except (EngineHTTPError, RequestError) as exc:
-            return {"ok": False, "error": str(exc)}
-        health = dict(info.get("engine", {})) if isinstance(info, dict) else {}
-        health.setdefault("ok", True)
-        health["url"] = self.base_url
-        return health
+            return {"ok": False, "error": str(exc), "url": self.base_url}
+        version = _version_int(info.get("weight_version")) if isinstance(info, dict) else -1
+        return {"ok": True, "version": version, "url": self.base_url}
 
     @property
     def version(self) -> int:
-        _, info = self.request("GET", "/get_model_info")
+        _, info = self.request("GET", "/model_info")
         return _version_int(info.get("weight_version"))
 
     def close(self) -> None:
@@ -213,16 +247,37 @@ def _decode(data: bytes, content_type: str) -> Any:
 
 
 class SGLangServer:
-    """The weight-update endpoints of one SGLang HTTP server (`/init_weights_update_group`,
-    `/update_weights_from_distributed`; request fields as sglang/srt/managers/io_struct.py names them)."""
+    """The weight-update endpoints of one SGLang 0.5.23 HTTP server, a `WeightUpdateSession` for
+    weight_sync/distributed.py: `/init_weights_update_group`, `/begin_weight_update`, bucket after bucket
+    `/update_weights_from_distributed`, `/end_weight_update`, and the pause around them (request fields
+    as sglang/srt/managers/io_struct.py names them)."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0):
         self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout)
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
-        _, out = self.http.request("POST", path, body)
+        try:
+            _, out = self.http.request("POST", path, body)
+        except (RequestError, EngineHTTPError) as exc:  # SGLang answers a refused update with 400
+            raise RuntimeError(f"{self.http.base_url}{path} failed: {exc}") from None
         if isinstance(out, dict) and out.get("success") is False:
             raise RuntimeError(f"{self.http.base_url}{path} failed: {out.get('message')}")
+
+    @property
+    def paused_mode(self) -> str | None:
+        return pause_mode(self.http.base_url)
+
+    def pause(self, mode: str) -> None:
+        self.http.pause(mode)
+
+    def resume(self) -> None:
+        self.http.resume()
+
+    def begin_weight_update(self) -> None:
+        self._post("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._post("/end_weight_update", {})
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name=DEFAULT_GROUP_NAME, backend="nccl") -> None:
@@ -231,7 +286,7 @@ class SGLangServer:
                                                   "group_name": group_name, "backend": backend})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, version=None, group_name=DEFAULT_GROUP_NAME,
-                                        flush_cache=True) -> None:
+                                        flush_cache=False) -> None:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": flush_cache}
         if version is not None:

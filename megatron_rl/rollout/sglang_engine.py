@@ -13,19 +13,31 @@ How the calls map:
 - Log-probs: SGLang returns log-probs of the temperature-scaled distribution unless the environment
   variable SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set before its scheduler starts; we set it so that every
   engine returns the raw policy's log-probs (see rollout/engine.py).
-- update_weights: `tokenizer_manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-  serialized_named_tensors=..., weight_version=str(version), flush_cache=...))` (tensors serialized per
-  TP rank as `Engine._serialize_tensors_per_rank` does; CUDA IPC when colocated).
-  `update_weights_from_distributed` / `init_weights_update_group` pass through for NCCL broadcasts.
-- pause / resume: `pause_generation(PauseGenerationReqInput(mode="in_place"))` /
-  `continue_generation(...)`; abort: `tokenizer_manager.abort_request(rid=..., abort_all=...)`;
-  flush_cache, release/resume_memory_occupation: the Engine's own coroutines.
-Its tests run only where sglang imports and CUDA is present (tests/test_rollout_contract.py).
+- update_weights: inside one weight-update session (`begin_weight_update`, then
+  `update_weights_from_tensor(UpdateWeightsFromTensorReqInput(serialized_named_tensors=...,
+  weight_version=str(version), flush_cache=...))`, then `end_weight_update`: 0.5.23 refuses updates
+  outside one), with generation paused in place unless the caller paused it (otherwise the update
+  waits on SGLang's writer lock for every running request). The cache is flushed only when the
+  caller's pause retracted the running requests (a flush with requests running fails the update).
+  Tensors are serialized per TP rank as `Engine._serialize_tensors_per_rank` does (CUDA IPC).
+  `update_weights_from_distributed` / `init_weights_update_group` / `begin_weight_update` /
+  `end_weight_update` pass through for NCCL broadcasts (weight_sync/distributed.py drives them).
+- pause / resume: `pause_generation(PauseGenerationReqInput(mode="retract"))` (running requests go back
+  to the queue, their KV freed, so the flush after a paused update succeeds) / `continue_generation`;
+  abort: `tokenizer_manager.abort_request(rid=..., abort_all=...)`; flush_cache,
+  release/resume_memory_occupation: the Engine's own coroutines.
+- Memory: built with `enable_memory_saver=True` (without it release_memory_occupation frees nothing)
+  and, colocated, `mem_fraction_static` from the plan (`colocated_memory_fraction`);
+  `enable_deterministic_inference` when rollouts must be reproducible (sampling_seed is ignored
+  without it).
+Its tests run only where sglang imports and CUDA is present (tests/test_rollout_contract.py); the
+request types it builds are checked against 0.5.23's in tests/test_sglang_contract.py.
 """
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -48,6 +60,26 @@ def sglang_available() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
 
+def colocated_memory_fraction(plan) -> float:
+    """mem_fraction_static for an in-process engine beside the trainer (a `sim.planner.Plan`): its own
+    copy of the weights (sharded by TP only) plus the planned KV cache, as a share of the GPU, rounded
+    up to 0.01. SGLang's default (most of the GPU) would leave the trainer nothing."""
+    hbm = plan.hardware.hbm_bytes
+    weights = plan.engine_memory.get("weights", plan.trainer_memory["weights"] * plan.pp)
+    engine = weights + plan.engine_memory["kv_cache"]
+    resident = sum(v for k, v in plan.trainer_memory.items() if k in ("weights", "gradients", "optimizer"))
+    if resident + engine > plan.usable_bytes:
+        raise ConfigError(f"field 'cluster': a colocated SGLang engine needs {engine / 2**30:.1f} GiB next to the "
+                          f"trainer's {resident / 2**30:.1f} GiB, over the {plan.usable_bytes / 2**30:.1f} GiB usable")
+    return math.ceil(engine / hbm * 100) / 100
+
+
+def colocated_engine_kwargs(plan, *, deterministic: bool) -> dict[str, Any]:
+    """`sglang.Engine` arguments for a colocated engine of `plan` (see the module docstring)."""
+    return {"mem_fraction_static": colocated_memory_fraction(plan), "enable_memory_saver": True,
+            "enable_deterministic_inference": deterministic}
+
+
 class SGLangEngine:
     """RolloutEngine over an in-process `sglang.Engine` (see the module docstring)."""
 
@@ -57,11 +89,12 @@ class SGLangEngine:
             import sglang  # optional (gpu extra): imported when an SGLang engine is built
         except ImportError as exc:
             raise ConfigError(f"the SGLang backend needs the 'sglang' package (pip install sglang): {exc}") from None
+        engine_kwargs.setdefault("enable_memory_saver", True)  # else release_memory_occupation frees nothing
         self._engine = sglang.Engine(model_path=model_path, **engine_kwargs)
         self._tm = self._engine.tokenizer_manager
         self._loop: asyncio.AbstractEventLoop = self._engine.loop
         self._version = int(version)
-        self._paused = False
+        self._paused: str | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
         self._thread.start()
         self._call(self._tm.update_weight_version(self._io().UpdateWeightVersionReqInput(
@@ -97,20 +130,44 @@ class SGLangEngine:
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
         return [f.result() for f in self.submit(requests)]
 
-    def update_weights(self, named_tensors: NamedTensors, version: int | None = None, *,
-                       flush_cache: bool = True) -> int:
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         io = self._io()
         named = list(iter_named_tensors(named_tensors))
         payloads = self._engine._serialize_tensors_per_rank(named, None)
         obj = io.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=payloads, flush_cache=flush_cache,
+            serialized_named_tensors=payloads, flush_cache=self._paused in ("retract", "abort"),
             weight_version=None if version is None else str(version))
-        success, message = self._call(self._tm.update_weights_from_tensor(obj, None))
+        pause_here = self._paused is None
+        if pause_here:
+            self.pause("in_place")
+        try:
+            self.begin_weight_update()
+            try:
+                success, message = self._call(self._tm.update_weights_from_tensor(obj, None))
+            finally:
+                self.end_weight_update()
+        finally:
+            if pause_here:
+                self.resume()
         if not success:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
         if version is not None:
             self._version = int(version)
         return len(named)
+
+    @property
+    def paused_mode(self) -> str | None:
+        return self._paused
+
+    def begin_weight_update(self) -> None:
+        success, message = self._call(self._tm.begin_weight_update(self._io().BeginWeightUpdateReqInput(), None))
+        if not success:
+            raise RuntimeError(f"SGLang begin_weight_update failed: {message}")
+
+    def end_weight_update(self) -> None:
+        success, message = self._call(self._tm.end_weight_update(self._io().EndWeightUpdateReqInput(), None))
+        if not success:
+            raise RuntimeError(f"SGLang end_weight_update failed: {message}")
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -124,7 +181,7 @@ class SGLangEngine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         version: int | None = None, group_name: str = "weight_update_group",
-                                        flush_cache: bool = True) -> None:
+                                        flush_cache: bool = False) -> None:
         """The trainer broadcasts each tensor over the group after this call is issued."""
         obj = self._io().UpdateWeightsFromDistributedReqInput(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
@@ -135,13 +192,13 @@ class SGLangEngine:
         if version is not None:
             self._version = int(version)
 
-    def pause(self) -> None:
-        self._call(self._tm.pause_generation(self._io().PauseGenerationReqInput(mode="in_place")))
-        self._paused = True
+    def pause(self, mode: str = "retract") -> None:
+        self._call(self._tm.pause_generation(self._io().PauseGenerationReqInput(mode=mode)))
+        self._paused = mode
 
     def resume(self) -> None:
         self._call(self._tm.continue_generation(self._io().ContinueGenerationReqInput()))
-        self._paused = False
+        self._paused = None
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         if request_ids is None:
@@ -160,7 +217,8 @@ class SGLangEngine:
         self._call(self._tm.resume_memory_occupation(self._io().ResumeMemoryOccupationReqInput(tags=tags), None))
 
     def health(self) -> dict[str, Any]:
-        return {"ok": self._thread.is_alive(), "version": self._version, "paused": self._paused, "engine": "sglang"}
+        return {"ok": self._thread.is_alive(), "version": self._version, "paused": self._paused is not None,
+                "engine": "sglang"}
 
     @property
     def version(self) -> int:

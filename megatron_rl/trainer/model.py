@@ -92,11 +92,14 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # These fusions need CUDA kernels; on GPU Megatron picks them up from its defaults.
-        apply_rope_fusion=on_gpu,
+        # Fusions only where their kernels exist (megatron-core defaults them off): fused RoPE is Transformer
+        # Engine's (TransformerConfig raises without it); the bias-SwiGLU and masked-softmax fusions have
+        # torch / Megatron fallbacks on any CUDA build. persist_layer_norm needs Apex's persistent kernel,
+        # which the torch RMSNorm of the local spec asserts against.
+        apply_rope_fusion=transformer_engine_available(),
         bias_activation_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **kwargs,
     )

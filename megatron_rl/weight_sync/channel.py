@@ -90,6 +90,15 @@ def assemble_hf_buckets(trainer, plan, bucket_bytes: int) -> Iterator[tuple[str,
         start = end
 
 
+def cpu_tensor_group(group=None):
+    """A process group that carries CPU tensors over the ranks of `group` (None: the world): `group`
+    itself when its backend has gloo, else a new gloo group (collective: every rank of it calls this).
+    On GPU the default world is NCCL, which carries CUDA tensors only."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo")
+
+
 def make_weight_channel(trainer, engine, transform=None):
     """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
     weights go as they are), else its `update_weights`. Collective: every trainer rank calls it, the
@@ -109,9 +118,9 @@ class SharedMemoryWeightChannel:
         self.trainer = trainer
         self.generator = generator
         self.owner_rank = owner_rank
-        self.group = group
+        self.group = cpu_tensor_group(group)  # its collectives move CPU tensors (descriptors, counts)
         box = [generator.shared_weights if generator is not None else None]
-        dist.broadcast_object_list(box, src=owner_rank, group=group)
+        dist.broadcast_object_list(box, src=owner_rank, group=self.group)
         self.arenas = [SharedBuckets.attach(descriptor) for descriptor in box[0]]
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
         self.arena_views = [arena.views() for arena in self.arenas]

@@ -7,9 +7,21 @@ SGLang's `init_weights_update_group(master_address, master_port, rank_offset, wo
 group_name, backend)` builds its side: engine e's TP worker t joins as rank 1 + (sum of the TP sizes of
 engines before e) + t. A sync then runs, bucket by bucket: every engine is told the names, dtypes and
 shapes (`update_weights_from_distributed`, which returns once its workers received them), and rank 0
-broadcasts each tensor in that order. `receive_broadcast` is the receiving side as SGLang's model
-runner performs it (allocate each tensor, broadcast from rank 0), used by the tests as the stand-in
-engine on CPU with gloo.
+broadcasts each tensor in that order.
+
+SGLang 0.5.23's rules (managers/scheduler_components/weight_updater.py, tokenizer_control_mixin.py;
+docs/gpu.md): updates are refused outside a `begin_weight_update` / `end_weight_update` session, so
+every engine's session is opened (and checked) before rank 0 broadcasts anything: a refused bucket
+would leave rank 0 in a broadcast no receiver matches. Unless the engine is paused, every update call
+takes its writer lock, which waits for all running requests; so a sync pauses an engine nobody paused
+(in_place: running requests keep their KV and continue under the new weights) and resumes it after.
+The new weight_version rides on the last bucket only, so no token is labelled with a version whose
+weights have not all arrived, and no decode step runs between buckets (the engine is paused). The
+cache is flushed with the last bucket only where the pause freed the running requests (retract or
+abort, the controller's `weight_update: pause`): SGLang refuses to flush while requests run.
+
+`receive_broadcast` is the receiving side as SGLang's model runner performs it (allocate each tensor,
+broadcast from rank 0), used by the tests as the stand-in engine on CPU with gloo.
 
 With fp8 engines (`cluster.generator.precision: fp8`) the projection matrices travel as
 float8_e4m3fn plus `weight_scale_inv` tensors (weight_sync/fp8.py), half the bytes of bf16.
@@ -19,7 +31,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import threading
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -68,7 +80,23 @@ class DistributedWeightReceiver(Protocol):
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         version: int | None = None, group_name: str = DEFAULT_GROUP_NAME,
-                                        flush_cache: bool = True) -> None: ...
+                                        flush_cache: bool = False) -> None: ...
+
+
+@runtime_checkable
+class WeightUpdateSession(Protocol):
+    """A receiver with SGLang's session rules: begin / buckets / end, paused around them."""
+
+    @property
+    def paused_mode(self) -> str | None: ...
+
+    def pause(self, mode: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def begin_weight_update(self) -> None: ...
+
+    def end_weight_update(self) -> None: ...
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -121,25 +149,45 @@ class BroadcastWeightSender:
         calls.join()
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> dict[str, float]:
-        """Broadcast every tensor to every engine, bucket by bucket; returns bytes and bucket counts."""
+        """Broadcast every tensor to every engine, bucket by bucket, as one weight version (see the module
+        docstring); returns bytes and bucket counts."""
+        sessions = [e for e in self.engines if isinstance(e, WeightUpdateSession)]
+        paused_here = [e for e in sessions if e.paused_mode is None]
+        flush = {id(e): e.paused_mode in ("retract", "abort") for e in sessions}
+        _run_all([lambda e=e: e.pause("in_place") for e in paused_here]).join()
+        opened: list[Any] = []
+        try:
+            for engine in sessions:
+                engine.begin_weight_update()
+                opened.append(engine)
+            stats = self._broadcast(named, version, flush)
+            ended, opened = opened, []
+            _run_all([lambda e=e: e.end_weight_update() for e in ended]).join()
+        finally:
+            if opened:  # a failed sync: close the sessions so the next one can begin (best effort)
+                _run_all([lambda e=e: e.end_weight_update() for e in opened])
+            _run_all([lambda e=e: e.resume() for e in paused_here]).join()
+        # Receivers that stage buckets (generator ranks) apply them all at once here; SGLang has
+        # applied each bucket as it arrived.
+        _run_all([lambda e=e: e.finish_weights_update(version) for e in self.engines
+                  if hasattr(e, "finish_weights_update")]).join()
+        return stats
+
+    def _broadcast(self, named, version, flush: dict[int, bool]) -> dict[str, float]:
         total = count = 0
-        for bucket in buckets(named, self.bucket_bytes):
+        for bucket, last in _with_last(buckets(named, self.bucket_bytes)):
             names = [n for n, _ in bucket]
             dtypes = [_dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
-            calls = _run_all([lambda e=e: e.update_weights_from_distributed(names, dtypes, shapes, version,
-                                                                             self.group_name)
-                              for e in self.engines])
+            calls = _run_all([lambda e=e: e.update_weights_from_distributed(
+                names, dtypes, shapes, version if last else None, self.group_name,
+                flush_cache=last and flush.get(id(e), False)) for e in self.engines])
             for _, tensor in bucket:
                 payload = _wire(tensor.detach().to(self.device).contiguous(), self.backend)
                 dist.broadcast(payload, src=0, group=self.group)
                 total += payload.numel() * payload.element_size()
             calls.join()
             count += 1
-        # Receivers that stage buckets (generator ranks) apply them all at once here; SGLang has
-        # applied each bucket as it arrived.
-        _run_all([lambda e=e: e.finish_weights_update(version) for e in self.engines
-                  if hasattr(e, "finish_weights_update")]).join()
         return {"weight_sync/bytes": float(total), "weight_sync/buckets": float(count)}
 
     def close(self) -> None:
@@ -155,6 +203,19 @@ def receive_broadcast(group, names: Sequence[str], dtypes: Sequence[str], shapes
         dist.broadcast(_wire(tensor, backend), src=0, group=group)
         out[name] = tensor
     return out
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last (one item of lookahead)."""
+    iterator = iter(items)
+    try:
+        previous = next(iterator)
+    except StopIteration:
+        return
+    for item in iterator:
+        yield previous, False
+        previous = item
+    yield previous, True
 
 
 class _Calls:

@@ -1,0 +1,382 @@
+"""Our SGLang client, weight sync and launch line against SGLang 0.5.23's contract.
+
+The contract (tests/fixtures/sglang_0.5.23_contract.json) is extracted from the sglang 0.5.23 wheel by
+scripts/extract_sglang_contract.py: request structs, the /generate schema, the routes, and the
+launch_server flags. Two kinds of test:
+- every request body and launch flag we produce, validated against it (no server);
+- our weight sync and control calls against tests/sglang_standin.py, a stand-in server that enforces
+  0.5.23's weight-update rules (begin/end sessions, the writer lock, flush refused while requests run).
+Where sglang itself is installed (the gpu extra), the fixture is checked against the real library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from megatron_rl.cli.launch_env import sglang_server_args
+from megatron_rl.rollout.client import HTTPEngine, SGLangServer
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.trainer.parallel import free_port
+from megatron_rl.weight_sync.distributed import BroadcastWeightSender
+from tests.sglang_standin import CONTRACT, _check_body, check_sampling_params
+
+ROUTES = CONTRACT["routes"]
+
+
+# --- the fixture against the installed library (GPU environments) --------------------------------
+def test_fixture_matches_installed_sglang():
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    import argparse
+
+    import sglang
+
+    assert sglang.__version__ == CONTRACT["sglang_version"]
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert flags == set(CONTRACT["server_flags"])
+
+
+# --- every request body we send, validated against the contract ----------------------------------
+class _Recorder:
+    """Stands in for the HTTP transport: records (method, path, body) and answers as SGLang would."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, str, object]] = []
+
+    def __call__(self, method, path, body=None, *, raw=None, content_type="application/json"):
+        self.sent.append((method, path.split("?")[0], body))
+        if path == "/model_info":
+            return 200, {"weight_version": "default", "model_path": "m"}
+        if path == "/generate":
+            n = len(body["input_ids"]) if body["input_ids"] and isinstance(body["input_ids"][0], list) else 1
+            samples = sum(p.get("n", 1) for p in body["sampling_params"]) if n > 1 or isinstance(
+                body["sampling_params"], list) else body["sampling_params"].get("n", 1)
+            return 200, [{"output_ids": [1], "meta_info": {"id": "r", "finish_reason": {"type": "length"},
+                                                          "weight_version": "default",
+                                                          "output_token_logprobs": [[-0.5, 1, None]]}}] * samples
+        return 200, {"success": True, "message": "ok"}
+
+
+def _violations(sent) -> list[str]:
+    problems = []
+    for method, path, body in sent:
+        route = ROUTES.get(path)
+        if route is None:
+            problems.append(f"{path}: no such route in SGLang {CONTRACT['sglang_version']}")
+            continue
+        if route["deprecated"]:
+            problems.append(f"{path}: deprecated in SGLang {CONTRACT['sglang_version']}")
+        if method not in route["methods"]:
+            problems.append(f"{path}: {method} not among {route['methods']}")
+        if path == "/generate":
+            unknown = set(body) - set(CONTRACT["generate"]["GenerateRequest"]["fields"])
+            if unknown:
+                problems.append(f"/generate: fields SGLang ignores {sorted(unknown)}")
+            error = check_sampling_params(body.get("sampling_params"))
+            if error:
+                problems.append(f"/generate: {error}")
+        elif route["body"] in CONTRACT["requests"]:
+            error = _check_body(route["body"], body if body is not None else {})
+            if error:
+                problems.append(f"{path}: {error}")
+            unknown = set(body or {}) - set(CONTRACT["requests"][route["body"]]["fields"])
+            if unknown:  # SGLang ignores them silently: a field we think we send, it never reads
+                problems.append(f"{path}: fields {route['body']} does not have {sorted(unknown)}")
+    return problems
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(HTTPEngine, "request", lambda self, *a, **k: recorder(*a, **k))
+    return recorder
+
+
+def test_generation_and_control_bodies_match_contract(recorded):
+    engine = HTTPEngine("http://sglang")
+    sampling = SamplingParams(max_new_tokens=4, top_k=0, seed=3, stop=["</a>"], n=2)  # top_k 0: whole vocabulary
+    engine.generate([GenerateRequest(request_id="r0", prompt_ids=[1, 2], sampling=sampling),
+                     GenerateRequest(request_id="r1", prompt_ids=[3], sampling=SamplingParams(top_k=5))])
+    engine.abort(["r0-0", "r0-1"])
+    engine.abort("r1")
+    engine.abort()
+    engine.pause()
+    engine.resume()
+    engine.flush_cache()
+    health = engine.health()
+    assert engine.version == 0  # a server launched from the checkpoint reports "default": our version 0
+    assert health["ok"] is True and health["version"] == 0
+    assert _violations(recorded.sent) == []
+    aborts = [b for _, p, b in recorded.sent if p == "/abort_request"]
+    assert {"rid": "r0-0"} in aborts and {"rid": "r1"} in aborts and {"abort_all": True} in aborts
+    generate = next(b for _, p, b in recorded.sent if p == "/generate")
+    assert [p["top_k"] for p in generate["sampling_params"]] == [-1, 5]
+
+
+def test_weight_update_bodies_match_contract(recorded):
+    server = SGLangServer("http://sglang")
+    server.init_weights_update_group("127.0.0.1", 1234, 1, 2, "weight_update_group", "nccl")
+    server.pause("in_place")
+    server.begin_weight_update()
+    server.update_weights_from_distributed(["a"], ["bfloat16"], [[2, 2]], None, "weight_update_group", False)
+    server.update_weights_from_distributed(["b"], ["bfloat16"], [[2]], 3, "weight_update_group", True)
+    server.end_weight_update()
+    server.resume()
+    assert _violations(recorded.sent) == []
+    paths = [p for _, p, _ in recorded.sent]
+    assert paths.index("/begin_weight_update") < paths.index("/update_weights_from_distributed") \
+        < paths.index("/end_weight_update")
+
+
+def test_launch_flags_are_sglang_0_5_23_flags():
+    args = sglang_server_args(8, "fp8", 256, False, mem_fraction_static=0.82, deterministic=True)
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= set(CONTRACT["server_flags"]), sorted(set(flags) - set(CONTRACT["server_flags"]))
+    assert args[args.index("--tp-size") + 1] == "8" and args[args.index("--max-running-requests") + 1] == "256"
+    assert args[args.index("--mem-fraction-static") + 1] == "0.82"
+    assert "--enable-deterministic-inference" in args and "--disable-cuda-graph" in args
+    assert args[args.index("--quantization") + 1] == "fp8"
+    assert args[args.index("--weight-version") + 1] == "0"
+
+
+# --- weight sync against the stand-in server -----------------------------------------------------
+@pytest.fixture
+def standin():
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--port", str(port)],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("the SGLang stand-in did not start")
+            time.sleep(0.2)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def _state(url: str) -> dict:
+    with urllib.request.urlopen(url + "/standin/state") as resp:
+        return json.loads(resp.read())
+
+
+def _model(url: str, named: dict) -> None:
+    req = urllib.request.Request(url + "/standin/model", data=json.dumps({"names": list(named)}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req).read()
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}
+
+
+def _submit_long(engine: HTTPEngine, url: str, count: int = 3, tokens: int = 1500):
+    futures = engine.submit([GenerateRequest(request_id=f"q{i}", prompt_ids=[1, 2, 3],
+                                             sampling=SamplingParams(max_new_tokens=tokens)) for i in range(count)])
+    deadline = time.monotonic() + 30
+    while len(_state(url)["steps"]) < 2 * count:  # generation has started
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return futures
+
+
+def _sender(url: str) -> BroadcastWeightSender:
+    return BroadcastWeightSender([SGLangServer(url)], [1], master_address="127.0.0.1", master_port=free_port(),
+                                 backend="gloo", bucket_bytes=40 << 10)  # 6 tensors of 16 KiB: 3 buckets
+
+
+def _check_one_model_per_label(state: dict) -> None:
+    assert state["steps"] and all(step["consistent"] for step in state["steps"]), \
+        "a decode step ran on half-updated weights"
+    assert state["label_moves"] and all(move["consistent"] for move in state["label_moves"]), \
+        "the weight version moved before every tensor of that version had arrived"
+    assert not state["session"] and state["deprecated_calls"] == []
+
+
+def test_in_flight_sync_updates_running_requests_between_two_decode_steps(standin):
+    weights = _weights(1)
+    _model(standin, weights)
+    engine = HTTPEngine(standin)
+    futures = _submit_long(engine, standin)
+    sender = _sender(standin)
+    stats = sender.push(weights.items(), version=1)
+    sender.close()
+    completions = engine.wait(futures, timeout=60)
+    state = _state(standin)
+    _check_one_model_per_label(state)
+    assert stats["weight_sync/buckets"] == 3 and state["version"] == "1"
+    # in flight: the requests running across the sync hold tokens of both versions, none aborted
+    assert all(c.finish_reason == "length" and set(c.weight_versions) == {0, 1} for c in completions)
+    assert state["checksum"] == {k: pytest.approx(float(v.double().sum())) for k, v in weights.items()}
+    engine.close()
+
+
+def test_pause_mode_sync_flushes_the_cache(standin):
+    weights = _weights(2)
+    _model(standin, weights)
+    engine = HTTPEngine(standin)
+    futures = _submit_long(engine, standin)
+    engine.pause()  # controller/loop.py's pause mode: pause, push, flush, resume
+    sender = _sender(standin)
+    sender.push(weights.items(), version=4)
+    assert engine.flush_cache() is True
+    engine.resume()
+    sender.close()
+    completions = engine.wait(futures, timeout=60)
+    state = _state(standin)
+    _check_one_model_per_label(state)
+    assert state["version"] == "4" and all(c.finish_reason == "length" for c in completions)
+    assert any("flush=True" in e for e in state["events"]) and not any(e.startswith("400") for e in state["events"])
+    engine.close()
+
+
+def test_abort_by_request_id_and_health(standin):
+    engine = HTTPEngine(standin)
+    assert engine.version == 0 and engine.health()["ok"] is True
+    futures = _submit_long(engine, standin, count=2, tokens=5000)
+    engine.abort(["q0"])
+    first = futures[0].result(timeout=30)
+    assert first.finish_reason == "abort" and not futures[1].done()
+    engine.abort()
+    assert futures[1].result(timeout=30).finish_reason == "abort"
+    assert _state(standin)["deprecated_calls"] == []
+    engine.close()
+
+
+# --- the in-process engine's calls into sglang.Engine's tokenizer manager ------------------------
+class _FakeIO:
+    """io_struct's request types as far as we build them: each refuses a field 0.5.23 does not have."""
+
+    def __getattr__(self, name):
+        fields = CONTRACT["requests"][name]["fields"]
+
+        def make(**kwargs):
+            unknown = set(kwargs) - set(fields)
+            assert not unknown, f"{name} has no field(s) {sorted(unknown)}"
+            return (name, kwargs)
+        return make
+
+
+class _FakeTokenizerManager:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        async def call(obj=None, request=None):
+            self.calls.append((method, obj))
+            return (True, "ok")
+        return call
+
+
+def _in_process_engine(monkeypatch):
+    import asyncio
+    import threading
+
+    from megatron_rl.rollout import sglang_engine
+
+    engine = object.__new__(sglang_engine.SGLangEngine)
+    engine._tm = _FakeTokenizerManager()
+    engine._loop = asyncio.new_event_loop()
+    threading.Thread(target=engine._loop.run_forever, daemon=True).start()
+    engine._engine = type("E", (), {"_serialize_tensors_per_rank": staticmethod(lambda named, _: [b"x"])})()
+    engine._version, engine._paused = 0, None
+    monkeypatch.setattr(sglang_engine.SGLangEngine, "_io", staticmethod(lambda: _FakeIO()))
+    return engine
+
+
+def test_in_process_engine_updates_inside_a_session_paused_in_place(monkeypatch):
+    engine = _in_process_engine(monkeypatch)
+    engine.update_weights({"w": torch.zeros(2)}, version=3)
+    calls = [(m, o[0] if o else None) for m, o in engine._tm.calls]
+    assert calls == [("pause_generation", "PauseGenerationReqInput"),
+                     ("begin_weight_update", "BeginWeightUpdateReqInput"),
+                     ("update_weights_from_tensor", "UpdateWeightsFromTensorReqInput"),
+                     ("end_weight_update", "EndWeightUpdateReqInput"),
+                     ("continue_generation", "ContinueGenerationReqInput")]
+    assert engine._tm.calls[0][1][1] == {"mode": "in_place"}
+    update = engine._tm.calls[2][1][1]
+    assert update["flush_cache"] is False and update["weight_version"] == "3" and engine.version == 3
+    # the controller's pause mode: retract first (running requests freed), then the update flushes
+    engine._tm.calls.clear()
+    engine.pause()
+    engine.update_weights({"w": torch.zeros(2)}, version=4)
+    engine.resume()
+    methods = [m for m, _ in engine._tm.calls]
+    assert methods == ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
+                       "continue_generation"]
+    assert engine._tm.calls[0][1][1] == {"mode": "retract"} and engine._tm.calls[2][1][1]["flush_cache"] is True
+    engine._loop.call_soon_threadsafe(engine._loop.stop)
+
+
+def test_colocated_engine_memory_fraction_from_the_plan():
+    from types import SimpleNamespace
+
+    from megatron_rl.config import ConfigError
+    from megatron_rl.rollout.sglang_engine import colocated_engine_kwargs
+
+    gib = 2 ** 30
+    plan = SimpleNamespace(hardware=SimpleNamespace(hbm_bytes=80 * gib), pp=2, usable_bytes=72 * gib,
+                           engine_memory={"kv_cache": 10 * gib},
+                           trainer_memory={"weights": 4 * gib, "gradients": 4 * gib, "optimizer": 16 * gib})
+    kwargs = colocated_engine_kwargs(plan, deterministic=True)
+    # its own weights sharded by TP only (4 GiB x PP 2) + 10 GiB of KV cache = 18 / 80 of the GPU
+    assert kwargs == {"mem_fraction_static": 0.23, "enable_memory_saver": True,
+                      "enable_deterministic_inference": True}
+    for key in ("mem_fraction_static", "enable_memory_saver", "enable_deterministic_inference"):
+        assert "--" + key.replace("_", "-") in CONTRACT["server_flags"]  # sglang.Engine takes ServerArgs fields
+    plan.engine_memory["kv_cache"] = 50 * gib
+    with pytest.raises(ConfigError, match="colocated SGLang engine"):
+        colocated_engine_kwargs(plan, deterministic=False)
+
+
+def test_gpu_extra_pins_what_sglang_pins():
+    import re
+
+    setup = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")).read()
+    gpu = re.search(r'"gpu": \[(.*?)\]', setup).group(1)
+    pins = dict(re.findall(r'"([\w\-\[\],]+?)(?:\[[^\]]*\])?==([\w.]+)"', gpu))
+    assert pins["sglang"] == CONTRACT["sglang_version"]
+    assert f"torch=={pins['torch']}" in CONTRACT["pins"]  # the torch sglang 0.5.23 requires, not another
+
+
+def test_gpu_check_writes_its_json_when_a_section_fails(tmp_path, monkeypatch):
+    from megatron_rl.cli import gpu_check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(gpu_check, "trainer_step", broken)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--smoke", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["failed_sections"] == ["train_bf16"] and "no kernel" in result["train_bf16"]["error"]
+    assert result["copy_GBps"] > 0
+
+
+# --- process groups: CPU tensors never go over an NCCL-only group ---------------------------------
+def test_shared_memory_channel_collectives_use_a_gloo_group(monkeypatch):
+    from megatron_rl.weight_sync import channel
+
+    made = []
+    monkeypatch.setattr(channel.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(channel.dist, "new_group",
+                        lambda ranks=None, backend=None: made.append(backend) or "gloo-group")
+    assert channel.cpu_tensor_group() == "gloo-group" and made == ["gloo"]
+    monkeypatch.setattr(channel.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert channel.cpu_tensor_group("world") == "world" and made == ["gloo"]
