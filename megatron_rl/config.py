@@ -13,6 +13,7 @@ import importlib
 import difflib
 import functools
 import inspect
+import math
 import os
 import textwrap
 import types
@@ -104,7 +105,9 @@ def _convert(value: Any, tp: Any, path: str, source: Source) -> Any:
             try:
                 return _convert(value, option, path, source)
             except ConfigError as exc:
-                errors.append(str(exc))
+                errors.append(exc)
+        if len(errors) == 1:  # `X | None`: X's own message says what is wrong
+            raise errors[0]
         raise ConfigError(f"{source.where(path)}: field '{path}' = {value!r} does not fit {_type_name(tp)}")
     if origin is Literal:
         if value in args:
@@ -139,14 +142,20 @@ def _convert(value: Any, tp: Any, path: str, source: Source) -> Any:
             return int(value)
         raise ConfigError(f"{source.where(path)}: field '{path}' must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # YAML 1.1 reads "1e-6" (no dot) as a string
+                number = float(value)  # YAML 1.1 reads "1e-6" (no dot) as a string
             except ValueError:
                 pass
-        raise ConfigError(f"{source.where(path)}: field '{path}' must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{source.where(path)}: field '{path}' must be a number, got {value!r}")
+        # No field of ours means anything by inf or nan; taken, they surface steps later as inf weights.
+        if not math.isfinite(number):
+            raise ConfigError(f"{source.where(path)}: field '{path}' must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -206,12 +215,18 @@ def _yaml_with_lines(text: str, file: str) -> tuple[Any, dict[str, int]]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{file}:{mark.line + 1}" if mark else file
         raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:  # deeply nested flow collections
+        raise ConfigError(f"{file}: invalid YAML: nested too deeply") from None
     lines: dict[str, int] = {}
 
     def walk(n: Any, prefix: str) -> None:
         if isinstance(n, yaml.MappingNode):
             for key_node, value_node in n.value:
                 path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                if path in lines and isinstance(key_node, yaml.ScalarNode):
+                    # PyYAML keeps the last of duplicate keys silently; the user meant one of them.
+                    raise ConfigError(f"{file}:{key_node.start_mark.line + 1}: duplicate key '{path}' "
+                                      f"(first set at line {lines[path]})")
                 lines[path] = key_node.start_mark.line + 1
                 walk(value_node, path)
 
@@ -263,14 +278,25 @@ def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            parsed, lines = _yaml_with_lines(f.read(), path)
+        parsed, lines = _yaml_with_lines(read_text(path, "config file"), path)
         if parsed is not None and not isinstance(parsed, dict):
             raise ConfigError(f"{path}:1: the top level of a config must be a mapping")
         data = parsed or {}
         source = Source(file=path, lines=lines)
     data = merge_overrides(data, overrides, source)
     return from_dict(cls, data, source)
+
+
+def read_text(path: str, what: str) -> str:
+    """A user's UTF-8 text file; a ConfigError naming `what`, the file and the byte for any other
+    encoding (a UTF-8 byte-order mark is dropped)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: {what} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: {what} is a directory, not a file") from None
 
 
 def dump_yaml(config: Any) -> str:

@@ -106,6 +106,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
+        advantage = self.algorithm.advantage
+        group_relative = advantage.estimator in ("grpo", "rloo") or (
+            advantage.estimator == "reinforce_pp" and advantage.group_baseline)
+        # A group of one is its own baseline: every advantage is 0 (grpo) or undefined (rloo).
+        require(not (self.algorithm.objective == "policy_gradient" and group_relative
+                     and self.rollout.samples_per_prompt < 2), "rollout.samples_per_prompt",
+                f"must be >= 2 with the group-relative estimator algorithm.advantage.estimator="
+                f"{advantage.estimator}{' (group_baseline)' if advantage.estimator == 'reinforce_pp' else ''}, "
+                f"got {self.rollout.samples_per_prompt}; use reinforce_pp without group_baseline for one sample per prompt")
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:

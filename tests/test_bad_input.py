@@ -280,8 +280,8 @@ def test_http_server_binds_loopback_by_default(tiny_arch):
     engine = NativeEngine(tiny_arch, tiny_state(tiny_arch), config=NativeEngineConfig(max_batch_size=1, max_seq_len=16))
     try:
         server = RolloutServer(engine, port=0)
-        assert server.httpd.server_address[0] == "127.0.0.1"
-        server.httpd.server_close()
+        assert server.address[0] == "127.0.0.1"
+        server.shutdown()
     finally:
         engine.close()
 

@@ -77,6 +77,44 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, tiny_ch
     assert any(not torch.equal(actual[n], step2[n]) for n in actual)  # the last step really trained
 
 
+def test_a_stop_request_checkpoints_and_a_plain_relaunch_resumes(tmp_path, tiny_chat_model):
+    """What Slurm's time-limit signal leads to (examples/slurm_common.sh writes RUN_DIR/STOP): the run
+    checkpoints at the next step boundary and ends; the same command again continues it, bit-exactly."""
+    from megatron_rl.controller.stop import STOP_FILE
+
+    straight = str(tmp_path / "straight")
+    train(_config(tiny_chat_model, straight, "checkpoint.every_steps=0"))
+    stopped = str(tmp_path / "stopped")
+    os.makedirs(stopped)
+    open(os.path.join(stopped, STOP_FILE), "w").close()
+    summary = train(_config(tiny_chat_model, stopped, "checkpoint.every_steps=0"))
+    assert summary.steps == 1
+    assert not os.path.exists(os.path.join(stopped, STOP_FILE))  # served: the relaunch must not stop at once
+    assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["latest", "step_00000001"]
+    summary = train(_config(tiny_chat_model, stopped, "checkpoint.every_steps=0"))  # no --resume: it resumes
+    assert summary.steps == 3
+    expected, actual = _final_weights(straight), _final_weights(stopped)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    trained = [json.loads(line)["step"] for line in open(os.path.join(stopped, "metrics.jsonl"))
+               if "rollout/reward_mean" in line]
+    assert trained == [1, 2, 3]
+
+
+def test_stop_signals_are_noted_and_the_handlers_restored(tmp_path):
+    import signal
+
+    from megatron_rl.controller.stop import StopRequest
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop = StopRequest(str(tmp_path))
+    assert stop.reason() is None and not stop.agreed()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.reason() == "SIGUSR1" and stop.agreed()
+    stop.close()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, tiny_chat_model):
     from megatron_rl.checkpoint.config import CheckpointConfig
     from megatron_rl.checkpoint.manager import CheckpointManager

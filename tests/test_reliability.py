@@ -3,6 +3,7 @@ deterministic mode, end with the weights of an uninterrupted run); fault injecti
 gradients, failing checkpoint writes, raising rewards; corrupt and unsafe checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,11 +18,12 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.checkpoint.config import CheckpointConfig
-from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
+from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager, _file_record
 from megatron_rl.config import load_yaml
 from megatron_rl.controller.loop import TrainingDivergedError, build_controller, train
 from megatron_rl.data.sources import PromptStream, build_datasets
 from megatron_rl.run_config import RunConfig
+from tests.helpers import near_uniform_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "examples", "configs", "quickstart.yaml")
@@ -447,7 +449,6 @@ def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(checkpointed_r
     elif damage == "delete_rng":
         os.remove(os.path.join(newest, "rng", "rank_00000.pt"))
     else:
-        os.remove(os.path.join(newest, "MANIFEST.json"))  # an older checkpoint without manifest: parsed
         open(os.path.join(newest, "state.json"), "w").write('{"step": 2, "vers')
     assert manager.latest().endswith("step_00000001")
     assert f"checkpoint step_00000002 is unusable" in capfd.readouterr().err
@@ -502,6 +503,42 @@ def test_checkpoint_with_pickled_objects_is_refused(checkpointed_run, tmp_path):
     _, manager, root = _copy(checkpointed_run, tmp_path)
     path = os.path.join(root, "step_00000002", "rng", "rank_00000.pt")
     torch.save({"torch": torch.get_rng_state(), "payload": Exploit()}, path)
-    os.remove(os.path.join(root, "step_00000002", "MANIFEST.json"))  # even when sizes and checksums agree
+    manifest_path = os.path.join(root, "step_00000002", "MANIFEST.json")  # even when sizes and checksums agree
+    manifest = json.load(open(manifest_path))
+    manifest["rng/rank_00000.pt"] = _file_record(path)
+    json.dump(manifest, open(manifest_path, "w"))
     assert "refused to load" in manager.validate(os.path.join(root, "step_00000002"))
     assert manager.latest().endswith("step_00000001")
+
+
+def test_checkpoint_without_manifest_is_unusable(checkpointed_run, tmp_path, capfd):
+    """Delete the manifest and flip a byte inside a weight: the file still parses, so only the manifest
+    could tell. The checkpoint is refused (one line on stderr) and the previous one used."""
+    _, manager, root = _copy(checkpointed_run, tmp_path)
+    newest = os.path.join(root, "step_00000002")
+    os.remove(os.path.join(newest, "MANIFEST.json"))
+    weights = os.path.join(newest, "model", "mp_rank_00_000", "model.safetensors")
+    data = bytearray(open(weights, "rb").read())
+    data[-5] ^= 0x01  # the last tensor's bytes: still a readable safetensors file
+    open(weights, "wb").write(bytes(data))
+    load_file(weights)
+    assert manager.latest().endswith("step_00000001")
+    err = capfd.readouterr().err
+    assert "checkpoint step_00000002 is unusable (MANIFEST.json is missing (its files cannot be checked)); " \
+           "falling back to the previous one" in err
+
+
+def test_resume_with_another_model_is_named(checkpointed_run, tmp_path, tiny_chat_model):
+    """The checkpoint's tensors do not fit the model of this run's model.path: one error naming both."""
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.models.pretrained import load_pretrained
+
+    tiny = load_pretrained(tiny_chat_model)
+    wider = dataclasses.replace(tiny.arch, hidden_size=128, ffn_hidden_size=256)
+    other = str(tmp_path / "other_model")
+    save_hf(other, wider, near_uniform_state(wider), tiny.tokenizer)
+    copy, _, _ = _copy(checkpointed_run, tmp_path)
+    with pytest.raises(CheckpointError, match=r"step_00000002: the checkpoint was written for another model than "
+                                              r"this run's model.path \(tensor .* is \[.*\] there, \[.*\] in this "
+                                              r"run's model\)"):
+        train(_config(other, copy, "steps=3"), resume=True)

@@ -13,6 +13,12 @@ ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "rloo", "reinforce_pp")
 LOSS_NAMES: set[str] = {"pg", "ppo_clip", "aipo", "tis"}
 
 
+# Bounds past which a value is a typo rather than a setting: an importance ratio (clip range, cap) of
+# 1000 or a loss-term weight of 1000 times the policy loss.
+MAX_RATIO = 1000.0
+MAX_COEF = 1000.0
+
+
 @dataclasses.dataclass(kw_only=True)
 class AdvantageConfig:
     """How sequence rewards become advantages."""
@@ -30,7 +36,7 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         require(self.estimator in ADVANTAGE_ESTIMATOR_NAMES, "estimator",
                 f"unknown estimator {self.estimator!r}; known: {sorted(ADVANTAGE_ESTIMATOR_NAMES)}")
-        require(self.eps >= 0, "eps", "must be >= 0")
+        require(0 <= self.eps <= 1, "eps", f"must be in [0, 1], got {self.eps!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,14 +77,18 @@ class LossConfig:
         require(self.aggregation != "seq_sum_norm" or self.max_response_tokens > 0, "max_response_tokens",
                 "must be > 0 with aggregation seq_sum_norm")
         require(self.max_response_tokens >= 0, "max_response_tokens", "must be >= 0")
-        require(0 <= self.clip_eps_low < 1, "clip_eps_low", "must be in [0, 1)")
-        require(self.clip_eps_high >= 0, "clip_eps_high", "must be >= 0")
-        require(self.dual_clip_c is None or self.dual_clip_c > 1, "dual_clip_c", "must be > 1 (or null)")
-        require(self.aipo_rho > 0, "aipo_rho", "must be > 0")
-        require(self.tis_cap > 0, "tis_cap", "must be > 0")
-        require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        require(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        require(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
+        require(0 <= self.clip_eps_low < 1, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low!r}")
+        require(0 <= self.clip_eps_high <= MAX_RATIO, "clip_eps_high",
+                f"must be in [0, {MAX_RATIO:g}], got {self.clip_eps_high!r}")
+        require(self.dual_clip_c is None or 1 < self.dual_clip_c <= MAX_RATIO, "dual_clip_c",
+                f"must be in (1, {MAX_RATIO:g}] (or null), got {self.dual_clip_c!r}")
+        require(0 < self.aipo_rho <= MAX_RATIO, "aipo_rho", f"must be in (0, {MAX_RATIO:g}], got {self.aipo_rho!r}")
+        require(0 < self.tis_cap <= MAX_RATIO, "tis_cap", f"must be in (0, {MAX_RATIO:g}], got {self.tis_cap!r}")
+        require(0 <= self.kl_coef <= MAX_COEF, "kl_coef", f"must be in [0, {MAX_COEF:g}], got {self.kl_coef!r}")
+        require(0 <= self.entropy_coef <= MAX_COEF, "entropy_coef",
+                f"must be in [0, {MAX_COEF:g}], got {self.entropy_coef!r}")
+        require(0 < self.log_ratio_clamp <= 88, "log_ratio_clamp",
+                f"must be in (0, 88] (exp(88) is near float32's largest), got {self.log_ratio_clamp!r}")
 
 
 @dataclasses.dataclass(kw_only=True)

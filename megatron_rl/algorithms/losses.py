@@ -86,15 +86,24 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, n
 
 # --- shared pieces ----------------------------------------------------------------------------------
 
+# k3 grows like exp(-log pi/ref): one token far less likely under pi than under the reference would make
+# the loss (and its gradient) inf. As verl's low_var_kl: the log-ratio is clamped to +-20 before the exp
+# and the estimate to [-10, 10] (docs/algorithms.md, section 6).
+K3_LOG_RATIO_CLAMP = 20.0
+K3_MAX = 10.0
+
+
 def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by the policy (Schulman 2020)."""
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by the policy (Schulman 2020); k3
+    bounded to [0, K3_MAX]."""
     log_ratio = logprobs - reference_logprobs  # log pi/ref
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio * log_ratio
     if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
+        bounded = log_ratio.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        return (torch.exp(-bounded) + bounded - 1.0).clamp(-K3_MAX, K3_MAX)
     raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2, k3)")
 
 

@@ -17,7 +17,8 @@ Layout of one checkpoint (`run_dir/checkpoints/step_00000010/`):
 Writes are atomic: everything goes into a temporary directory (fsynced) that is renamed into place,
 then the `latest` pointer is replaced with `os.replace`; old checkpoints are renamed away before they
 are deleted. A crash or a failed write at any point leaves the previous checkpoint as the latest,
-whole. On load, each candidate is checked against its manifest and parsed; a corrupt or partial one
+whole. On load, each candidate is checked against its manifest (one without MANIFEST.json is unusable)
+and parsed; a corrupt or partial one
 is reported (naming the file and the problem) and the previous one is used; if every checkpoint is
 unusable, loading fails with the list of problems rather than silently starting over.
 
@@ -27,6 +28,7 @@ holding any other object is refused (reported as unusable, like a corrupt file).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -132,6 +134,8 @@ class CheckpointManager:
             except BaseException as exc:
                 error = exc
         if not all_ranks_agree(error is None):
+            if error is not None:  # before the temporary directory's removal frees the space again
+                error = _as_disk_full(error, self.root)
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error if error is not None else CheckpointError(
@@ -212,6 +216,11 @@ class CheckpointManager:
                  and os.path.isfile(os.path.join(self.root, n, COMPLETE))]
         return sorted(names)
 
+    def resumable(self) -> bool:
+        """Whether a run could resume here: a complete checkpoint with its manifest exists (cheap: no
+        checksums; `latest` validates)."""
+        return any(os.path.isfile(os.path.join(self.root, name, MANIFEST)) for name in self.complete_checkpoints())
+
     def latest(self) -> str | None:
         """The newest complete checkpoint that validates; a corrupt one is reported and skipped.
         None when there is no complete checkpoint at all; CheckpointError when none is usable."""
@@ -238,20 +247,23 @@ class CheckpointManager:
         """None if the checkpoint at `path` is whole and readable, else what is wrong (naming the file)."""
         manifest_path = os.path.join(path, MANIFEST)
         current = "state.json"
+        # Every checkpoint we write has a manifest; one without it could hold any bytes (a deleted
+        # manifest and a flipped tensor byte would otherwise load silently).
+        if not os.path.isfile(manifest_path):
+            return f"{MANIFEST} is missing (its files cannot be checked)"
         try:
-            if os.path.isfile(manifest_path):
-                current = MANIFEST
-                with open(manifest_path, encoding="utf-8") as f:
-                    manifest = json.load(f)
-                for rel, record in manifest.items():
-                    current = rel
-                    full = os.path.join(path, rel)
-                    if not os.path.isfile(full):
-                        return f"{rel} is missing"
-                    if os.path.getsize(full) != record["bytes"]:
-                        return f"{rel} has {os.path.getsize(full)} bytes, the manifest says {record['bytes']} (truncated?)"
-                    if _file_record(full)["crc32"] != record["crc32"]:
-                        return f"{rel} does not match its checksum (corrupted on disk)"
+            current = MANIFEST
+            with open(manifest_path, encoding="utf-8") as f:
+                manifest = json.load(f)
+            for rel, record in manifest.items():
+                current = rel
+                full = os.path.join(path, rel)
+                if not os.path.isfile(full):
+                    return f"{rel} is missing"
+                if os.path.getsize(full) != record["bytes"]:
+                    return f"{rel} has {os.path.getsize(full)} bytes, the manifest says {record['bytes']} (truncated?)"
+                if _file_record(full)["crc32"] != record["crc32"]:
+                    return f"{rel} does not match its checksum (corrupted on disk)"
             current = "state.json"
             with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
                 json.load(f)
@@ -281,7 +293,9 @@ class CheckpointManager:
         if not os.path.isfile(model_file):
             raise CheckpointError(f"{path}: no model shard for tp={trainer.tp_rank} pp={trainer.pp_rank} "
                                   "(was the checkpoint written with another parallel layout?)")
-        trainer.load_shard(load_file(model_file))
+        shard = load_file(model_file)
+        _check_same_model(path, shard, trainer.shard_state())
+        trainer.load_shard(shard)
         opt = _safe_torch_load(os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
         _load_optimizer_state(trainer, opt, os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
         trainer.scheduler.load_state_dict(opt["scheduler"])
@@ -301,6 +315,44 @@ class CheckpointManager:
         with safe_open(file, framework="pt") as f:
             metadata = json.loads((f.metadata() or {}).get("json", "null"))
         return load_file(file), metadata
+
+
+# Less free space than this after a failed write means the write failed for lack of it.
+_DISK_FULL_BYTES = 16 << 20
+
+
+def _as_disk_full(error: BaseException, root: str) -> BaseException:
+    """torch.save reports a full disk as a RuntimeError ("unexpected pos ...") and safetensors as a
+    SafetensorError; both become the OSError(ENOSPC) naming the checkpoint directory that they are
+    (the CLI prints it as one line). Any other error is returned as it is."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return error
+    if free >= _DISK_FULL_BYTES and "No space left on device" not in str(error):
+        return error
+    full = OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free) while writing a "
+                                 f"checkpoint ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})", root)
+    full.__cause__ = error
+    return full
+
+
+def _check_same_model(path: str, saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """A checkpoint of another model (`--resume` after changing model.path) is named, not loaded into
+    mismatched tensors."""
+    shapes = {name: tuple(t.shape) for name, t in current.items()}
+    if {name: tuple(t.shape) for name, t in saved.items()} == shapes:
+        return
+    missing = sorted(set(shapes) - set(saved))
+    extra = sorted(set(saved) - set(shapes))
+    differing = [n for n in sorted(set(shapes) & set(saved)) if tuple(saved[n].shape) != shapes[n]]
+    example = (f"tensor {differing[0]} is {list(saved[differing[0]].shape)} there, {list(shapes[differing[0]])} in "
+               "this run's model" if differing else
+               f"tensor {(missing or extra)[0]} is only in {'this run' if missing else 'the checkpoint'}")
+    raise CheckpointError(f"{path}: the checkpoint was written for another model than this run's model.path "
+                          f"({example}); resume with the model it was trained from, or start afresh with --fresh")
 
 
 def _safe_torch_load(path: str) -> Any:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.config import ConfigError
 from megatron_rl.controller.evaluate import evaluate
 from megatron_rl.controller.objectives import make_objective
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.recipes.jepo.likelihood import evaluate_likelihood
 from megatron_rl.rewards.registry import Reward
+from megatron_rl.rollout.config import MAX_TEMPERATURE
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.run_config import load_run_config
 from megatron_rl.trainer.trainer import MegatronTrainer
@@ -27,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {args.samples}")
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:  # also refuses nan and inf
+        raise ConfigError(f"--temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {args.temperature}")
     config = load_run_config(args.config, args.overrides)
     model = load_pretrained(config.model.path)
     _, heldout = build_datasets(config.data)

@@ -1,24 +1,55 @@
-"""`megatron-rl train CONFIG.yaml [overrides] [--resume]`."""
+"""`megatron-rl train CONFIG.yaml [overrides] [--resume | --fresh]`.
+
+Without a flag a run starts in an empty (or new) run directory, resumes one holding this run's checkpoints
+(a relaunch after a crash, a requeued job), and refuses one holding results without a checkpoint;
+`--resume` insists on continuing from the latest checkpoint; `--fresh` moves the directory's contents
+aside and starts over. SIGTERM / SIGUSR1 (or a STOP file in the run directory) checkpoint at the next
+step boundary and exit 0."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 
+from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.controller.loop import train
-from megatron_rl.run_config import load_run_config
+from megatron_rl.data.sources import build_datasets
+from megatron_rl.observability.run_log import prepare_run_dir
+from megatron_rl.run_config import RunConfig, load_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML recipe, e.g. examples/configs/quickstart.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 run_dir=runs/x")
     parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the recipe, its data files and the run directory, then exit (no model is "
+                             "loaded, nothing is written); prints one JSON line")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over in a run directory that holds a previous run, moving its files to "
+                             "RUN_DIR/previous_runs/<time>/ (nothing is deleted)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, args.overrides)
-    summary = train(config, resume=args.resume)  # every rank of a torchrun / srun launch runs it
+    if args.check:
+        return check(config, resume=args.resume, fresh=args.fresh)
+    summary = train(config, resume=args.resume, fresh=args.fresh)  # every rank of a torchrun / srun launch runs it
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"accuracy_before": summary.accuracy_before, "accuracy_after": summary.accuracy_after,
                           "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
+    return 0
+
+
+def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
+    """What `train` refuses before its slow set-up, without its side effects: the config, every data
+    row, and the run directory (previous run, checkpoint to resume)."""
+    train_set, heldout = build_datasets(config.data)
+    manager = CheckpointManager(config.run_dir, config.checkpoint)
+    resume = resume or (not fresh and manager.resumable())  # as train: a relaunch resumes
+    latest = manager.latest() if resume else None
+    if not fresh:  # --fresh would move the previous run aside: nothing to refuse
+        prepare_run_dir(config.run_dir, resume=resume, fresh=False, checkpoint=latest)
+    print(json.dumps({"check": "ok", "train_prompts": len(train_set), "heldout_prompts": len(heldout),
+                      "train_stats": train_set.stats, "resume_from": latest, "run_dir": config.run_dir}))
     return 0

@@ -30,10 +30,11 @@ from megatron_rl.controller.curriculum import load_executors, save_executors
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.controller.recipe import PolicyExecutor, RunParts, build_run_parts
 from megatron_rl.controller.run_state import RunState, RunSummary
+from megatron_rl.controller.stop import StopRequest
 from megatron_rl.data.sources import PromptStream
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.observability.metrics import write_plots
-from megatron_rl.observability.run_log import RunLog, write_config
+from megatron_rl.observability.metrics import Progress, status, write_plots
+from megatron_rl.observability.run_log import RunDirLock, RunLog, prepare_run_dir, write_config
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.placement.generator_ranks import (
     current_launch,
@@ -41,6 +42,7 @@ from megatron_rl.placement.generator_ranks import (
     serve_generator_rank,
     trainer_world_size,
 )
+from megatron_rl.placement.generator_process import name_semaphores_by_owner
 from megatron_rl.placement.generators import engine_context
 
 if TYPE_CHECKING:
@@ -74,6 +76,7 @@ def build_controller(config: RunConfig, *, prepare_selection: bool = True) -> "C
     model = load_pretrained(config.model.path, lazy=True)
     if model.tokenizer is None:
         raise ConfigError(f"{config.model.path}: the model has no tokenizer (tokenizer.json) to render prompts")
+    model.tokenizer.use_template(config.model.chat_template, config.model.chat_template_kwargs)
     return Controller(config, build_run_parts(config, model), prepare_selection=prepare_selection)
 
 
@@ -150,7 +153,9 @@ class Controller:
                     p.engine.pause()
                 p.weights.push(p.version)
                 if pause:
-                    p.engine.flush_cache()
+                    if not p.engine.flush_cache():
+                        print(f"weight sync {p.version}: the engine refused to flush its prefix cache; cached "
+                              "prefixes keep keys and values of the previous weights", file=sys.stderr)
                     p.engine.resume()
         return time.perf_counter() - start
 
@@ -215,6 +220,8 @@ class Controller:
                         "perf/weight_sync_time": sync_time, "perf/step_time": elapsed,
                         "perf/tokens_per_s": response_tokens / max(elapsed, 1e-9),
                         "train/version": float(self.version)})
+        if hasattr(self.engine, "restarts"):  # a generator process that died and was restarted (logged there)
+            metrics["rollout/generator_restarts"] = float(self.engine.restarts)
         metrics.update(self.selection_metrics)  # the curriculum's one-off preparation, logged with step 1
         self.selection_metrics = {}
         return metrics
@@ -309,8 +316,13 @@ class Controller:
         return int(manager.load(path, policy.trainer)["version"])
 
 
-def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
+def train(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> RunSummary | None:
     """Run (or resume) training as `config` says; write metrics, plots, checkpoints and summary.json.
+
+    The driver holds the run directory's lock for the whole run. A previous run's files are never
+    lost: a fresh start in a directory holding them is refused unless `fresh` (which moves them to
+    RUN_DIR/previous_runs/<time>/), and `resume` without a checkpoint is refused where it would cut
+    the metrics and ledger back to step 0 (observability/run_log.py: prepare_run_dir).
 
     Launched directly it is a world of one; under torchrun / srun every trainer rank calls it, and
     the driver (rank 0) alone writes the run directory's logs, ledger and summary (checkpoints are
@@ -325,25 +337,52 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
     if join_launch(config.trainer.parallel, generator_ranks).role == "generator":
         serve_generator_rank(config, current_launch())
         return None
+    name_semaphores_by_owner()  # and reclaim the shared memory of dead runs, before this run adds its own
+    lock = _on_driver(lambda: RunDirLock(config.run_dir))
+    try:
+        return _train(config, resume=resume, fresh=fresh, started=started)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> RunSummary:
     driver = ranks.is_driver()
+    checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
+    if not resume and not fresh and ranks.broadcast_records(_on_driver(checkpoints.resumable)):
+        # A relaunch (a requeued job, a crashed run started again) continues where the run stopped.
+        resume = True
+        if driver:
+            status(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
+    latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
+    _on_driver(lambda: prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest))
     os.makedirs(config.run_dir, exist_ok=True)
     if driver:
         write_config(config)
-    checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
-    latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
+    if driver:
+        status(f"loading {config.model.path} and building the run's executors")
+    tick = time.perf_counter()
     controller = build_controller(config, prepare_selection=latest is None)
+    if driver:
+        status(f"ready in {time.perf_counter() - tick:.1f}s")
     state, start_step, step_metrics = RunState(), 0, None
     if latest is not None:
         start_step, state, step_metrics = controller.restore(checkpoints, latest)
         if driver:
-            print(f"resumed from {latest} at step {start_step} (version {controller.version})")
+            status(f"resumed from {latest} at step {start_step} (version {controller.version})")
     elif resume and driver:
-        print(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
+        status(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
     log = RunLog(config, start_step, resume=resume, step_metrics=step_metrics) if driver else None
+    if driver:
+        log.metrics.progress = Progress(config.steps, start_step)
     evaluation = controller.evaluation
     metrics: dict[str, float] = {}
+    stop = StopRequest(config.run_dir)
+    stopped_at: int | None = None
     try:
         if evaluation.before_training(start_step):
+            if driver:
+                status(f"evaluating on {len(controller.heldout)} held-out prompts")
             before = controller.evaluate()
             if driver:
                 state.accuracy_before, state.eval_before = before["eval/accuracy"], before
@@ -368,29 +407,58 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary | None:
                     f"learning rate or check the loss; resume from {checkpoints.root}")
             if evaluation.due(done, config.steps):
                 metrics.update(controller.evaluate())
-            if checkpoints.due(done, config.steps):
-                _checkpoint(controller, checkpoints, done, config.steps, state, metrics,
+            stopping = done < config.steps and stop.agreed()
+            if checkpoints.due(done, config.steps) or stopping:
+                _checkpoint(controller, checkpoints, done, done if stopping else config.steps, state, metrics,
                             elapsed=time.perf_counter() - started)
             if driver:
                 log.log(done, metrics)
-        after = controller.evaluate() if evaluation.after_training else {}
-        if evaluation.after_training and driver:
+            if stopping:
+                stopped_at = done
+                if driver:
+                    status(f"stopping at step {done} of {config.steps} ({stop.reason() or 'another rank was asked'}): "
+                           f"checkpoint written; launch the same command again to resume")
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(stop.path)  # the request is served: the relaunch must not stop at once
+                break
+        run_after = evaluation.after_training and stopped_at is None
+        if run_after and driver:
+            status(f"evaluating on {len(controller.heldout)} held-out prompts")
+        after = controller.evaluate() if run_after else {}
+        if run_after and driver:
             log.log(config.steps, after)
             print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
                   + (f" (before: {state.accuracy_before:.3f})" if state.accuracy_before is not None else ""))
     finally:
+        stop.close()
+        wandb_dir = log.metrics.wandb_dir if driver else None
         if driver:
             log.close()
         controller.close()
     summary = RunSummary.of_run(state, wall_time_s=state.wall_time_s + time.perf_counter() - started,
-                                steps=config.steps, heldout_size=len(controller.heldout), final_metrics=metrics,
-                                after=after or {"eval/accuracy": None})
+                                steps=stopped_at or config.steps, heldout_size=len(controller.heldout),
+                                final_metrics=metrics, after=after or {"eval/accuracy": None})
     if driver:
-        if config.logging.plots:
-            write_plots(config.run_dir)
+        plots = write_plots(config.run_dir) if config.logging.plots else []
         with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(summary), f, indent=2)
+        _say_where_outputs_are(config, checkpoints, plots, wandb_dir)
     return summary
+
+
+def _say_where_outputs_are(config: RunConfig, checkpoints: CheckpointManager, plots: list[str],
+                           wandb_dir: str | None) -> None:
+    run_dir = config.run_dir
+    latest = checkpoints.complete_checkpoints()
+    lines = [f"outputs in {run_dir}:",
+             f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')} (and summary.json, prompts.jsonl)",
+             f"  checkpoints  {checkpoints.root}" + (f" (latest: {latest[-1]})" if latest else " (none written)"),
+             f"  timeline     {os.path.join(run_dir, 'timeline_rank0.json')} (ui.perfetto.dev)"]
+    if plots:
+        lines.append(f"  plots        {', '.join(plots)}")
+    if wandb_dir:
+        lines.append(f"  W&B          {wandb_dir}")
+    status("\n".join(lines))
 
 
 def _checkpoint(controller: Controller, checkpoints: CheckpointManager, step: int, last_step: int,
@@ -409,7 +477,28 @@ def _checkpoint(controller: Controller, checkpoints: CheckpointManager, step: in
         metrics["perf/checkpoint_failed"] = 1.0
         print(f"step {step}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
               f"checkpoint remains the latest, training continues", file=sys.stderr)
+    else:
+        if ranks.is_driver():
+            status(f"checkpoint of step {step} written to {checkpoints.root} in {time.perf_counter() - tick:.1f}s")
     metrics["perf/checkpoint_time"] = time.perf_counter() - tick
+
+
+def _on_driver(work):
+    """`work()` on the driver (its value there, None elsewhere). If it fails, every rank raises (the
+    driver its own error, the others a ConfigError with its message), so no rank waits in a collective
+    for a driver that gave up."""
+    value, error = None, None
+    if ranks.is_driver():
+        try:
+            value = work()
+        except Exception as exc:
+            error = exc
+    message = ranks.broadcast_records(None if error is None else f"on the driver: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ConfigError(message)
+    return value
 
 
 def _latest_checkpoint(checkpoints: CheckpointManager) -> str | None:

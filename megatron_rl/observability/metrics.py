@@ -11,6 +11,7 @@ import json
 import math
 import os
 import secrets
+import time
 from typing import Any, Literal
 
 from megatron_rl.config import require
@@ -53,6 +54,7 @@ class MetricsLogger:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
         self._wandb = None
+        self.progress: Progress | None = None
         mode = _wandb_mode(config.wandb)
         if mode != "disabled":
             try:
@@ -79,9 +81,11 @@ class MetricsLogger:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if self.progress is not None:
+            self.progress.update(step)
         every = self.config.console_every
         if every and step % every == 0:
-            print(console_line(step, metrics), flush=True)
+            print(console_line(step, metrics, self.progress), flush=True)
 
     def close(self) -> None:
         self._file.close()
@@ -108,8 +112,46 @@ def wandb_run_id(run_dir: str, resume: bool) -> str:
     return run_id
 
 
-def console_line(step: int, m: dict[str, float]) -> str:
-    parts = [f"step {step}"]
+def status(message: str) -> None:
+    """A progress line of the run (loading, evaluating, checkpointing, where outputs are), time-stamped
+    in UTC like the step lines."""
+    print(f"{time.strftime('%H:%M:%S', time.gmtime())} {message}", flush=True)
+
+
+class Progress:
+    """Steps done out of the run's total and the time left at the pace of this process's steps (the
+    steps a resumed run inherited do not count toward the pace)."""
+
+    def __init__(self, total_steps: int, start_step: int):
+        self.total = total_steps
+        self.start_step = start_step
+        self.started = time.monotonic()
+        self.done = start_step
+
+    def update(self, step: int) -> None:
+        self.done = max(self.done, step)
+
+    def eta_s(self) -> float | None:
+        ran = self.done - self.start_step
+        if ran <= 0:
+            return None
+        return (time.monotonic() - self.started) / ran * (self.total - self.done)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def console_line(step: int, m: dict[str, float], progress: Progress | None = None) -> str:
+    """One step's line: UTC time, step N/total, ETA, then the headline metrics."""
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    if progress is None:
+        parts = [f"{stamp} step {step}"]
+    else:
+        eta = progress.eta_s()
+        parts = [f"{stamp} step {step}/{progress.total}" + ("" if eta is None else f" (ETA {_duration(eta)})")]
     for key, label, fmt in [("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/accuracy", "acc", "{:.2f}"),
                             ("eval/accuracy", "eval", "{:.2f}"), ("train/pg_loss", "pg", "{:+.4f}"),
                             ("train/logprob_mismatch", "mismatch", "{:.1e}"), ("rollout/staleness_mean", "stale", "{:.1f}"),

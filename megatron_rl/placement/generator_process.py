@@ -20,8 +20,11 @@ no prompt is lost.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing.process
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -44,7 +47,7 @@ from megatron_rl.rollout.engine import (
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.weights import weight_arena_layout
 from megatron_rl.types import Completion
-from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor
+from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor, reclaim_stale
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:
@@ -60,6 +63,10 @@ class WeightMismatchError(RuntimeError):
 def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active: int, version: int,
             config: NativeEngineConfig, tokenizer, requests: mp.Queue, results: mp.Queue, threads: int,
             core_share=None) -> None:
+    # Ctrl-C reaches the whole process group: the controller stops this process (and frees its shared
+    # memory) on its way out; a KeyboardInterrupt here would only print a second traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    multiprocessing.process.current_process()._config["semprefix"] = f"/mp-megatron_rl-{os.getpid()}"
     torch.set_num_threads(threads)
     _exit_with_parent(arenas)
 
@@ -82,6 +89,15 @@ def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active
     # Skip interpreter finalization: torch's C++ destructors abort ("terminate called without an active
     # exception") on the thread pools the engine's steps left behind.
     os._exit(0)
+
+
+def name_semaphores_by_owner() -> None:
+    """Name this process's multiprocessing semaphores (queue locks, tqdm's lock: /dev/shm/sem.mp-...)
+    for its pid, and reclaim those of dead runs (weight_sync.shared_memory.reclaim_stale): when a whole
+    process group is SIGKILLed, multiprocessing's resource tracker dies with it and nobody unlinks them.
+    multiprocessing takes the prefix from the process's private `_config` (there is no public setting)."""
+    multiprocessing.process.current_process()._config["semprefix"] = f"/mp-megatron_rl-{os.getpid()}"
+    reclaim_stale()
 
 
 def _exit_with_parent(arenas: tuple[SharedBucketsDescriptor, ...]) -> None:
@@ -319,15 +335,22 @@ class GeneratorProcess(RemoteEngine):
         self.verify_weights = verify_weights
         self.start_timeout = start_timeout
         self._ctx = mp.get_context("spawn")
+        name_semaphores_by_owner()
         layout = weight_arena_layout(arch, torch.bfloat16 if self.config.dtype == "bf16" else torch.float32)
-        self._arenas = [SharedBuckets.create(layouts=[layout]) for _ in range(2)]
-        self._active = 0  # the arena the engine computes from; the other one receives the next version
-        self._views = [arena.views() for arena in self._arenas]
-        self._stage(state)
-        self._active = 1
-        super().__init__()
-        self.restarts = 0
-        self._start()
+        self._arenas = []
+        try:
+            self._arenas = [SharedBuckets.create(layouts=[layout]) for _ in range(2)]
+            self._active = 0  # the arena the engine computes from; the other one receives the next version
+            self._views = [arena.views() for arena in self._arenas]
+            self._stage(state)
+            self._active = 1
+            super().__init__()
+            self.restarts = 0
+            self._start()
+        except BaseException:
+            for arena in self._arenas:
+                arena.unlink()
+            raise
         self._start_receiver()
 
     # --- process management ---------------------------------------------------------------------
@@ -357,6 +380,8 @@ class GeneratorProcess(RemoteEngine):
     def _restart(self) -> None:
         """Replace a dead generator and resubmit every unfinished request."""
         self.restarts += 1
+        print(f"generator process {getattr(self, 'pid', '?')} died (exit code {self._process.exitcode}); "
+              f"restarting it from the latest weights (restart {self.restarts})", file=sys.stderr)
         try:
             self._process.join(timeout=1.0)
         except Exception:

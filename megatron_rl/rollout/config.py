@@ -9,6 +9,9 @@ from typing import Literal
 from megatron_rl.config import require
 
 
+MAX_TEMPERATURE = 100.0
+
+
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
     """Sampling for training: prompts per step, samples per prompt, the sampling distribution, staleness."""
@@ -74,8 +77,10 @@ class RolloutConfig:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        require(self.temperature >= 0, "temperature", "must be >= 0")
-        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        # Above 100 the distribution is uniform to float precision: a typo, not a setting.
+        require(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+                f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {self.temperature!r}")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.generator_threads >= 1, "generator_threads", "must be >= 1")
         require(self.trainer_threads >= 1, "trainer_threads", "must be >= 1")

@@ -85,10 +85,13 @@ class TrainerConfig:
     counted as train/nonfinite); the run stops with an error after this many such steps in a row."""
 
     def __post_init__(self) -> None:
-        require(self.lr >= 0, "lr", "must be >= 0")
-        require(0 <= self.min_lr <= max(self.lr, self.min_lr), "min_lr", "must be in [0, lr]")
+        # Adam's step is about lr per weight: above 1 every weight is rewritten each step.
+        require(0 <= self.lr <= 1, "lr", f"must be a finite number in [0, 1], got {self.lr!r}")
+        require(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr!r}], got {self.min_lr!r}")
+        require(0 <= self.weight_decay <= 1, "weight_decay", f"must be in [0, 1], got {self.weight_decay!r}")
+        require(0 < self.adam_eps < 1, "adam_eps", f"must be in (0, 1), got {self.adam_eps!r}")
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        require(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables clipping)")
+        require(0 <= self.clip_grad < float("inf"), "clip_grad", "must be a finite number >= 0 (0 disables clipping)")
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.vocab_divisible_by >= 1, "vocab_divisible_by", "must be >= 1")
@@ -139,6 +142,6 @@ class ValueModelConfig:
     def __post_init__(self) -> None:
         require(bool(self.init_from.strip()), "init_from", "must be 'policy' or a model path")
         require(self.num_layers >= 0, "num_layers", "must be >= 0 (0: all layers)")
-        require(self.head_lr >= 0, "head_lr", "must be >= 0")
+        require(0 <= self.head_lr <= 1, "head_lr", f"must be a finite number in [0, 1], got {self.head_lr!r}")
         require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         require(self.replay_prompts >= 0, "replay_prompts", "must be >= 0 (0: no replay)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import sys
 import uuid
 from typing import Iterable, Mapping
 
@@ -24,6 +26,53 @@ from megatron_rl.weight_sync.reshard import (
 )
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# Every file this module creates is named for its owner's pid, so that a later run can tell the files of
+# a dead run (SIGKILLed with its whole process group: nobody left to unlink them) from a live one's.
+_WEIGHTS_PREFIX = "megatron_rl_weights_"
+_OWNED_NAME = re.compile(r"^(?:megatron_rl_weights_|sem\.mp-megatron_rl-)(\d+)[_-]")
+
+
+def shm_directory() -> str:
+    return _SHM_DIR or os.path.join(os.path.expanduser("~"), ".cache", "megatron_rl_shm")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def reclaim_stale(directory: str | None = None) -> list[str]:
+    """Remove the shared weight files and semaphores (`sem.mp-megatron_rl-PID-*`, see
+    placement/generator_process.py) whose owner pid is no longer alive; one line on stderr says what
+    was freed. Returns the removed paths."""
+    directory = directory or shm_directory()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed, freed, owners = [], 0, set()
+    for name in names:
+        match = _OWNED_NAME.match(name)
+        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+            os.unlink(path)
+        except OSError:
+            continue  # another process reclaimed it first
+        removed.append(path)
+        freed += size
+        owners.add(int(match.group(1)))
+    if removed:
+        print(f"reclaimed {len(removed)} shared-memory files ({freed / 2**20:.1f} MiB) in {directory} left by "
+              f"dead runs (pids {', '.join(map(str, sorted(owners)))})", file=sys.stderr)
+    return removed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +96,13 @@ class SharedBuckets:
                layouts: Iterable[BucketLayout] | None = None, directory: str | None = None) -> "SharedBuckets":
         """Buckets planned from `specs` (name, shape, dtype), or laid out exactly as `layouts` say."""
         layouts = tuple(layouts) if layouts is not None else tuple(plan_buckets(list(specs), bucket_bytes))
-        directory = directory or _SHM_DIR or os.path.join(os.path.expanduser("~"), ".cache", "megatron_rl_shm")
+        directory = directory or shm_directory()
         os.makedirs(directory, exist_ok=True)
+        reclaim_stale(directory)
         token = uuid.uuid4().hex[:12]
         paths = []
         for index, layout in enumerate(layouts):
-            path = os.path.join(directory, f"megatron_rl_weights_{os.getpid()}_{token}_{index}")
+            path = os.path.join(directory, f"{_WEIGHTS_PREFIX}{os.getpid()}_{token}_{index}")
             with open(path, "wb") as f:
                 f.truncate(layout.nbytes)
             paths.append(path)
