@@ -28,6 +28,13 @@ setup(
         "gguf>=0.10",
         "tokenizers>=0.19",
         "safetensors>=0.4",
+        # `convert --to hf` shards safetensors as save_pretrained does (split_torch_state_dict_into_shards)
+        "huggingface_hub>=0.23",
+        # Tokenization and chat templates go through transformers (AutoTokenizer, apply_chat_template), as
+        # in vLLM and SGLang. 4.52: the first to read named templates from additional_chat_templates/ (as
+        # save_pretrained writes them today); checked with 4.51.3 (misses them) and 4.52.4.
+        "transformers>=4.52",
+        # transformers renders chat templates with jinja2 but lists it only as an extra.
         "jinja2>=3.1",
         "pyyaml>=6",
         "wandb>=0.17",
@@ -35,15 +42,27 @@ setup(
         "matplotlib>=3.7",
         "sympy>=1.12",
         "math-verify>=0.7",
+        # `megatron-rl serve`: the SGLang-native and OpenAI-compatible HTTP API (rollout/server.py).
+        "fastapi>=0.110,<1",
+        "uvicorn>=0.29,<1",
         # reasoning-gym (task generators + scorers) is installed with --no-deps by scripts/setup_cpu.sh:
         # its declared dependencies are puzzle libraries the tasks we use never import.
     ],
     extras_require={
         # Never list "apex": the PyPI package of that name is an unrelated web toolkit.
-        "gpu": ["transformer-engine[pytorch]", "sglang", "triton"],
+        # Pinned to resolve together (docs/gpu.md): sglang 0.5.23 pins torch 2.14.1 (and transformers 5.19.0,
+        # tokenizers 0.23.2) and its CUDA 13 kernels; torch 2.14.1 pins triton ~3.8.0; Transformer Engine
+        # builds its torch extension against the installed torch, with its CUDA 13 core.
+        "gpu": ["sglang==0.5.23", "torch==2.14.1", "triton~=3.8.0", "transformer-engine[pytorch,core-cu13]==2.20.2"],
         # triton in dev: its kernels are tested on CPU through the interpreter (TRITON_INTERPRET=1).
-        "dev": ["pytest>=8", "import-linter>=2.1", "transformers>=4.45", "accelerate>=0.30", "pyarrow>=14",
-                "triton>=3.0; platform_system == 'Linux'"],
+        "dev": ["pytest>=8", "import-linter>=2.1", "accelerate>=0.30", "pyarrow>=14",
+                "triton>=3.0; platform_system == 'Linux'",
+                # the official OpenAI client (and its HTTP library) against `megatron-rl serve`
+                "openai>=1.40,<4", "httpx>=0.27",
+                # lm-eval's local-completions / local-chat-completions / sglang-generate against the server
+                "lm-eval[api]>=0.4.13,<0.5",
+                # property-based fuzzing of configs and data through the CLI (tests/test_fuzz_inputs.py)
+                "hypothesis>=6.100"],
         "parquet": ["pyarrow>=14"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
