@@ -92,9 +92,21 @@ def _last_step(run_dir) -> int:
 
 def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupted_run(tmp_path, tiny_chat_model):
     """An asynchronous, disaggregated, deterministic run is SIGKILLed at random points (mid-step,
-    mid-checkpoint, mid-start-up) and resumed each time; its prompt ledger lists every prompt of the
-    stream exactly once in order, and its final weights equal an uninterrupted run's bit for bit."""
-    steps = 10
+    mid-checkpoint, mid-start-up) and launched again each time with the same command (no flag: a
+    relaunch resumes); its prompt ledger lists every prompt of the stream exactly once in order, and its
+    final weights equal an uninterrupted run's bit for bit."""
+    _kill_and_relaunch(tmp_path, tiny_chat_model, advances=[2, 0, 3, 2], seed=20261130)
+
+
+@pytest.mark.slow
+def test_twelve_sigkills_then_a_plain_relaunch_match_the_uninterrupted_run(tmp_path, tiny_chat_model):
+    """Twelve kills, the first during start-up before any checkpoint exists (the relaunch moves that
+    attempt's records aside and starts over), several right after a resume or mid-checkpoint."""
+    _kill_and_relaunch(tmp_path, tiny_chat_model, advances=[0, 1, 0, 2, 1, 1, 0, 2, 1, 1, 0, 1], seed=20261201,
+                       steps=14, min_kills=10)
+
+
+def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, min_kills=3):
     extra = [f"steps={steps}", "rollout.max_staleness=2", "rollout.placement=disaggregated",
              "rollout.deterministic=true", "checkpoint.keep_last=2"]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
@@ -102,7 +114,7 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
 
     def launch(run_dir, log):
         return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", QUICKSTART,
-                                 *_overrides(tiny_chat_model, run_dir, *extra), "--resume"],
+                                 *_overrides(tiny_chat_model, run_dir, *extra)],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     straight = str(tmp_path / "straight")
@@ -110,10 +122,10 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
         assert launch(straight, log).wait(timeout=300) == 0, open(tmp_path / "straight.log").read()[-3000:]
 
     run_dir = str(tmp_path / "killed")
-    rng = random.Random(20261130)
+    rng = random.Random(seed)
     kills = []
     # Steps to let pass before each kill; 0 kills during start-up or right after a resume.
-    for attempt, advance in enumerate([2, 0, 3, 2]):
+    for attempt, advance in enumerate(advances):
         with open(tmp_path / f"attempt{attempt}.log", "w") as log:
             proc = launch(run_dir, log)
             target = min(_last_step(run_dir) + advance, steps - 1)
@@ -133,7 +145,7 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
                 time.sleep(0.1)
             assert not any(_alive(pid) for pid in generators), "orphaned generator process"
     print(f"SIGKILLed after steps {kills}")
-    assert len(kills) >= 3, kills
+    assert len(kills) >= min_kills, kills
     with open(tmp_path / "final.log", "w") as log:
         assert launch(run_dir, log).wait(timeout=300) == 0, open(tmp_path / "final.log").read()[-3000:]
     resumed = sum("resumed from" in open(tmp_path / f"attempt{i}.log").read() for i in range(1, len(kills)))

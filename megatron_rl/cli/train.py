@@ -12,6 +12,7 @@ import json
 import os
 
 from megatron_rl.checkpoint.manager import CheckpointManager
+from megatron_rl.config import to_dict
 from megatron_rl.controller.loop import train
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
@@ -49,7 +50,8 @@ def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
     resume = resume or (not fresh and manager.resumable())  # as train: a relaunch resumes
     latest = manager.latest() if resume else None
     if not fresh:  # --fresh would move the previous run aside: nothing to refuse
-        prepare_run_dir(config.run_dir, resume=resume, fresh=False, checkpoint=latest)
+        prepare_run_dir(config.run_dir, resume=resume, fresh=False, checkpoint=latest, config=to_dict(config),
+                        move=False)
     print(json.dumps({"check": "ok", "train_prompts": len(train_set), "heldout_prompts": len(heldout),
                       "train_stats": train_set.stats, "resume_from": latest, "run_dir": config.run_dir}))
     return 0

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from megatron_rl import ranks
 from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.curriculum import load_executors, save_executors
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.controller.recipe import PolicyExecutor, RunParts, build_run_parts
@@ -355,7 +355,8 @@ def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> R
         if driver:
             status(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
     latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
-    _on_driver(lambda: prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest))
+    _on_driver(lambda: prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest,
+                                       config=to_dict(config)))
     os.makedirs(config.run_dir, exist_ok=True)
     if driver:
         write_config(config)

@@ -96,10 +96,13 @@ def steps_after(run_dir: str, step: int) -> list[str]:
     return found
 
 
-def prepare_run_dir(run_dir: str, *, resume: bool, fresh: bool, checkpoint: str | None) -> None:
+def prepare_run_dir(run_dir: str, *, resume: bool, fresh: bool, checkpoint: str | None,
+                    config: dict[str, Any] | None = None, move: bool = True) -> None:
     """Refuse what would lose a previous run's files; `fresh` moves them aside first.
 
-    - a fresh start (neither flag) in a directory holding a previous run's results: refused;
+    - a fresh start (neither flag) in a directory holding a previous run's results: refused, unless they
+      are this very run's (its config.json equals `config`) from an attempt that died before its first
+      checkpoint: a relaunch (a requeued job) then moves them aside and starts over;
     - `resume` without a checkpoint while the step records have steps to cut: refused;
     - `fresh`: everything but the lock and earlier moved runs goes to RUN_DIR/previous_runs/<UTC time>/."""
     if resume and fresh:
@@ -116,9 +119,23 @@ def prepare_run_dir(run_dir: str, *, resume: bool, fresh: bool, checkpoint: str 
                               "instead to move that run aside and start over")
         return
     found = previous_results(run_dir)
+    if found and checkpoint is None and config is not None and _same_config(run_dir, config):
+        if move:
+            print(f"{run_dir}: an earlier attempt of this run stopped before its first checkpoint; starting over",
+                  file=sys.stderr)
+            _move_aside(run_dir)
+        return
     if found:
         raise ConfigError(f"run_dir {run_dir} holds a previous run ({', '.join(found)}); add --resume to continue "
                           f"it, or --fresh to move it into {os.path.join(run_dir, PREVIOUS_RUNS)}/ and start over")
+
+
+def _same_config(run_dir: str, config: dict[str, Any]) -> bool:
+    try:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f) == json.loads(json.dumps(config))
+    except (OSError, ValueError):
+        return False
 
 
 def _move_aside(run_dir: str) -> None:
