@@ -62,7 +62,12 @@ def test_generate_sglang_shape(server):
     ({"input_ids": list(range(64))}, "prompt_ids.*context"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [None]}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
+    ({"input_ids": [1, 2], "sampling_params": {"spaces_between_special_tokens": False}}, "spaces_between"),
+    ({"input_ids": [1, 2], "logprob_start_len": 5}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "lora_path": "x"}, "lora_path"),
     ({"input_ids": [1, 2], "sampling_params": {"frobnicate": 1}}, "frobnicate"),
     ({"input_ids": [[1, 2], []]}, "prompt_ids.*empty"),
     ({"input_ids": "1 2 3"}, "input_ids"),
@@ -108,6 +113,20 @@ def test_weight_updates_over_http(server, tiny_arch):
     assert call(server.url, "/get_model_info")[1]["weight_version"] == 5
     assert call(server.url, "/update_weight_version", {"new_version": "7"})[1]["new_version"] == 7
     assert call(server.url, "/flush_cache", method="POST")[0] == 200
+
+
+def test_non_finite_weight_updates_are_refused(server, tiny_arch):
+    body = {"input_ids": prompt(5, 6), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    before = call(server.url, "/generate", body)[1]
+    version = call(server.url, "/get_model_info")[1]["weight_version"]
+    state = tiny_state(tiny_arch, seed=0)
+    state["model.norm.weight"][3] = float("nan")
+    state["lm_head.weight"][0, 0] = float("inf")
+    status, out = call(server.url, "/update_weights_from_tensor?weight_version=99", raw=save_safetensors(state),
+                       ctype="application/octet-stream")
+    assert status == 400 and "non-finite" in out["error"]["message"]
+    assert call(server.url, "/get_model_info")[1]["weight_version"] == version
+    assert call(server.url, "/generate", body)[1]["output_ids"] == before["output_ids"]
 
 
 def test_api_key(tiny_arch):

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_rl.cli.config", "print a recipe with overrides applied, or describe every field"),
     "generate": ("megatron_rl.cli.generate", "complete chat prompts with the native rollout engine"),
     "chat": ("megatron_rl.cli.chat", "chat with a model, optionally with a WaltzRL feedback agent in the loop"),
-    "serve": ("megatron_rl.cli.serve", "serve the native engine over an SGLang-compatible HTTP API"),
+    "serve": ("megatron_rl.cli.serve", "serve the native engine over OpenAI-compatible /v1 and SGLang-native HTTP APIs"),
     "train": ("megatron_rl.cli.train", "run RL training from a YAML recipe (add --resume to continue)"),
     "plan": ("megatron_rl.cli.plan", "validate a cluster layout; per-GPU memory and predicted step time (no GPU)"),
     "parity": ("megatron_rl.cli.parity", "trainer / converter / engine vs transformers for every model family"),

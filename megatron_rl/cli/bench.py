@@ -20,6 +20,7 @@ from megatron_rl.config import ConfigError
 BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench_train_step:bench_trainer",
     "rollout": "megatron_rl.rollout.bench_generate:bench_rollout",
+    "serve": "megatron_rl.rollout.bench_serve:bench_serve",
     "logprob": "megatron_rl.kernels.bench_logprob:bench_logprob",
     "async": "megatron_rl.controller.bench_async:bench_async",
     "sync": "megatron_rl.placement.bench_weight_sync:bench_sync",
