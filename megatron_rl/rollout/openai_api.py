@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -25,6 +25,7 @@ from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.serving import (
     SSE_DONE,
     APIError,
+    ServedModel,
     TextStream,
     bad_request,
     checked_bool,
@@ -38,9 +39,6 @@ from megatron_rl.rollout.serving import (
     version_spans,
 )
 from megatron_rl.types import Completion
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.server import RolloutServer
 
 # Fields accepted with their neutral value only (anything else is refused, never ignored).
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None, "best_of": 1,
@@ -63,7 +61,7 @@ class _Choices:
         self.created = int(time.time())
 
 
-def add_openai_routes(app: FastAPI, server: RolloutServer) -> None:
+def add_openai_routes(app: FastAPI, server: ServedModel) -> None:
     api = _OpenAI(server)
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
@@ -71,7 +69,7 @@ def add_openai_routes(app: FastAPI, server: RolloutServer) -> None:
 
 
 class _OpenAI:
-    def __init__(self, server: RolloutServer):
+    def __init__(self, server: ServedModel):
         self.server = server
         self.bridge = server.bridge
         self.limits = server.limits

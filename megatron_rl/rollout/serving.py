@@ -14,7 +14,7 @@ import json
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from starlette.requests import Request
@@ -148,6 +148,19 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise APIError(400, f"tensor {name!r} holds non-finite values (NaN or inf); update refused",
                            param=name)
+
+
+class ServedModel(Protocol):
+    """What the API routes read from the server that mounts them (RolloutServer): the engine, its
+    tokenizer, the model's names, the request bounds and the engine bridge."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    model_path: str | None
+    started_at: int
+    limits: ServerLimits
+    bridge: "EngineBridge"
 
 
 class ClientGone(Exception):
