@@ -304,12 +304,12 @@ def _value_checkpoint(run_dir, step):
     path = os.path.join(run_dir, "value", "checkpoints", f"step_{step:08d}")
     weights = load_file(os.path.join(path, "model", "mp_rank_00_000", "model.safetensors"))
     optimizer = torch.load(os.path.join(path, "optimizer", "rank_00000.pt"), weights_only=True)
+    optimizer["moments"] = load_file(os.path.join(path, "optimizer_state", "mp_rank_00_000", "optimizer.safetensors"))
     return weights, optimizer
 
 
 def _adam_moments(optimizer_record):
-    return [t for state in optimizer_record["optimizer"]["state"].values() for t in state.values()
-            if torch.is_tensor(t) and t.dim()]
+    return [t for _, t in sorted(optimizer_record["moments"].items())]
 
 
 def test_resumed_pcl_run_restores_the_value_model_and_its_optimizer(tmp_path, tiny_chat_model):

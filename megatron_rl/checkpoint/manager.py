@@ -3,9 +3,12 @@ cursor, the rollout buffer, the step and weight version, and the controller's ow
 
 Layout of one checkpoint (`run_dir/checkpoints/step_00000010/`):
     model/                                        a Megatron checkpoint directory (`megatron-rl convert`
-                                                  and `model.path` read it): one shard per trainer rank
-    optimizer/rank_{global:05d}.pt                optimizer + LR scheduler state (tensors and plain data;
-                                                  with the distributed optimizer, this rank's shard)
+                                                  and `model.path` read it): one shard per TP x PP rank
+    optimizer_state/mp_rank_TT_PPP/optimizer.safetensors
+                                                  Adam's moments (and fp32 master weights of a bf16
+                                                  model) in the shapes and names of that shard's weights,
+                                                  whole over data-parallel ranks (checkpoint/reshard.py)
+    optimizer/rank_{global:05d}.pt                LR scheduler state and step count
     rng/rank_{global:05d}.pt                      torch (and CUDA tracker) RNG states
     {name}.safetensors                            extra tensor records, e.g. rollouts.safetensors: the
                                                   rollout buffer (tokens, behaviour log-probs, per-token
@@ -25,6 +28,9 @@ unusable, loading fails with the list of problems rather than silently starting 
 Loading never unpickles objects: safetensors for tensors, `torch.load(..., weights_only=True)` for
 optimizer and RNG state (plain containers of tensors and numbers), JSON for the rest. A `.pt` file
 holding any other object is refused (reported as unusable, like a corrupt file).
+
+A checkpoint resumes at any TP x PP x DP layout: at its own, each rank reads its own files (bit-exact);
+at another, the weights and optimizer state are resharded (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -45,14 +51,31 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.checkpoint.config import CheckpointConfig
+from megatron_rl.checkpoint.reshard import (
+    OPTIMIZER_STATE,
+    apply_optimizer_state,
+    gather_optimizer_state,
+    optimizer_state_file,
+    prepare_optimizer_state,
+    reshard_file_kinds,
+)
 from megatron_rl.config import ConfigError
-from megatron_rl.models.pretrained import shard_file, write_megatron_meta
+from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_tensor_shapes
+from megatron_rl.models.pretrained import (
+    read_megatron_layout,
+    shard_file,
+    write_megatron_meta,
+)
 from megatron_rl.ranks import all_ranks_agree, barrier
 from megatron_rl.ranks import rank as global_rank
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
+FORMAT = 2
+"""2: layout-independent optimizer state beside the model shards (docs/checkpoints.md); 1: per-rank
+optimizer files, loadable only at the layout that wrote them."""
 _STEP_DIR = re.compile(r"^step_\d{8}$")
 
 
@@ -146,14 +169,25 @@ class CheckpointManager:
         return final
 
     def _write_rank_files(self, tmp: str, rank: int, trainer) -> None:
-        if trainer.pg.dp.rank() == 0:  # one data-parallel replica holds every shard once
-            shard = {k: v.detach().contiguous().cpu() for k, v in trainer.shard_state().items()}
-            model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
-            os.makedirs(os.path.dirname(model_file))
-            save_file(shard, model_file)
-        torch.save({**_optimizer_state(trainer), "scheduler": trainer.scheduler.state_dict(),
-                    "step_count": trainer.step_count}, os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
+        # The distributed optimizer's slices are gathered over data-parallel ranks first: a collective
+        # must not sit behind a write that can fail on one rank alone.
+        distributed = bool(getattr(trainer.config, "use_distributed_optimizer", False))
+        optimizer_state = gather_optimizer_state(trainer) if distributed else None
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+        torch.save({"format": FORMAT, "scheduler": trainer.scheduler.state_dict(), "step_count": trainer.step_count},
+                   os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
+        if trainer.pg.dp.rank() != 0:  # one data-parallel replica holds every shard once
+            return
+        shard = {k: v.detach().contiguous().cpu() for k, v in trainer.shard_state().items()}
+        model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
+        os.makedirs(os.path.dirname(model_file))
+        save_file(shard, model_file)
+        tensors, meta = optimizer_state if optimizer_state is not None else gather_optimizer_state(trainer)
+        state_file = optimizer_state_file(tmp, trainer.tp_rank, trainer.pp_rank)
+        os.makedirs(os.path.dirname(state_file))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, state_file, metadata={
+            "json": json.dumps({**meta, "format": FORMAT, "data_parallel": trainer.dp_size,
+                                "distributed_optimizer": distributed})})
 
     def _commit(self, tmp: str, final: str, step: int, trainer, state: dict[str, Any], tokenizer,
                 tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None) -> None:
@@ -274,6 +308,14 @@ class CheckpointManager:
                 if shard.startswith("mp_rank_"):
                     current = os.path.join("model", shard, "model.safetensors")
                     load_file(os.path.join(path, current))  # every tensor reads
+            if os.path.isdir(os.path.join(path, OPTIMIZER_STATE)):
+                saved = read_megatron_layout(os.path.join(path, "model"))
+                for p in range(saved.pp):
+                    for t in range(saved.tp):
+                        current = os.path.relpath(optimizer_state_file(path, t, p), path)
+                        with safe_open(os.path.join(path, current), framework="pt") as f:
+                            json.loads((f.metadata() or {})["json"])
+                        load_file(os.path.join(path, current))
             for sub in ("optimizer", "rng"):
                 for file in os.listdir(os.path.join(path, sub)):
                     current = os.path.join(sub, file)
@@ -287,20 +329,39 @@ class CheckpointManager:
         return None
 
     def load(self, path: str, trainer) -> dict[str, Any]:
-        """Restore trainer weights, optimizer, scheduler and RNG from `path`; return the saved state."""
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        model_file = shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank)
-        if not os.path.isfile(model_file):
-            raise CheckpointError(f"{path}: no model shard for tp={trainer.tp_rank} pp={trainer.pp_rank} "
-                                  "(was the checkpoint written with another parallel layout?)")
-        shard = load_file(model_file)
-        _check_same_model(path, shard, trainer.shard_state())
-        trainer.load_shard(shard)
-        opt = _safe_torch_load(os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
-        _load_optimizer_state(trainer, opt, os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"))
-        trainer.scheduler.load_state_dict(opt["scheduler"])
-        trainer.step_count = int(opt["step_count"])
-        _set_rng_state(_safe_torch_load(os.path.join(path, "rng", f"rank_{rank:05d}.pt")))
+        """Restore trainer weights, optimizer, scheduler and RNG from `path`; return the saved state.
+        A checkpoint of format 2 loads at any TP x PP x DP layout (its tensors are resharded when the
+        layout differs); an older one only at the layout it was written with."""
+        rank = global_rank()
+        if not os.path.isdir(os.path.join(path, OPTIMIZER_STATE)):
+            _load_legacy(path, trainer, rank)
+            same_layout = True
+        else:
+            saved = read_megatron_layout(os.path.join(path, "model"))
+            same_layout = _same_layout(saved, trainer.layout)
+            if same_layout:
+                shard = load_file(shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank))
+                state_file = optimizer_state_file(path, trainer.tp_rank, trainer.pp_rank)
+                optimizer_tensors = load_file(state_file)
+            else:
+                _check_same_arch(path, saved.arch, trainer.arch)
+                shard, optimizer_tensors = _resharded(path, saved, trainer)
+                state_file = optimizer_state_file(path, 0, 0)
+            with safe_open(state_file, framework="pt") as f:
+                optimizer_meta = json.loads((f.metadata() or {})["json"])
+            _check_same_model(path, shard, trainer.shard_state())
+            prepare_optimizer_state(trainer, optimizer_meta)
+            trainer.load_shard(shard)
+            try:
+                apply_optimizer_state(trainer, optimizer_tensors, optimizer_meta, state_file)
+            except ConfigError as exc:
+                raise CheckpointError(str(exc)) from None
+            opt = _safe_torch_load(_rank_file(path, "optimizer", rank))
+            trainer.scheduler.load_state_dict(opt["scheduler"])
+            trainer.step_count = int(opt["step_count"])
+        rng_file = _rank_file(path, "rng", rank)
+        # The model-parallel RNG streams (dropout) belong to one TP rank: restored at the same layout only.
+        _set_rng_state(_safe_torch_load(rng_file), model_parallel=same_layout and rng_file.endswith(f"rank_{rank:05d}.pt"))
         with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
             state = json.load(f)
         random.setstate(_decode_python_random(state.pop("python_random")))
@@ -355,6 +416,65 @@ def _check_same_model(path: str, saved: dict[str, torch.Tensor], current: dict[s
                           f"({example}); resume with the model it was trained from, or start afresh with --fresh")
 
 
+def _rank_file(path: str, sub: str, rank: int) -> str:
+    """This rank's file in `sub` (optimizer/, rng/); at a larger world than the checkpoint's, rank 0's
+    (the scheduler and the default RNG stream are the same on every rank)."""
+    own = os.path.join(path, sub, f"rank_{rank:05d}.pt")
+    return own if os.path.isfile(own) else os.path.join(path, sub, "rank_00000.pt")
+
+
+def _same_layout(saved: MegatronLayout, layout: MegatronLayout) -> bool:
+    return (saved.tp, saved.pp, saved.layer_spec, saved.padded_vocab_size) == (
+        layout.tp, layout.pp, layout.layer_spec, layout.padded_vocab_size)
+
+
+def _check_same_arch(path: str, saved: ModelArch, current: ModelArch) -> None:
+    """Before resharding: the checkpoint's model has this run's tensors (names and shapes)."""
+    _check_same_model(path, {n: torch.empty(s, device="meta") for n, s in hf_tensor_shapes(saved).items()},
+                      {n: torch.empty(s, device="meta") for n, s in hf_tensor_shapes(current).items()})
+
+
+def _resharded(path: str, saved: MegatronLayout, trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's weights and optimizer state at the trainer's layout, from shards written at `saved`."""
+    model = [[shard_file(os.path.join(path, "model"), t, p) for t in range(saved.tp)] for p in range(saved.pp)]
+    state = [[optimizer_state_file(path, t, p) for t in range(saved.tp)] for p in range(saved.pp)]
+    where = f"{path} (written at tensor_parallel={saved.tp}, pipeline_parallel={saved.pp})"
+    try:
+        weights = reshard_file_kinds(model, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where)
+        optimizer = reshard_file_kinds(state, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    return weights, optimizer
+
+
+def _load_legacy(path: str, trainer, rank: int) -> None:
+    """A checkpoint of format 1 (per-rank optimizer files): only at the layout it was written with."""
+    model_file = shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank)
+    opt_file = os.path.join(path, "optimizer", f"rank_{rank:05d}.pt")
+    if not os.path.isfile(model_file):
+        raise CheckpointError(f"{path}: no model shard for tp={trainer.tp_rank} pp={trainer.pp_rank} "
+                              "(was the checkpoint written with another parallel layout?); checkpoints written "
+                              "before format 2 resume only at their own layout")
+    try:
+        saved = read_megatron_layout(os.path.join(path, "model"))
+    except ConfigError:
+        saved = None
+    if saved is not None and not _same_layout(saved, trainer.layout):
+        raise CheckpointError(f"{path}: written at tensor_parallel={saved.tp}, pipeline_parallel={saved.pp} by "
+                              "a version before format 2, which resumes only at its own layout (this run has "
+                              f"tensor_parallel={trainer.layout.tp}, pipeline_parallel={trainer.layout.pp})")
+    if not os.path.isfile(opt_file):
+        raise CheckpointError(f"{path}: no optimizer/rank_{rank:05d}.pt: written by fewer ranks, by a version "
+                              "before format 2, which resumes only with the world size that wrote it")
+    shard = load_file(model_file)
+    _check_same_model(path, shard, trainer.shard_state())
+    trainer.load_shard(shard)
+    opt = _safe_torch_load(opt_file)
+    _load_optimizer_state(trainer, opt, opt_file)
+    trainer.scheduler.load_state_dict(opt["scheduler"])
+    trainer.step_count = int(opt["step_count"])
+
+
 def _safe_torch_load(path: str) -> Any:
     """torch.load restricted to tensors and plain containers; anything else is refused, by name."""
     try:
@@ -365,19 +485,9 @@ def _safe_torch_load(path: str) -> Any:
                               f"and checkpoints are never unpickled): {first}") from None
 
 
-def _optimizer_state(trainer) -> dict[str, Any]:
-    """The optimizer's state on this rank. Megatron's distributed optimizer (ZeRO-1) leaves its per-rank
-    shards out of `state_dict()` (they are meant for its own sharded checkpoint format): each rank saves
-    the inner optimizer's state (Adam moments, steps) and its fp32 main-parameter shard instead, to be
-    loaded by the same rank of the same TP x PP x DP layout."""
-    if not trainer.config.use_distributed_optimizer:
-        return {"optimizer": trainer.optimizer.state_dict()}
-    return {"sharded": [{"inner": w.optimizer.state_dict(),
-                         "main_params": [p.detach().cpu() for g in w.optimizer.param_groups for p in g["params"]]}
-                        for w in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
-
-
 def _load_optimizer_state(trainer, saved: dict[str, Any], where: str) -> None:
+    """Format 1: the optimizer's `state_dict()` per rank, or with the distributed optimizer each
+    rank's inner optimizer state and fp32 main-parameter shard."""
     if ("sharded" in saved) != bool(trainer.config.use_distributed_optimizer):
         raise CheckpointError(f"{where}: written with trainer.use_distributed_optimizer="
                               f"{'sharded' in saved}, this run has {trainer.config.use_distributed_optimizer}")
@@ -407,11 +517,12 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], model_parallel: bool = True) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        if model_parallel:
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _encode_python_random() -> list:
