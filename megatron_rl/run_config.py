@@ -14,6 +14,7 @@ from megatron_rl.controller.config import OBJECTIVES, CurriculumConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.observability.metrics import LoggingConfig
+from megatron_rl.recipes.agent.config import AgentConfig
 from megatron_rl.recipes.jepo.config import LikelihoodEvalConfig
 from megatron_rl.recipes.waltz.config import WaltzConfig
 from megatron_rl.rewards.config import RewardConfig
@@ -103,9 +104,13 @@ class RunConfig:
     """Seed for sampling and initialisation."""
     waltz: WaltzConfig | None = None
     """WaltzRL two-agent safety training (conversation + feedback agent); None: a single-policy run."""
+    agent: AgentConfig | None = None
+    """Multi-turn tool-using agent training (recipes/agent/: episodes with tools, a calculator task that
+    replaces the `data` section); None: single-turn samples."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
+        require(self.agent is None or self.waltz is None, "agent", "an agent run cannot also be a waltz run")
         advantage = self.algorithm.advantage
         group_relative = advantage.estimator in ("grpo", "rloo") or (
             advantage.estimator == "reinforce_pp" and advantage.group_baseline)

@@ -31,6 +31,14 @@ class Completion:
     """'stop' (stop token or string), 'length' (max_new_tokens or context), or 'abort'."""
     group_id: str = ""
     """Samples of the same prompt share a group id (advantage baselines are per group)."""
+    output_mask: list[int] | None = None
+    """Multi-turn episodes (recipes/agent/): 1 on output tokens the policy sampled, 0 on tokens the
+    environment wrote between turns (tool results, the chat template's turn markers), length R; their
+    log-probs are 0 and they carry no loss. None: every output token was sampled."""
+    routed_experts: torch.Tensor | None = None
+    """MoE routing record: int16 [P + R - 1, num_layers, top_k], the expert ids the engine chose at every
+    position that was an input of an engine forward (every prompt token and every generated token but the
+    last), top-k in descending router probability. None for dense models or when recording is off."""
 
     @property
     def weight_version(self) -> int:
@@ -56,12 +64,22 @@ class TrainBatch:
     """Keep S (here and in every trimmed micro-batch) a multiple of this, padding columns with token 0
     and no loss: Transformer Engine's FP8 GEMMs need the token count of a micro-batch aligned
     (controller/batching.py FP8_TOKEN_MULTIPLE). 1: no constraint."""
+    routed_experts: torch.Tensor | None = None
+    """MoE routing record [B, S', L, k] int64: the experts the rollout engine chose for token t of row b at
+    each of the L layers (-1: no record; the trainer routes those positions itself). S' may differ from S
+    (trimming and alignment leave it alone; the trainer crops or pads it). docs/moe.md."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
             raise ValueError(f"TrainBatch.tokens must be [B, S], got shape {tuple(self.tokens.shape)}")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 4
+                                                or self.routed_experts.shape[0] != self.tokens.shape[0]):
+            raise ValueError(f"TrainBatch.routed_experts must be [B={self.tokens.shape[0]}, S, layers, top_k], "
+                             f"got shape {tuple(self.routed_experts.shape)}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "routed_experts":
+                continue
             if isinstance(value, torch.Tensor) and value.shape != self.tokens.shape:
                 raise ValueError(f"TrainBatch.{field.name} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(self.tokens.shape)} like tokens")
@@ -123,7 +141,8 @@ class TrainBatch:
         def pad(value):
             if not isinstance(value, torch.Tensor) or value.shape[:1] != self.tokens.shape[:1]:
                 return value
-            return torch.cat([value, value.new_zeros((extra, *value.shape[1:]))])
+            fill = -1 if value is self.routed_experts else 0  # padding rows have no routing record
+            return torch.cat([value, value.new_full((extra, *value.shape[1:]), fill)])
 
         return type(self)(**{f.name: pad(getattr(self, f.name)) for f in dataclasses.fields(self)})
 

@@ -51,9 +51,10 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
         c = sample.completion
         p, n = len(c.prompt_ids), len(c.output_ids)
         tokens[r, :p + n] = torch.tensor(c.prompt_ids + c.output_ids)
-        loss_mask[r, p:p + n] = 1.0
+        loss_mask[r, p:p + n] = 1.0 if c.output_mask is None else torch.tensor(c.output_mask, dtype=torch.float32)
         behaviour[r, p:p + n] = torch.tensor(c.output_logprobs, dtype=torch.float32)
     token_adv = token_advantages(advantages, loss_mask) if rows else torch.zeros(0, width)
+    routed = routing_records([s.completion for _, s in samples], width)
 
     keep = torch.ones(rows, dtype=torch.bool)
     if drop_uninformative:
@@ -73,11 +74,32 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
             extra = torch.full((pad_rows, width), fill, dtype=t.dtype)
             return torch.cat([t[index], extra])
 
+        if routed is not None:  # padding rows have no record
+            routed = torch.cat([routed[index], routed.new_full((pad_rows, *routed.shape[1:]), -1)])
         batch = TrainBatch(tokens=take(tokens, pad_token_id), loss_mask=take(loss_mask, 0.0),
                            advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0),
-                           token_multiple=token_multiple).token_aligned()
+                           routed_experts=routed, token_multiple=token_multiple).token_aligned()
 
     return StepBatch(batch, loss_mask, rollout_metrics(groups, rewards, advantages, trainer_version, kept))
+
+
+def routing_records(completions: list, width: int) -> torch.Tensor | None:
+    """[N, width, layers, top_k] int64 MoE routing records of the completions' tokens (`Completion.routed_experts`;
+    -1 where a row has none), or None when no completion carries one (dense models, recording off)."""
+    records = [c.routed_experts for c in completions]
+    first = next((r for r in records if r is not None), None)
+    if first is None:
+        return None
+    out = torch.full((len(records), width, *first.shape[1:]), -1, dtype=torch.long)
+    for row, (completion, record) in enumerate(zip(completions, records)):
+        if record is None:
+            continue
+        if record.dim() != 3 or record.shape[1:] != first.shape[1:]:
+            raise ValueError(f"completion {completion.request_id!r}: routed_experts has shape {tuple(record.shape)}, "
+                             f"expected [positions, {first.shape[1]}, {first.shape[2]}]")
+        n = min(record.shape[0], width)
+        out[row, :n] = record[:n].long()
+    return out
 
 
 def rollout_metrics(groups: list[Group], rewards: torch.Tensor, advantages: torch.Tensor, trainer_version: int,

@@ -123,12 +123,16 @@ def build_single_policy(config, model) -> RunParts:
 RECIPES: dict[str, str] = {
     "single_policy": "megatron_rl.controller.recipe:build_single_policy",
     "waltz": "megatron_rl.recipes.waltz.recipe:build_waltz",
+    "agent": "megatron_rl.recipes.agent.recipe:build_agent",
 }
 
 
 def recipe_name(config) -> str:
-    """The recipe a config asks for: WaltzRL when it has a `waltz:` section, else one policy."""
-    return "waltz" if config.waltz is not None else "single_policy"
+    """The recipe a config asks for: WaltzRL when it has a `waltz:` section, the multi-turn agent recipe
+    when it has an `agent:` section, else one policy."""
+    if config.waltz is not None:
+        return "waltz"
+    return "agent" if config.agent is not None else "single_policy"
 
 
 def build_run_parts(config, model) -> RunParts:

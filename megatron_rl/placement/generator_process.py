@@ -233,19 +233,22 @@ class RemoteEngine:
                     return
 
     def _resolve(self, kind: str, sample_id: str, value: Any) -> None:
+        # The future is completed outside the lock: its callbacks may submit (multi-turn episodes).
         with self._lock:
             for request_id, pending in list(self._pending.items()):
                 future = pending.futures.get(sample_id)
                 if future is None:
                     continue
-                if not future.done():
-                    if kind == "done":
-                        future.set_result(value)
-                    else:
-                        future.set_exception(ValueError(value))
-                if all(f.done() for f in pending.futures.values()):
+                if all(f.done() or f is future for f in pending.futures.values()):
                     del self._pending[request_id]
+                break
+            else:
                 return
+        if not future.done():
+            if kind == "done":
+                future.set_result(value)
+            else:
+                future.set_exception(ValueError(value))
 
     def _reply(self, expected: str, resend=None, timeout: float = 600.0):
         """Wait for the generator's answer; if it was restarted meanwhile, ask the new one again."""

@@ -1,0 +1,75 @@
+"""The agent recipe's configuration (`agent:`), importable without torch: the task, the tools, the
+episode protocol."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_rl.config import require
+
+TOOLS = ("calculator", "python")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CalculatorTaskConfig:
+    """Arithmetic a small model gets wrong alone and right with a calculator, generated from a seed."""
+
+    kind: Literal["multiply", "chain_sum"] = "multiply"
+    """multiply: a x b with `digits` digits each; chain_sum: the sum of `terms` numbers of `digits` digits."""
+    digits: list[int] = dataclasses.field(default_factory=lambda: [4, 3])
+    """multiply: the digits of each factor; chain_sum: [digits of every term]."""
+    terms: int = 6
+    """chain_sum: numbers to add."""
+    train_size: int = 256
+    """Training problems."""
+    heldout_size: int = 32
+    """Held-out problems (disjoint from the training ones)."""
+    seed: int = 2024
+    """Seed of the problems."""
+    instruction: str = "Use the calculator tool, then give the final answer as a number."
+    """Appended to every question."""
+
+    def __post_init__(self) -> None:
+        require(self.kind != "multiply" or len(self.digits) == 2, "digits", "multiply needs two digit counts")
+        require(self.kind != "chain_sum" or len(self.digits) == 1, "digits", "chain_sum needs one digit count")
+        require(all(1 <= d <= 30 for d in self.digits), "digits", "each digit count must be in [1, 30]")
+        require(self.terms >= 2, "terms", "must be >= 2")
+        require(self.train_size >= 1, "train_size", "must be >= 1")
+        require(self.heldout_size >= 0, "heldout_size", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class AgentConfig:
+    """A multi-turn tool-using agent run (recipes/agent/): every episode alternates the policy and its
+    tools until a final answer or `max_turns`; one token-exact trajectory per episode."""
+
+    task: CalculatorTaskConfig = dataclasses.field(default_factory=CalculatorTaskConfig)
+    """The problems and their grading (replaces the `data` section)."""
+    environment: str = "tools"
+    """tools: the task with the tools below (ToolEnvironment); or 'module:function', called with (this
+    config, the tokenizer), returning a factory of fresh `Environment`s (a custom environment)."""
+    tools: list[str] = dataclasses.field(default_factory=lambda: ["calculator"])
+    """Tools offered: calculator (safe arithmetic), python (runs code in the sandbox)."""
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How tool calls are written: auto picks from the chat template's own text (hermes when it has none)."""
+    few_shot: int = 1
+    """Worked examples (a problem solved with the calculator) shown as earlier chat turns (calculator only)."""
+    max_turns: int = 3
+    """Assistant messages per episode (the last one must be the answer)."""
+    tool_wall_time_s: float = 5.0
+    """Sandbox wall-time limit of one tool call."""
+    tool_memory_mb: int = 512
+    """Sandbox memory limit of one tool call."""
+    record_episodes: bool = True
+    """Append every training episode, turn by turn, to RUN_DIR/agent_episodes.jsonl."""
+
+    def __post_init__(self) -> None:
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.environment == "tools" or ":" in self.environment, "environment",
+                f"must be 'tools' or 'module:function', got {self.environment!r}")
+        for name in self.tools:
+            require(name in TOOLS, "tools", f"unknown tool {name!r}; known: {', '.join(TOOLS)}")
+        require(self.few_shot >= 0, "few_shot", "must be >= 0")
+        require(not self.few_shot or "calculator" in self.tools, "few_shot", "the worked examples use the calculator")
+        require(self.tool_wall_time_s > 0, "tool_wall_time_s", "must be > 0")
+        require(self.tool_memory_mb >= 64, "tool_memory_mb", "must be >= 64")

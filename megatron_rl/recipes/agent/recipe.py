@@ -1,0 +1,97 @@
+"""The agent recipe: one policy trained on multi-turn, tool-using episodes (episodes.py) of a seeded
+calculator task (tasks.py), with held-out accuracy and tool-call metrics."""
+from __future__ import annotations
+
+import importlib
+import os
+
+from megatron_rl import ranks
+from megatron_rl.controller.evaluate import HeldoutEvaluation
+from megatron_rl.controller.recipe import RunParts, build_policy
+from megatron_rl.recipes.agent.config import AgentConfig
+from megatron_rl.recipes.agent.environment import ToolEnvironment
+from megatron_rl.recipes.agent.episodes import (
+    AgentEpisodes,
+    count_episode,
+    episode_metrics,
+)
+from megatron_rl.recipes.agent.sandbox import SandboxLimits
+from megatron_rl.recipes.agent.tasks import (
+    build_calculator_datasets,
+    grade_final_answer,
+    worked_examples,
+)
+from megatron_rl.recipes.agent.tools import (
+    Calculator,
+    PythonTool,
+    tool_call_format,
+    tool_call_format_for,
+)
+from megatron_rl.rollout.engine import SamplingParams
+
+TOOL_CLASSES = {"calculator": Calculator, "python": PythonTool}
+
+
+def environment_factory(agent: AgentConfig, tokenizer):
+    """() -> a fresh environment for one episode: the configured task and tools, or the custom
+    environment `agent.environment` names."""
+    if agent.environment != "tools":
+        module, _, function = agent.environment.partition(":")
+        return getattr(importlib.import_module(module), function)(agent, tokenizer)
+    tools = [TOOL_CLASSES[name]() for name in agent.tools]
+    template = tokenizer.chat_template
+    if agent.tool_call_format == "auto":
+        fmt = tool_call_format_for(template if isinstance(template, str) else None)
+    else:
+        fmt = tool_call_format(agent.tool_call_format)
+    limits = SandboxLimits(wall_time_s=agent.tool_wall_time_s, memory_mb=agent.tool_memory_mb)
+    examples = worked_examples(agent.task, agent.few_shot)
+
+    def make() -> ToolEnvironment:
+        return ToolEnvironment(tools, fmt, grade_final_answer, max_turns=agent.max_turns, limits=limits,
+                               chat_template=template, examples=examples)
+    return make
+
+
+def context_length(config, model) -> int:
+    """The engine's context: engine.max_seq_len capped by the model's positions (0: the model's)."""
+    limit = model.arch.max_position_embeddings
+    return min(config.engine.max_seq_len or limit, limit)
+
+
+def build_agent(config, model) -> RunParts:
+    """The run's parts: the policy, the calculator task, the multi-turn episode producer and the
+    held-out evaluation (greedy episodes: accuracy, tool-call rates)."""
+    policy, selector = build_policy(config, model)
+    agent: AgentConfig = config.agent
+    driver = ranks.is_driver()
+    train, heldout = build_calculator_datasets(agent.task)
+    make_environment = environment_factory(agent, model.tokenizer)
+    context = context_length(config, model)
+    episodes = None
+    if driver:
+        record = os.path.join(config.run_dir, "agent_episodes.jsonl") if agent.record_episodes else None
+        episodes = AgentEpisodes(policy.engine, model.tokenizer, make_environment,
+                                 sampling=SamplingParams.for_rollouts(config.rollout, None),
+                                 samples_per_prompt=config.rollout.samples_per_prompt, record_path=record,
+                                 max_seq_len=context)
+    else:  # trainer ranks receive scored groups from the driver
+        train, heldout = [], []
+
+    def measure(step: int) -> dict[str, float]:
+        if not driver:
+            return {}
+        greedy = SamplingParams(max_new_tokens=config.eval.max_new_tokens, temperature=0.0,
+                                stop=list(config.rollout.stop) or None)
+        evaluator = AgentEpisodes(policy.engine, model.tokenizer, make_environment, sampling=greedy,
+                                  max_seq_len=context)
+        counts: dict[str, float] = {}
+        for episode in evaluator.play(list(heldout), tag=f"eval{step}"):
+            count_episode(counts, episode)
+        metrics = episode_metrics(counts)
+        metrics.update(reward_errors=0.0, samples=counts.get("episodes", 0.0))
+        return metrics
+
+    return RunParts(model.tokenizer, [policy], train, heldout, episodes, selector,
+                    HeldoutEvaluation(config.eval, measure))
+

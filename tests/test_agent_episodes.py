@@ -1,0 +1,240 @@
+"""Multi-turn agent episodes (recipes/agent/): token-exact trajectories (each turn's prompt is the
+previous prompt, the sampled ids and only the new messages' ids), the trainer's recomputed log-probs
+equal the engine's behaviour log-probs on every sampled token, environment tokens carry no loss, the
+negative control (a re-tokenizing loop changes tokens), and the tool environment."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_rl.algorithms.config import AdvantageConfig
+from megatron_rl.controller.batching import build_step_batch
+from megatron_rl.controller.episodes import Group
+from megatron_rl.data.prompts import Prompt
+from megatron_rl.recipes.agent.config import CalculatorTaskConfig
+from megatron_rl.recipes.agent.environment import EnvStep, ToolEnvironment
+from megatron_rl.recipes.agent.episodes import (
+    AgentEpisodes,
+    TurnRenderer,
+    retokenization_changes,
+)
+from megatron_rl.recipes.agent.tasks import (
+    build_calculator_datasets,
+    final_integer,
+    grade_final_answer,
+)
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import SamplingParams
+
+QUESTIONS = ["What is 17 + 25?", "Name a prime number.", "Say hello in French.", "What is 6 * 7?"]
+
+
+class EchoEnvironment:
+    """Every turn is answered with a tool message and a user message (new text of varying shape), until
+    `max_turns`; reward: the parity of the final message's length."""
+
+    tools: list = []
+
+    def __init__(self, max_turns: int = 3):
+        self.max_turns = max_turns
+        self.turns = 0
+
+    def reset(self, prompt: Prompt) -> list[dict]:
+        self.turns = 0
+        return [dict(m) for m in prompt.messages]
+
+    def step(self, assistant_text: str) -> EnvStep:
+        self.turns += 1
+        if self.turns >= self.max_turns:
+            return EnvStep([], float(len(assistant_text) % 2), True, {"end": "max_turns"})
+        return EnvStep([{"role": "tool", "content": f"{len(assistant_text)} characters, {self.turns} turns"},
+                        {"role": "user", "content": "Go on."}], None, False, {})
+
+    def close(self) -> None:
+        pass
+
+
+def _prompts() -> list[Prompt]:
+    return [Prompt(prompt_id=f"q{i}", messages=[{"role": "user", "content": q}], question=q)
+            for i, q in enumerate(QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_chat_model):
+    from megatron_rl.models.pretrained import load_pretrained
+
+    return load_pretrained(tiny_chat_model)
+
+
+def _play(model, *, samples: int, max_new_tokens: int, seed: int = 3, max_turns: int = 3):
+    from megatron_rl.rollout.native import NativeEngine
+
+    with NativeEngine(model.arch, model.state, tokenizer=model.tokenizer,
+                      config=NativeEngineConfig(max_batch_size=8, max_seq_len=512)) as engine:
+        producer = AgentEpisodes(engine, model.tokenizer, lambda: EchoEnvironment(max_turns),
+                                 sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+                                 samples_per_prompt=samples)
+        futures = [producer.start(p, f"s0-p{i}", seed + i) for i, p in enumerate(_prompts())]
+        groups = [Group(p, producer.collect(p, fs), 0) for p, fs in zip(_prompts(), futures)]
+        episodes = [f.result() for fs in futures for f in fs]
+        return groups, episodes, producer.pop_metrics()
+
+
+def _has_special(tokenizer, ids) -> bool:
+    return any(tokenizer.token_text(t) and not tokenizer.decode([t]) for t in ids)
+
+
+def test_each_turn_prompt_is_the_previous_prompt_plus_sampled_ids_plus_new_message_ids(tiny_model):
+    tokenizer = tiny_model.tokenizer
+    _, episodes, metrics = _play(tiny_model, samples=2, max_new_tokens=10)
+    assert len(episodes) == 8 and all(len(e.turns) == 3 and e.end == "max_turns" for e in episodes)
+    checked = 0
+    for episode in episodes:
+        trajectory = episode.trajectory
+        full = trajectory.prompt_ids + trajectory.output_ids
+        assert trajectory.prompt_ids == tokenizer.encode_chat(_prompts()[int(episode.prompt_id[1:])].messages)
+        position = len(trajectory.prompt_ids)
+        for k, turn in enumerate(episode.turns):
+            c = turn.completion
+            assert c.prompt_ids == full[:position]  # never re-tokenized: the exact ids so far
+            assert full[position:position + len(c.output_ids)] == c.output_ids
+            mask = trajectory.mask[position - len(trajectory.prompt_ids):][:len(c.output_ids)]
+            assert mask == [1] * len(c.output_ids)
+            position += len(c.output_ids)
+            if k + 1 < len(episode.turns):
+                nxt = episode.turns[k + 1]
+                env = len(nxt.completion.prompt_ids) - position
+                assert env > 0 and trajectory.mask[position - len(trajectory.prompt_ids):][:env] == [0] * env
+                position += env
+                # Independent reference: transformers' chat template renders the conversation the next
+                # turn answers; our ids decode to exactly that text (sampled text has no special tokens
+                # other than a final end-of-turn token, which the template writes too).
+                if not _has_special(tokenizer, c.output_ids[:-1]):
+                    rendered = tokenizer.render_chat(nxt.messages)
+                    assert tokenizer.decode(nxt.completion.prompt_ids, skip_special_tokens=False) == rendered
+                    checked += 1
+        assert position == len(full)
+    assert checked >= 8
+    assert metrics["agent/turns_per_episode"] == 3.0
+    assert metrics["agent/sampled_tokens"] == sum(e.trajectory.sampled_tokens for e in episodes) > 0
+    assert metrics["agent/environment_tokens"] == sum(e.trajectory.environment_tokens for e in episodes) > 0
+
+
+def test_trainer_logprobs_equal_engine_behaviour_logprobs_on_every_sampled_token(tiny_model):
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+
+    groups, episodes, _ = _play(tiny_model, samples=2, max_new_tokens=12, seed=11)
+    step = build_step_batch(groups, advantage=AdvantageConfig(), trainer_version=0, micro_batch_size=2,
+                            pad_token_id=tiny_model.tokenizer.pad_token_id, drop_uninformative=False)
+    batch = step.batch
+    sampled = sum(e.trajectory.sampled_tokens for e in episodes)
+    assert int(batch.loss_mask.sum()) == sampled  # environment tokens carry no loss
+    for e in episodes:  # every environment position of every trajectory is masked in its row
+        ids = e.trajectory.prompt_ids + e.trajectory.output_ids
+        (row,) = [i for i in range(batch.batch_size) if batch.tokens[i, :len(ids)].tolist() == ids]
+        p = len(e.trajectory.prompt_ids)
+        assert batch.loss_mask[row, p:p + len(e.trajectory.mask)].tolist() == [float(m) for m in e.trajectory.mask]
+        assert batch.behaviour_logprobs[row, p:p + len(e.trajectory.mask)].tolist() == pytest.approx(
+            [lp if m else 0.0 for lp, m in zip(e.trajectory.logprobs, e.trajectory.mask)])
+    trainer = MegatronTrainer(tiny_model.arch, TrainerConfig(micro_batch_size=2), hf_state=tiny_model.state)
+    recomputed = trainer.compute_logprobs(batch)
+    where = batch.loss_mask != 0
+    diff = (recomputed[where] - batch.behaviour_logprobs[where]).abs()
+    print(f"sampled tokens {int(where.sum())}, max |trainer - engine| log-prob {float(diff.max()):.2e}")
+    assert int(where.sum()) == sampled and float(diff.max()) < 1e-4
+
+
+def test_naive_retokenizing_loop_changes_tokens_of_the_same_episodes(tiny_model):
+    """The negative control: re-rendering and re-tokenizing the conversation each turn does not give
+    back the ids the engine sampled (a random model's tokens are rarely the canonical tokenization)."""
+    _, episodes, _ = _play(tiny_model, samples=2, max_new_tokens=10)
+    totals = {}
+    for episode in episodes:
+        for key, value in retokenization_changes(tiny_model.tokenizer, episode).items():
+            totals[key] = totals.get(key, 0) + value
+    print(f"re-tokenizing loop on {len(episodes)} episodes: {totals}")
+    assert totals["turns"] == 16
+    assert totals["changed_sampled"] > 0 and totals["changed_turns"] > 0
+
+
+def test_renderer_strips_the_sampled_end_of_turn_token_only():
+    """The template's closing text is appended unless the model sampled its end-of-turn token."""
+    from megatron_rl.models.pretrained import load_pretrained
+
+    tokenizer = load_pretrained("smollm2-135m", lazy=True).tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    eos = tokenizer.eos_token_id
+    hello = tokenizer.encode("Hello")
+    new = [{"role": "tool", "content": "42"}]
+    stopped = TurnRenderer(tokenizer, messages).next_ids(hello + [eos], "Hello", new)
+    cut = TurnRenderer(tokenizer, messages).next_ids(hello, "Hello", new)
+    assert tokenizer.decode(cut, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert cut == [eos] + stopped
+
+
+def test_calculator_tasks_are_seeded_disjoint_and_graded_on_the_final_integer():
+    config = CalculatorTaskConfig(train_size=20, heldout_size=5, seed=7)
+    train, heldout = build_calculator_datasets(config)
+    again, _ = build_calculator_datasets(config)
+    assert [p.prompt_id for p in train] == [p.prompt_id for p in again]
+    assert not {p.question for p in train} & {p.question for p in heldout}
+    prompt = train[0]
+    a, b = (int(x) for x in prompt.question.removeprefix("What is ").rstrip("?").split(" * "))
+    assert int(prompt.answer) == a * b and len(str(a)) == 4 and len(str(b)) == 3
+    assert grade_final_answer(f"The answer is {a * b:,}.", prompt) == 1.0
+    assert grade_final_answer(f"{a * b + 1}", prompt) == 0.0 and final_integer("no number") is None
+    sums, _ = build_calculator_datasets(dataclasses.replace(config, kind="chain_sum", digits=[3], terms=5))
+    terms = [int(x) for x in sums[0].question.removeprefix("What is ").rstrip("?").split(" + ")]
+    assert len(terms) == 5 and int(sums[0].answer) == sum(terms)
+
+
+def test_tool_environment_runs_calls_answers_errors_and_grades_the_final_answer():
+    from megatron_rl.recipes.agent.tools import Calculator, tool_call_format_for
+
+    fmt = tool_call_format_for("")  # a template without a tool format: hermes
+    prompt = Prompt(prompt_id="p", messages=[{"role": "user", "content": "What is 1234 * 5678?"}],
+                    question="What is 1234 * 5678?", answer=str(1234 * 5678))
+    env = ToolEnvironment([Calculator()], fmt, grade_final_answer, max_turns=3)
+    try:
+        messages = env.reset(prompt)
+        assert messages[0]["role"] == "system" and "calculator" in messages[0]["content"].lower()
+        assert messages[1:] == prompt.messages
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>'
+        step = env.step(call)
+        assert not step.done and step.info["tool_calls"] == 1 and step.info["malformed_calls"] == 0
+        assert step.messages[0]["role"] == "tool" and str(1234 * 5678) in step.messages[0]["content"]
+        step = env.step("<tool_call>{not json</tool_call>")
+        assert not step.done and step.info["malformed_calls"] == 1 and step.messages[0]["content"].startswith("Error: tool call 1: invalid JSON")
+        step = env.step(f"The answer is {1234 * 5678}.")
+        assert step.done and step.reward == 1.0 and step.info["end"] == "answer"
+    finally:
+        env.close()
+    env = ToolEnvironment([Calculator()], fmt, grade_final_answer, max_turns=1)
+    env.reset(prompt)
+    step = env.step(call)
+    env.close()
+    assert step.done and step.reward == 0.0 and step.info["end"] == "max_turns"
+
+
+@pytest.mark.slow
+def test_smollm2_multi_turn_episodes_are_token_exact_and_on_policy(smollm2):
+    """The same checks on the real SmolLM2-135M-Instruct: trainer log-probs equal the engine's on every
+    sampled token, and the re-tokenizing loop's changes on the same episodes."""
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+
+    groups, episodes, _ = _play(smollm2, samples=2, max_new_tokens=24, seed=5)
+    totals = {}
+    for episode in episodes:
+        for key, value in retokenization_changes(smollm2.tokenizer, episode).items():
+            totals[key] = totals.get(key, 0) + value
+    batch = build_step_batch(groups, advantage=AdvantageConfig(), trainer_version=0, micro_batch_size=2,
+                             pad_token_id=smollm2.tokenizer.pad_token_id, drop_uninformative=False).batch
+    trainer = MegatronTrainer(smollm2.arch, TrainerConfig(micro_batch_size=2), hf_state=smollm2.state)
+    where = batch.loss_mask != 0
+    diff = (trainer.compute_logprobs(batch)[where] - batch.behaviour_logprobs[where]).abs()
+    print(f"SmolLM2: {int(where.sum())} sampled tokens, max |trainer - engine| {float(diff.max()):.2e}; "
+          f"re-tokenizing loop: {totals}")
+    assert float(diff.max()) < 1e-4 and totals["turns"] == 16
