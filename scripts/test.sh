@@ -13,4 +13,4 @@ if [ $# -eq 0 ]; then
   # The layering contract first (.importlinter; layers in docs/layout.md): it names any upward import.
   "$VENV/bin/lint-imports" --no-cache
 fi
-exec "$VENV/bin/python" -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"

@@ -3,6 +3,10 @@
 Every benchmark prints what it measures as it goes and, as its very last line, one JSON object
 `{"bench": NAME, "ratio": ..., ...}`. A benchmark is a function `run(options: dict) -> dict` named in
 BENCHMARKS; `key=value` options after the name are passed to it (values read as YAML).
+
+`--repeat N` runs the benchmark N times in one process, prints each run's result as it ends, and makes the
+last line the median run's result with `ratio` = the median ratio, `ratio_min`, `ratio_max` and `runs` (every
+run's result), so one noisy measurement on a shared machine is visible as such.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import argparse
 import difflib
 import importlib
 import json
+import statistics
 import sys
 
 import yaml
@@ -32,6 +37,8 @@ BENCHMARKS: dict[str, str] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="one of: " + ", ".join(BENCHMARKS))
     parser.add_argument("options", nargs="*", help="key=value options for the benchmark (e.g. steps=5)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="measure N times in this process; the last line reports the median ratio and the spread")
 
 
 def parse_options(items: list[str]) -> dict:
@@ -44,13 +51,31 @@ def parse_options(items: list[str]) -> dict:
     return options
 
 
+def summarize_runs(results: list[dict]) -> dict:
+    """One result for repeated runs: the median run's fields, `ratio` = the median ratio (the mean of the
+    middle two for an even count), its spread, and every run under `runs`."""
+    ratios = [result["ratio"] for result in results]
+    middle = sorted(results, key=lambda result: result["ratio"])[(len(results) - 1) // 2]
+    return {**middle, "ratio": round(statistics.median(ratios), 4), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "runs": results}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
         close = difflib.get_close_matches(args.name, list(BENCHMARKS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown benchmark '{args.name}'{hint} (known: {', '.join(BENCHMARKS)})")
+    if args.repeat < 1:
+        raise ConfigError(f"bench --repeat must be at least 1, got {args.repeat}")
     module, function = BENCHMARKS[args.name].split(":")
-    result = getattr(importlib.import_module(module), function)(parse_options(args.options))
+    bench = getattr(importlib.import_module(module), function)
+    options = parse_options(args.options)
+    results = []
+    for index in range(args.repeat):
+        results.append(bench(dict(options)))
+        if args.repeat > 1:
+            print(f"run {index + 1}/{args.repeat}: {json.dumps(results[-1])}", flush=True)
+    result = results[0] if args.repeat == 1 else summarize_runs(results)
     sys.stdout.flush()
     print(json.dumps({"bench": args.name, **result}))
     return 0

@@ -3,8 +3,11 @@
 Both sample (temperature 1, no truncation) up to `max_new_tokens` per prompt for `batch` chat prompts
 and return the log-prob of every sampled token (ours: Completion.output_logprobs; HF: log_softmax of
 `output_logits`, computed inside the timed region). Throughput counts the tokens each actually
-generated (up to and including eos). Peak memory is the process RSS high-water mark sampled during
-each phase (our engine first, so `peak_memory_mb` includes the loaded model but not HF's).
+generated (up to and including eos), prefill included. The roofline line compares ours with the decode
+roofline of this machine (observability/roofline.py: matmul and memory ceilings measured in this process,
+batch `batch` at the mean context of the run: prompt plus half the new tokens). Peak memory is the
+process RSS high-water mark sampled during each phase (our engine first, so `peak_memory_mb` includes the
+loaded model but not HF's).
 
 Options (key=value): model=smollm2-135m batch=32 max_new_tokens=64 threads=2 seed=0 hf=true
 dtype=fp32 repeats=1.
@@ -21,6 +24,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.observability.roofline import decode_roofline, measure_ceilings, roofline_fields, roofline_line
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
@@ -160,6 +164,12 @@ def bench_rollout(options: dict) -> dict:
     result: dict[str, Any] = {"tokens_per_s": round(ours_tps, 1), "tokens": ours["tokens"],
                               "seconds": round(ours["seconds"], 3), "peak_memory_mb": round(ours_rss.peak_kb / 1024),
                               "batch": batch, "max_new_tokens": max_new_tokens, "threads": threads, "dtype": dtype}
+    ceilings = measure_ceilings(threads=threads)
+    context = round(sum(map(len, prompts)) / len(prompts) + ours["tokens"] / len(prompts) / 2)
+    roofline = decode_roofline(pretrained.arch, batch, context, ceilings,
+                               weight_bytes_per_param=2 if dtype == "bf16" else 4)
+    print(roofline_line("native engine", ours_tps, roofline, ceilings), flush=True)
+    result.update(roofline_fields(ours_tps, roofline, ceilings))
     if options.get("hf", True):
         with _PeakRSS() as hf_rss:
             hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r) for r in range(repeats)]

@@ -60,6 +60,8 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     The returned log-prob is always log_softmax(logits)[token] of the raw logits: the engine's
     policy at temperature 1 without truncation.
     """
+    if params and all(_plain(p) for p in params):
+        return _sample_plain(logits, generators)
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -71,15 +73,34 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
         every = len(sampled) == logits.shape[0]
         index = torch.tensor(sampled, device=logits.device)
         sub_params = [params[i] for i in sampled]
-        plain = all(p.temperature == 1.0 and p.top_k < 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in sub_params)
-        if plain:
+        if all(_plain(p) for p in sub_params):
             probs = (logprobs if every else logprobs.index_select(0, index)).exp()
         else:
             probs = torch.softmax(filtered_logits(logits if every else logits.index_select(0, index), sub_params), dim=-1)
-        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i], device=generators[i].device)
-                              for i in sampled]).to(logits.device)
-        tokens[index] = inverse_cdf(probs, uniforms)
+        tokens[index] = inverse_cdf(probs, _uniforms([generators[i] for i in sampled], logits.device))
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _plain(params: SamplingParams) -> bool:
+    """Sampling from the raw policy: temperature 1, no truncation (the RL rollout case)."""
+    return not params.greedy and params.temperature == 1.0 and params.top_k < 0 and params.top_p >= 1.0 \
+        and params.min_p == 0.0
+
+
+def _uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One float64 uniform from each row's own generator."""
+    return torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=g.device) for g in generators]).to(device)
+
+
+def _sample_plain(logits: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` when every row samples the raw policy: one exp pass gives the unnormalised
+    probabilities exp(z - max) that are sampled from, and their float64 total (from the CDF) gives the
+    log-prob z[t] - max - log(total): no separate log_softmax pass over the vocabulary."""
+    shift = logits.amax(dim=-1, keepdim=True)
+    probs = (logits - shift).exp_()
+    tokens, total = _inverse_cdf(probs, _uniforms(generators, logits.device))
+    chosen = logits.gather(1, tokens[:, None]) - shift
+    return tokens, (chosen.double() - total.log()).squeeze(1).to(logits.dtype)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -87,6 +108,11 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -
     >= 0) and uniforms [R] in [0, 1). Two levels (blocks of `block` tokens, then tokens within the
     chosen block), each a float64 cumulative sum, so even 1e-9-probability tokens get their share
     without a float64 pass over the whole vocabulary. Zero-probability tokens are never chosen."""
+    return _inverse_cdf(probs, uniforms, block)[0]
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """`inverse_cdf`, and each row's float64 total mass [R, 1]."""
     rows, vocab = probs.shape
     n_blocks = -(-vocab // block)
     if n_blocks * block != vocab:
@@ -103,7 +129,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -
     within = ((target - lower) / mass).clamp_(0.0, 1.0) * inner[:, -1:]
     within = torch.minimum(within, torch.nextafter(inner[:, -1:], torch.zeros_like(within)))
     j = torch.searchsorted(inner, within, right=True).clamp_(max=block - 1)
-    return (b * block + j).squeeze(1)
+    return (b * block + j).squeeze(1), total
 
 
 _SEED_MIX = 0x9E3779B97F4A7C15
