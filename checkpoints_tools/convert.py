@@ -150,9 +150,11 @@ def save_megatron(path: str, layout: MegatronLayout, shards: list[list[dict[str,
     tmp = _atomic_dir(path)
     try:
         for pp_rank, row in enumerate(shards):
-            for tp_rank, shard in enumerate(row):
-                os.makedirs(os.path.join(tmp, shard_dir_name(tp_rank, pp_rank)))
-                save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(tmp, tp_rank, pp_rank))
+            for index, shard in enumerate(row):
+                ep_rank, tp_rank = divmod(index, layout.tp)  # MegatronLayout.shard_index
+                ep = ep_rank if layout.ep > 1 else None
+                os.makedirs(os.path.join(tmp, shard_dir_name(tp_rank, pp_rank, ep)))
+                save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(tmp, tp_rank, pp_rank, ep))
         write_megatron_meta(tmp, layout, tokenizer)
         _publish(tmp, path)
     except BaseException:
@@ -165,8 +167,9 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 
 
 def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> str:
-    """`megatron-rl convert`: any supported source -> an HF directory or a Megatron checkpoint at TP x PP."""
+            layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, ep: int = 1) -> str:
+    """`megatron-rl convert`: any supported source -> an HF directory or a Megatron checkpoint at TP x PP
+    (x EP: a mixture-of-experts model's experts split over `ep` expert-parallel ranks)."""
     parse_shard_size(max_shard_size)  # a bad size fails before the model is read
     model = load_pretrained(source)
     torch_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, "bad")
@@ -176,7 +179,7 @@ def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtyp
     if to == "hf":
         save_hf(output, model.arch, state, model.tokenizer, max_shard_size=max_shard_size)
     elif to == "megatron":
-        layout = MegatronLayout(model.arch, tp=tp, pp=pp, layer_spec=layer_spec)
+        layout = MegatronLayout(model.arch, tp=tp, pp=pp, layer_spec=layer_spec, ep=ep)
         save_megatron(output, layout, hf_to_megatron(state, layout), model.tokenizer)
     else:
         raise ConfigError(f"--to {to!r} is not one of hf, megatron")

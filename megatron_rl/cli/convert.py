@@ -1,12 +1,26 @@
-"""`megatron-rl convert SOURCE OUTPUT --to {hf,megatron} [--tp T --pp P]`."""
+"""`megatron-rl convert SOURCE OUTPUT --to {hf,megatron} [--tp T --pp P] [--upcycle-experts E --upcycle-top-k K]`."""
 from __future__ import annotations
 
 import argparse
 import os
 import time
 
-from megatron_rl.checkpoints_tools.convert import DEFAULT_MAX_SHARD_SIZE, convert, written_by_convert
+import torch
+
+from megatron_rl.checkpoints_tools.convert import (
+    DEFAULT_MAX_SHARD_SIZE,
+    cast_state,
+    convert,
+    save_hf,
+    save_megatron,
+    written_by_convert,
+)
 from megatron_rl.config import ConfigError
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.models.upcycle import UpcycleRecipe, upcycle_state
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", choices=["hf", "megatron"], required=True)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron output")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron output")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size of the Megatron output (mixture-of-experts models; docs/moe.md)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="cast tensors (default: keep the source's dtype; GGUF dequantizes to fp32)")
     parser.add_argument("--overwrite", action="store_true",
@@ -27,15 +43,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--to hf: split the safetensors into shards of at most this size, with "
                              "model.safetensors.index.json, as save_pretrained does (e.g. 5GB, 500MB; "
                              f"default {DEFAULT_MAX_SHARD_SIZE}, transformers' default)")
+    upcycle = parser.add_argument_group("sparse upcycling (a dense model -> a mixture of experts; docs/moe.md)")
+    upcycle.add_argument("--upcycle-experts", type=int, default=0, metavar="E",
+                         help="write an MoE model whose E experts per layer are copies of the dense MLP "
+                              "(Llama/Mistral/SmolLM2 -> Mixtral, Qwen3 -> Qwen3-MoE); 0: no upcycling")
+    upcycle.add_argument("--upcycle-top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
+    upcycle.add_argument("--upcycle-router-std", type=float, default=0.02,
+                         help="std of the random router weights (default 0.02)")
+    upcycle.add_argument("--upcycle-noise", type=float, default=0.0,
+                         help="relative noise on each expert copy (default 0: identical experts, the dense function)")
+    upcycle.add_argument("--upcycle-seed", type=int, default=0, help="seed of the router and the noise")
 
 
 def run(args: argparse.Namespace) -> int:
     check_output(args.source, args.output, overwrite=args.overwrite)  # before the slow load
     start = time.perf_counter()
-    convert(args.source, args.output, to=args.to, tp=args.tp, pp=args.pp, dtype=args.dtype,
-            layer_spec=args.layer_spec, max_shard_size=args.max_shard_size)
-    print(f"wrote {args.output} ({args.to}, tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f}s")
+    if args.upcycle_experts:
+        recipe = UpcycleRecipe(num_experts=args.upcycle_experts, top_k=args.upcycle_top_k,
+                               router_std=args.upcycle_router_std, expert_noise=args.upcycle_noise,
+                               seed=args.upcycle_seed)
+        write_upcycled(args.source, args.output, recipe, to=args.to, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                       layer_spec=args.layer_spec, max_shard_size=args.max_shard_size)
+        what = f"{args.to}, {recipe.num_experts} experts, top-{recipe.top_k}"
+    else:
+        convert(args.source, args.output, to=args.to, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                layer_spec=args.layer_spec, max_shard_size=args.max_shard_size, ep=args.ep)
+        what = args.to
+    print(f"wrote {args.output} ({what}, tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def write_upcycled(source: str, output: str, recipe: UpcycleRecipe, *, to: str, tp: int = 1, pp: int = 1,
+                   dtype: str | None = None, layer_spec: str = "local",
+                   max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """The dense model at `source` upcycled (models/upcycle.py) and written as an HF directory or a Megatron
+    checkpoint, like `convert`."""
+    model = load_pretrained(source)
+    arch, state = upcycle_state(model.arch, model.state, recipe)
+    if dtype is not None:
+        state = cast_state(state, getattr(torch, DTYPES[dtype]))
+    if to == "hf":
+        save_hf(output, arch, state, model.tokenizer, max_shard_size=max_shard_size)
+    else:
+        layout = MegatronLayout(arch, tp=tp, pp=pp, layer_spec=layer_spec)
+        save_megatron(output, layout, hf_to_megatron(state, layout), model.tokenizer)
 
 
 def check_output(source: str, output: str, *, overwrite: bool) -> None:

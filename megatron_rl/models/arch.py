@@ -94,6 +94,17 @@ class ModelArch:
     sliding_window: int | None = None
     """Attention window recorded from the HF config. Only windows that never bite (>= max_position_embeddings)
     are accepted: narrower windows are not implemented and are refused."""
+    num_experts: int = 0
+    """0 = dense MLP; > 0 = every decoder layer's MLP is a mixture of this many SwiGLU experts."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (MoE only)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate size (qwen3_moe `moe_intermediate_size`, mixtral `intermediate_size`)."""
+    moe_norm_topk_prob: bool = True
+    """Router: softmax over all experts' logits, take the top k, and (if True) renormalize those k weights to
+    sum to 1 (Mixtral always; Qwen3-MoE per its `norm_topk_prob`)."""
+    router_aux_loss_coef: float = 0.0
+    """Load-balancing loss coefficient from the HF config (the trainer's default; trainer config overrides)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -113,6 +124,15 @@ class ModelArch:
             require(self.sliding_window >= self.max_position_embeddings, "sliding_window",
                     f"a window of {self.sliding_window} tokens, narrower than max_position_embeddings="
                     f"{self.max_position_embeddings}, is not implemented (sliding-window attention)")
+        require(self.num_experts >= 0, "num_experts", f"must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            require(0 < self.moe_top_k <= self.num_experts, "moe_top_k",
+                    f"must be in 1..num_experts={self.num_experts}, got {self.moe_top_k}")
+            require(self.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size", "must be positive for an MoE model")
+            require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
+        else:
+            require(self.moe_top_k == 0 and self.moe_ffn_hidden_size == 0, "num_experts",
+                    "moe_top_k / moe_ffn_hidden_size are set but num_experts is 0")
 
     @property
     def q_size(self) -> int:
@@ -122,9 +142,20 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_query_groups * self.head_dim
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def mlp_parameters(self) -> int:
+        """Parameters of one layer's MLP (every expert plus the router for an MoE model)."""
+        h = self.hidden_size
+        if self.is_moe:
+            return self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+        return 3 * h * self.ffn_hidden_size
+
     def num_parameters(self) -> int:
-        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * f + 2 * h
+        h, v = self.hidden_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_parameters() + 2 * h
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         if self.qk_norm:

@@ -39,6 +39,17 @@ class Family:
     """HF field that switches `sliding_window` on (Qwen); None means the window always applies (Mistral)."""
     has_window: bool = False
     """The family's HF config carries `sliding_window` at all."""
+    moe_block: str | None = None
+    """Mixture-of-experts family: the HF module name of each layer's sparse block in published checkpoints
+    (qwen3_moe `mlp`, mixtral `block_sparse_moe`); None for a dense family."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """The (gate, up, down) projection names of one expert in published checkpoints (mixtral: w1, w3, w2)."""
+    experts_field: str = "num_experts"
+    """HF field holding the number of experts (transformers 5 also accepts `num_local_experts` for both)."""
+    expert_size_field: str = "moe_intermediate_size"
+    """HF field holding each expert's intermediate size."""
+    norm_topk_field: str | None = None
+    """HF field switching the renormalisation of the top-k router weights; None: always renormalised."""
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -49,7 +60,42 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            window_flag="use_sliding_window", has_window=True),
     Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "Qwen3Config", qk_norm=True, bias_field="attention_bias",
            window_flag="use_sliding_window", has_window=True),
+    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", qk_norm=True,
+           bias_field="attention_bias", window_flag="use_sliding_window", has_window=True, moe_block="mlp",
+           norm_topk_field="norm_topk_prob"),
+    Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
+           moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
+           expert_size_field="intermediate_size"),
 )}
+
+# HF fields of MoE variants that change numerics in ways we do not implement: refused when "active".
+_MOE_REFUSED = {
+    "shared_expert_intermediate_size": "shared experts are not implemented",
+    "n_shared_experts": "shared experts are not implemented",
+    "num_shared_experts": "shared experts are not implemented",
+    "moe_shared_expert_intermediate_size": "shared experts are not implemented",
+    "router_jitter_noise": "router jitter (multiplicative input noise in training) is not implemented",
+    "router_z_loss_coef": "a router z-loss is not implemented",
+    "first_k_dense_replace": "dense leading layers are not implemented (every layer must be MoE)",
+    "moe_layer_freq": "interleaved dense/MoE layers are not implemented (every layer must be MoE)",
+    "topk_method": "grouped or biased top-k routing is not implemented (softmax top-k only)",
+    "scoring_func": "only a softmax router is implemented",
+    "n_group": "grouped top-k routing is not implemented",
+    "topk_group": "grouped top-k routing is not implemented",
+    "routed_scaling_factor": "scaled routing weights are not implemented",
+}
+_MOE_NEUTRAL = {"scoring_func": "softmax", "topk_method": "greedy", "routed_scaling_factor": 1.0}
+
+
+def hf_router_name(family: Family, layer: int) -> str:
+    """The published HF name of layer `layer`'s router weight [E, H]."""
+    return f"model.layers.{layer}.{family.moe_block}.gate.weight"
+
+
+def hf_expert_names(family: Family, layer: int, expert: int) -> tuple[str, str, str]:
+    """The published HF names of one expert's (gate [I, H], up [I, H], down [H, I]) weights."""
+    prefix = f"model.layers.{layer}.{family.moe_block}.experts.{expert}."
+    return tuple(prefix + n + ".weight" for n in family.expert_names)  # type: ignore[return-value]
 
 
 def get_family(name: str) -> Family:
@@ -172,11 +218,39 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
     window = _sliding_window(family, config, where, max_positions)
+    if family.moe_block:
+        arch_fields.update(_moe_fields(family, config, where))
     try:
         return ModelArch(**arch_fields, family=family.name, attention_bias=family.qkv_bias, qk_norm=family.qk_norm,
                          rope_scaling=scaling, sliding_window=window)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArch MoE fields of an MoE family's config; refuses the MoE variants we do not implement."""
+    for field, why in _MOE_REFUSED.items():
+        value = config.get(field)
+        if value not in (None, 0, 0.0, False) and _MOE_NEUTRAL.get(field) != value:
+            raise _refuse(where, field, f"{value!r}: {why}")
+    if int(config.get("decoder_sparse_step", 1) or 1) != 1:
+        raise _refuse(where, "decoder_sparse_step", f"{config['decoder_sparse_step']}: interleaved dense/MoE layers "
+                      "are not implemented (every layer must be MoE: decoder_sparse_step 1)")
+    if config.get("mlp_only_layers"):
+        raise _refuse(where, "mlp_only_layers", f"{config['mlp_only_layers']}: dense layers among MoE layers are not "
+                      "implemented (must be empty)")
+    experts = config.get(family.experts_field, config.get("num_local_experts", config.get("num_experts")))
+    if experts is None:
+        raise ConfigError(f"{where}: missing field {family.experts_field!r}")
+    if int(experts) < 1:
+        raise _refuse(where, family.experts_field, f"{experts}: an MoE model needs at least one expert")
+    norm_topk = bool(config.get(family.norm_topk_field, False)) if family.norm_topk_field else True
+    try:
+        return dict(num_experts=int(experts), moe_top_k=int(config["num_experts_per_tok"]),
+                    moe_ffn_hidden_size=int(config[family.expert_size_field]), moe_norm_topk_prob=norm_topk,
+                    router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0))
+    except KeyError as exc:
+        raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
 
 
 def rope_parameters(arch: ModelArch) -> dict[str, Any]:
@@ -217,6 +291,26 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         config[family.bias_field] = False
     if family.name == "llama":
         config["mlp_bias"] = False
+    if bool(family.moe_block) != arch.is_moe:
+        raise ConfigError(f"model family {family.name!r} cannot express num_experts={arch.num_experts} "
+                          "in an HF config")
+    if family.moe_block:
+        config.update({
+            family.experts_field: arch.num_experts,
+            "num_experts_per_tok": arch.moe_top_k,
+            family.expert_size_field: arch.moe_ffn_hidden_size,
+            "router_aux_loss_coef": arch.router_aux_loss_coef,
+            "output_router_logits": False,
+        })
+        if family.norm_topk_field:
+            config[family.norm_topk_field] = arch.moe_norm_topk_prob
+        elif not arch.moe_norm_topk_prob:
+            raise ConfigError(f"model family {family.name!r} always renormalises its top-k router weights "
+                              "(moe_norm_topk_prob=False cannot be exported)")
+        if family.name == "qwen3_moe":
+            config.update(decoder_sparse_step=1, mlp_only_layers=[])
+        if family.name == "mixtral":
+            config["router_jitter_noise"] = 0.0
     if family.has_window:
         config["sliding_window"] = arch.sliding_window
         if family.window_flag:

@@ -16,6 +16,14 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
   the embedding as `output_layer.weight` (Megatron all-reduces the two copies' gradients).
 - With the TE spec the two RMSNorm weights are fused into the following linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
+- Mixture of experts (docs/moe.md): `mlp.router.weight` [E, H] is replicated over TP; expert e's weights are
+  `mlp.experts.local_experts.{j}.linear_fc1/linear_fc2.weight`, split over TP like the dense fc1/fc2 (Megatron's
+  expert tensor parallel size = TP), and held by expert-parallel rank e // (E / EP) as its local expert
+  j = e % (E / EP). The MLP norm stays `pre_mlp_layernorm.weight` with both specs. A stage's shards are
+  listed per (EP rank, TP rank): index ep_rank * TP + tp_rank (`MegatronLayout.shard_index`).
+- HF side: published per-expert names (models/families.py `hf_expert_names`); transformers 5's fused
+  in-memory form (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted on
+  input (`canonical_hf_state`).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
 
 LayerSpec = Literal["local", "te"]
 
@@ -39,9 +48,23 @@ class MegatronLayout:
     pp: int = 1
     layer_spec: LayerSpec = "local"
     vocab_divisible_by: int = 128
+    ep: int = 1
+    """Expert-parallel size (MoE only): EP ranks each hold num_experts / EP experts of every layer."""
 
     def __post_init__(self) -> None:
-        check_parallel_layout(self.arch, self.tp, self.pp)
+        check_parallel_layout(self.arch, self.tp, self.pp, self.ep)
+
+    @property
+    def shards_per_stage(self) -> int:
+        return self.tp * self.ep
+
+    def shard_index(self, tp_rank: int, ep_rank: int = 0) -> int:
+        """Where (tp_rank, ep_rank)'s shard sits in a stage's list of shards."""
+        return ep_rank * self.tp + tp_rank
+
+    @property
+    def local_experts(self) -> int:
+        return self.arch.num_experts // self.ep
 
     @property
     def padded_vocab_size(self) -> int:
@@ -58,20 +81,32 @@ class MegatronLayout:
 
     def norm_names(self) -> tuple[str, str]:
         if self.layer_spec == "te":
-            return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+            # An MoE layer's MLP norm is its own module (TE cannot fuse it into the router and experts).
+            mlp = "pre_mlp_layernorm.weight" if self.arch.is_moe else "mlp.linear_fc1.layer_norm_weight"
+            return "self_attention.linear_qkv.layer_norm_weight", mlp
         return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def check_parallel_layout(arch: ModelArch, tp: int, pp: int) -> None:
+def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> None:
     """Raise a ConfigError naming the field when the model cannot be split this way."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel sizes must be >= 1 (tensor_parallel={tp}, pipeline_parallel={pp})")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (tensor_parallel={tp}, pipeline_parallel={pp}, "
+                          f"expert_parallel={ep})")
+    if ep > 1 and not arch.is_moe:
+        raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model (this {arch.family} model is dense)")
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ConfigError(f"expert_parallel={ep} does not divide the model's {arch.num_experts} experts "
+                              "(num_experts)")
+        if arch.moe_ffn_hidden_size % tp:
+            raise ConfigError(f"tensor_parallel={tp} does not divide moe_ffn_hidden_size={arch.moe_ffn_hidden_size} "
+                              "(experts are split over TP like the dense MLP)")
     if arch.num_query_groups % tp:
         raise ConfigError(
             f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
             f"(num_query_groups; {arch.num_attention_heads} attention heads): choose a TP size that divides "
             f"{arch.num_query_groups}")
-    if arch.ffn_hidden_size % tp:
+    if not arch.is_moe and arch.ffn_hidden_size % tp:
         raise ConfigError(f"tensor_parallel={tp} does not divide ffn_hidden_size={arch.ffn_hidden_size}")
     if arch.num_layers % pp:
         raise ConfigError(f"pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
@@ -139,22 +174,62 @@ def _require(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return state[name]
 
 
+def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """`state` with an MoE model's experts under their published per-expert names: transformers 5's fused
+    in-memory form (`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] = gate rows then up rows,
+    `...mlp.experts.down_proj` [E, H, I], router `...mlp.gate.weight`) is split (views, no copy). Dense
+    models and states already in the published form are returned as they are."""
+    if not arch.is_moe or not any(k.endswith(".experts.gate_up_proj") for k in state):
+        return state
+    family = get_family(arch.family)
+    out = dict(state)
+    for layer in range(arch.num_layers):
+        fused = f"model.layers.{layer}.mlp."
+        gate_up, down = out.pop(fused + "experts.gate_up_proj", None), out.pop(fused + "experts.down_proj", None)
+        if gate_up is None or down is None:
+            raise ConfigError(f"checkpoint has fused experts for some layers but not for layer {layer} "
+                              f"('{fused}experts.gate_up_proj' / 'down_proj')")
+        if gate_up.dim() != 3 or gate_up.shape[1] % 2 or down.dim() != 3:
+            raise ConfigError(f"checkpoint tensor '{fused}experts.gate_up_proj' has shape {tuple(gate_up.shape)}; "
+                              "expected [num_experts, 2 * moe_intermediate_size, hidden_size]")
+        if fused + "gate.weight" in out:
+            out[hf_router_name(family, layer)] = out.pop(fused + "gate.weight")
+        gates, ups = gate_up.chunk(2, dim=1)
+        for expert in range(gate_up.shape[0]):
+            g, u, d = hf_expert_names(family, layer, expert)
+            out[g], out[u], out[d] = gates[expert], ups[expert], down[expert]
+    return out
+
+
+def _expert_range(layout: MegatronLayout, ep_rank: int) -> range:
+    return range(ep_rank * layout.local_experts, (ep_rank + 1) * layout.local_experts)
+
+
 def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> list[list[dict[str, torch.Tensor]]]:
-    """HF-named tensors -> shards[pp_rank][tp_rank], each a Megatron GPTModel state dict."""
-    arch, tp, pp = layout.arch, layout.tp, layout.pp
+    """HF-named tensors -> shards[pp_rank][layout.shard_index(tp_rank, ep_rank)], each a Megatron GPTModel
+    state dict (for a dense model or EP = 1: shards[pp_rank][tp_rank])."""
+    arch, tp, pp, ep = layout.arch, layout.tp, layout.pp, layout.ep
+    state = canonical_hf_state(state, arch)
     check_hf_state(state, arch)
-    shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
+    family = get_family(arch.family)
+    shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp * ep)] for _ in range(pp)]
+
+    def each(stage: int):  # (tp_rank, ep_rank, shard) of a stage
+        return [(t, e, shards[stage][layout.shard_index(t, e)]) for e in range(ep) for t in range(tp)]
+
     embed = _pad_vocab(_require(state, "model.embed_tokens.weight"), layout.padded_vocab_size)
     head = embed if arch.tie_word_embeddings else _pad_vocab(_require(state, "lm_head.weight"),
                                                             layout.padded_vocab_size)
     norm_attn, norm_mlp = layout.norm_names()
-    for t, chunk in enumerate(_split_rows(embed, tp)):
-        shards[0][t]["embedding.word_embeddings.weight"] = chunk
+    embed_chunks = _split_rows(embed, tp)
+    for t, _, shard in each(0):
+        shard["embedding.word_embeddings.weight"] = embed_chunks[t]
     if layout.has_output_layer(pp - 1):
-        for t, chunk in enumerate(_split_rows(head, tp)):
-            shards[pp - 1][t]["output_layer.weight"] = chunk
-    for t in range(tp):
-        shards[pp - 1][t]["decoder.final_layernorm.weight"] = _require(state, "model.norm.weight").clone()
+        head_chunks = _split_rows(head, tp)
+        for t, _, shard in each(pp - 1):
+            shard["output_layer.weight"] = head_chunks[t]
+    for _, _, shard in each(pp - 1):
+        shard["decoder.final_layernorm.weight"] = _require(state, "model.norm.weight").clone()
     for layer in range(arch.num_layers):
         stage, local = divmod(layer, layout.layers_per_stage)
         hf = f"model.layers.{layer}."
@@ -162,16 +237,29 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         qkv = fuse_qkv(_require(state, hf + "self_attn.q_proj.weight"), _require(state, hf + "self_attn.k_proj.weight"),
                        _require(state, hf + "self_attn.v_proj.weight"), arch, tp)
         proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
-        fc1 = fuse_gate_up(_require(state, hf + "mlp.gate_proj.weight"), _require(state, hf + "mlp.up_proj.weight"), tp)
-        fc2 = _split_cols(_require(state, hf + "mlp.down_proj.weight"), tp)
+        if arch.is_moe:
+            router = _require(state, hf_router_name(family, layer))
+            experts = {}
+            for expert in range(arch.num_experts):
+                g, u, d = (_require(state, n) for n in hf_expert_names(family, layer, expert))
+                experts[expert] = (fuse_gate_up(g, u, tp), _split_cols(d, tp))
+        else:
+            fc1 = fuse_gate_up(_require(state, hf + "mlp.gate_proj.weight"), _require(state, hf + "mlp.up_proj.weight"), tp)
+            fc2 = _split_cols(_require(state, hf + "mlp.down_proj.weight"), tp)
         if arch.attention_bias:
             qkv_bias = fuse_qkv_bias(*(_require(state, hf + f"self_attn.{p}_proj.bias") for p in "qkv"), arch, tp)
-        for t in range(tp):
-            shard = shards[stage][t]
+        for t, e, shard in each(stage):
             shard[meg + "self_attention.linear_qkv.weight"] = qkv[t]
             shard[meg + "self_attention.linear_proj.weight"] = proj[t]
-            shard[meg + "mlp.linear_fc1.weight"] = fc1[t]
-            shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
+            if arch.is_moe:
+                shard[meg + "mlp.router.weight"] = router.clone()
+                for j, expert in enumerate(_expert_range(layout, e)):
+                    fc1_e, fc2_e = experts[expert]
+                    shard[meg + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1_e[t]
+                    shard[meg + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = fc2_e[t]
+            else:
+                shard[meg + "mlp.linear_fc1.weight"] = fc1[t]
+                shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
             shard[meg + norm_attn] = _require(state, hf + "input_layernorm.weight").clone()
             shard[meg + norm_mlp] = _require(state, hf + "post_attention_layernorm.weight").clone()
             if arch.attention_bias:
@@ -184,15 +272,17 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
 
 
 def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of `arch` holds, with its shape (lm_head left out when tied)."""
+    """Every tensor an HF checkpoint of `arch` holds (published names), with its shape (lm_head left out
+    when tied)."""
     h, f, v, hd = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     per_layer = {"self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
                  "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size),
-                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if not arch.is_moe:
+        per_layer.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
     if arch.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (arch.q_size,), "self_attn.k_proj.bias": (arch.kv_size,),
                           "self_attn.v_proj.bias": (arch.kv_size,)})
@@ -200,16 +290,23 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     for layer in range(arch.num_layers):
         shapes.update({f"model.layers.{layer}.{n}": s for n, s in per_layer.items()})
+        if arch.is_moe:
+            family, i = get_family(arch.family), arch.moe_ffn_hidden_size
+            shapes[hf_router_name(family, layer)] = (arch.num_experts, h)
+            for expert in range(arch.num_experts):
+                g, u, d = hf_expert_names(family, layer, expert)
+                shapes.update({g: (i, h), u: (i, h), d: (h, i)})
     return shapes
 
 
 def check_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> None:
     """Refuse, naming the tensor, a checkpoint that does not match its config: a tensor the architecture
-    has no place for (an o_proj bias, an extra layer: the conversion would drop it silently), a missing
-    tensor, or a wrong shape."""
+    has no place for (an o_proj bias, an extra layer or expert: the conversion would drop it silently), a
+    missing tensor, or a wrong shape."""
     shapes = hf_tensor_shapes(arch)
+    moe = f", num_experts={arch.num_experts}" if arch.is_moe else ""
     where = (f"a {arch.family} model of this config (attention_bias={arch.attention_bias}, qk_norm={arch.qk_norm}, "
-             f"num_layers={arch.num_layers})")
+             f"num_layers={arch.num_layers}{moe})")
     extra = sorted(n for n in set(state) - set(shapes) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ConfigError(f"checkpoint tensor '{extra[0]}' does not belong to {where} "
@@ -222,13 +319,19 @@ def check_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> None:
 
 
 def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: MegatronLayout) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_megatron`: shards[pp_rank][tp_rank] -> HF-named tensors (vocab padding dropped)."""
-    arch, tp, pp = layout.arch, layout.tp, layout.pp
-    if len(shards) != pp or any(len(row) != tp for row in shards):
-        raise ConfigError(f"expected {pp} x {tp} (PP x TP) shards, got {[len(r) for r in shards]}")
+    """Inverse of `hf_to_megatron`: shards[pp_rank][shard_index(tp_rank, ep_rank)] -> HF-named tensors
+    (published names; vocab padding dropped)."""
+    arch, tp, pp, ep = layout.arch, layout.tp, layout.pp, layout.ep
+    if len(shards) != pp or any(len(row) != tp * ep for row in shards):
+        sizes = f"{pp} x {tp}" + (f" x {ep} (PP x TP x EP)" if ep > 1 else " (PP x TP)")
+        raise ConfigError(f"expected {sizes} shards, got {[len(r) for r in shards]}")
     vocab = arch.vocab_size
+    family = get_family(arch.family)
     state: dict[str, torch.Tensor] = {}
-    gather = lambda stage, name: [_require(shards[stage][t], name) for t in range(tp)]  # noqa: E731
+
+    def gather(stage: int, name: str, ep_rank: int = 0) -> list[torch.Tensor]:
+        return [_require(shards[stage][layout.shard_index(t, ep_rank)], name) for t in range(tp)]
+
     state["model.embed_tokens.weight"] = torch.cat(gather(0, "embedding.word_embeddings.weight"))[:vocab].contiguous()
     if not arch.tie_word_embeddings:
         state["lm_head.weight"] = torch.cat(gather(pp - 1, "output_layer.weight"))[:vocab].contiguous()
@@ -239,14 +342,24 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
         q, k, v = split_qkv(gather(stage, meg + "self_attention.linear_qkv.weight"), arch)
-        gate, up = split_gate_up(gather(stage, meg + "mlp.linear_fc1.weight"))
         state[hf + "self_attn.q_proj.weight"] = q
         state[hf + "self_attn.k_proj.weight"] = k
         state[hf + "self_attn.v_proj.weight"] = v
         state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
-        state[hf + "mlp.gate_proj.weight"] = gate
-        state[hf + "mlp.up_proj.weight"] = up
-        state[hf + "mlp.down_proj.weight"] = torch.cat(gather(stage, meg + "mlp.linear_fc2.weight"), 1)
+        if arch.is_moe:
+            state[hf_router_name(family, layer)] = _require(shards[stage][0], meg + "mlp.router.weight").clone()
+            for e in range(ep):
+                for j, expert in enumerate(_expert_range(layout, e)):
+                    name = meg + f"mlp.experts.local_experts.{j}."
+                    gate, up = split_gate_up(gather(stage, name + "linear_fc1.weight", e))
+                    g, u, d = hf_expert_names(family, layer, expert)
+                    state[g], state[u] = gate, up
+                    state[d] = torch.cat(gather(stage, name + "linear_fc2.weight", e), 1)
+        else:
+            gate, up = split_gate_up(gather(stage, meg + "mlp.linear_fc1.weight"))
+            state[hf + "mlp.gate_proj.weight"] = gate
+            state[hf + "mlp.up_proj.weight"] = up
+            state[hf + "mlp.down_proj.weight"] = torch.cat(gather(stage, meg + "mlp.linear_fc2.weight"), 1)
         state[hf + "input_layernorm.weight"] = _require(shards[stage][0], meg + norm_attn).clone()
         state[hf + "post_attention_layernorm.weight"] = _require(shards[stage][0], meg + norm_mlp).clone()
         if arch.attention_bias:

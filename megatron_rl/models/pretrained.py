@@ -26,7 +26,7 @@ from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.gguf import read_gguf
-from megatron_rl.models.megatron_layout import MegatronLayout, megatron_to_hf
+from megatron_rl.models.megatron_layout import MegatronLayout, canonical_hf_state, megatron_to_hf
 
 MEGATRON_META = "megatron_rl_checkpoint.json"
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded HF model's tensor -> shard file map
@@ -95,8 +95,10 @@ def load_pretrained(path: str, *, lazy: bool = False) -> Pretrained:
                           load_state=megatron_state)
     if os.path.isfile(os.path.join(path, "config.json")):
         arch = families.from_json(os.path.join(path, "config.json"))
-        return Pretrained(arch, None if lazy else read_safetensors_dir(path), _maybe_tokenizer(path), path,
-                          load_state=lambda: read_safetensors_dir(path))
+        # MoE experts saved in transformers' fused in-memory form are read under their published names.
+        return Pretrained(arch, None if lazy else canonical_hf_state(read_safetensors_dir(path), arch),
+                          _maybe_tokenizer(path), path,
+                          load_state=lambda: canonical_hf_state(read_safetensors_dir(path), arch))
     raise ConfigError(f"{path}: not a model directory (no config.json, no {MEGATRON_META})")
 
 
@@ -144,22 +146,25 @@ def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_dir_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """Megatron-LM's shard directory names; `ep_rank` only for expert-parallel checkpoints (EP > 1)."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
 
 
 def write_megatron_meta(path: str, layout: MegatronLayout, tokenizer: ChatTokenizer | None) -> None:
     """The metadata (and tokenizer) that make a directory of shards a loadable Megatron checkpoint."""
     meta = {"format": 1, "arch": dataclasses.asdict(layout.arch), "tp": layout.tp, "pp": layout.pp,
             "layer_spec": layout.layer_spec, "vocab_divisible_by": layout.vocab_divisible_by}
+    if layout.ep > 1:
+        meta["ep"] = layout.ep
     with open(os.path.join(path, MEGATRON_META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
     if tokenizer is not None:
         tokenizer.save_hf(path)
 
 
-def shard_file(path: str, tp_rank: int, pp_rank: int) -> str:
-    return os.path.join(path, shard_dir_name(tp_rank, pp_rank), "model.safetensors")
+def shard_file(path: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    return os.path.join(path, shard_dir_name(tp_rank, pp_rank, ep_rank), "model.safetensors")
 
 
 def read_megatron_layout(path: str) -> MegatronLayout:
@@ -169,21 +174,26 @@ def read_megatron_layout(path: str) -> MegatronLayout:
             meta = json.load(f)
         return MegatronLayout(ModelArch.from_dict(meta["arch"], where=meta_file), tp=int(meta["tp"]), pp=int(meta["pp"]),
                               layer_spec=meta.get("layer_spec", "local"),
-                              vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)))
+                              vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)), ep=int(meta.get("ep", 1)))
     except FileNotFoundError:
         raise ConfigError(f"{path}: not a Megatron checkpoint (no {MEGATRON_META})") from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ConfigError(f"{meta_file}: corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from None
 
 
-def load_megatron_shard(path: str, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    file = shard_file(path, tp_rank, pp_rank)
+def load_megatron_shard(path: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """One rank's shard; `ep_rank` (None: 0) names the expert-parallel rank of an EP > 1 checkpoint."""
+    if ep_rank is not None and not os.path.isfile(shard_file(path, tp_rank, pp_rank, ep_rank)) and ep_rank == 0:
+        ep_rank = None  # an EP = 1 checkpoint
+    file = shard_file(path, tp_rank, pp_rank, ep_rank)
     if not os.path.isfile(file):
-        raise ConfigError(f"{path}: shard {shard_dir_name(tp_rank, pp_rank)} is missing")
+        raise ConfigError(f"{path}: shard {shard_dir_name(tp_rank, pp_rank, ep_rank)} is missing")
     return _load_safetensors(file)
 
 
 def load_megatron(path: str) -> tuple[MegatronLayout, list[list[dict[str, torch.Tensor]]]]:
+    """The layout and shards[pp_rank][layout.shard_index(tp_rank, ep_rank)] of a Megatron checkpoint."""
     layout = read_megatron_layout(path)
-    shards = [[load_megatron_shard(path, t, p) for t in range(layout.tp)] for p in range(layout.pp)]
+    shards = [[load_megatron_shard(path, t, p, e if layout.ep > 1 else None) for e in range(layout.ep)
+               for t in range(layout.tp)] for p in range(layout.pp)]
     return layout, shards

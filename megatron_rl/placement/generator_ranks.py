@@ -235,7 +235,7 @@ def serve_generator_rank(config, role: LaunchRole) -> None:
     """A generator rank's whole life: load the model, serve the driver until it says stop."""
     model = load_pretrained(config.model.path)
     engine = NativeEngine(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer,
-                          config=config.engine)
+                          config=rollout_engine_config(config))
     del model
     link = RecordLink(role.record_links[0], peer=0, last={"stop"})
     weights = _StagedWeights(engine, link)
@@ -261,3 +261,10 @@ def generator_rank_pool(config):
                                      group_name="megatron_rl/generator_weights")
 
     return EnginePool(engines, weight_sender_factory=sender)
+
+
+def rollout_engine_config(config):
+    """The run's native-engine config, recording MoE routing when the rollout asks for it or the trainer
+    replays it (the records travel with each completion to `TrainBatch.routed_experts`)."""
+    record = config.engine.record_routing or config.rollout.record_routing or config.trainer.moe_routing_replay
+    return dataclasses.replace(config.engine, record_routing=record)

@@ -12,7 +12,7 @@ import torch
 from megatron_rl import ranks
 from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.placement.generator_process import GeneratorProcess
-from megatron_rl.placement.generator_ranks import generator_rank_pool
+from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_engine_config
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.sglang_engine import SGLangEngine
@@ -32,6 +32,7 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
     SGLang engine (its planned memory fraction)."""
     rollout = config.rollout
     generator = config.cluster.generator
+    engine_config = rollout_engine_config(config)
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
         return generator_rank_pool(config)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
@@ -46,11 +47,11 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
         # Lending makes the thread count, and so floating-point summation order, depend on timing.
         lend = rollout.lend_idle_cores and not rollout.deterministic and single_policy and ranks.world_size() == 1
         cores = CoreShare(trainer_threads=rollout.trainer_threads, generator_threads=rollout.generator_threads) if lend else None
-        return GeneratorProcess(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer, config=config.engine,
+        return GeneratorProcess(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer, config=engine_config,
                                 threads=rollout.generator_threads, verify_weights=rollout.verify_weight_sync,
                                 core_share=cores)
     return NativeEngine(model.arch, generator_weights(model.state, config.cluster.generator), tokenizer=model.tokenizer,
-                        config=config.engine)
+                        config=engine_config)
 
 
 def policy_weight_channel(config, trainer, engine):

@@ -69,6 +69,10 @@ class RolloutConfig:
     """A prompt whose rendered tokens do not fit the engine's context (engine.max_seq_len, or the
     model's): error names the prompt, its source file and row; skip counts it (rollout/skipped_prompts)
     and draws the next prompt in its place."""
+    record_routing: bool = False
+    """MoE policies: the engine records the experts it routed every position to (`Completion.routed_experts`)
+    so the trainer can replay them; the engine reads `engine.record_routing`, which whoever builds the engine
+    sets from this (or the trainer's routing replay). Ignored for dense models."""
     drop_uninformative_groups: bool = True
     """Skip the backward pass for groups whose advantages are all zero (every sample scored the same).
     Their gradient is exactly zero without a KL/entropy term, so this changes speed, not the update."""
@@ -111,6 +115,9 @@ class NativeEngineConfig:
     batches (max_batch_size rows) and transposed [in, out] for smaller steps: faster decoding for two more
     copies of the layer weights in memory (rebuilt lazily between steps after a weight update).
     Results equal the unpacked F.linear path up to float rounding (~1e-7)."""
+    record_routing: bool = False
+    """MoE models: record each position's expert ids into `Completion.routed_experts` (int16 [P + R - 1,
+    layers, top_k]; rollout/native/moe.py). Off by default: it costs layers * top_k * 2 bytes per token."""
 
     def __post_init__(self) -> None:
         require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")

@@ -95,16 +95,24 @@ class CostAssumptions:
     kv_cache_dtype_bytes: int = 2
     """Bytes per KV-cache element (2: BF16 KV cache even for FP8 weights)."""
     attention: Literal["flash", "unfused"] = "flash"
-    """Attention kernel of the trainer: flash (TE / FlashAttention: no [s, s] scores kept) or unfused
-    (Megatron local spec: softmax probabilities [heads, s, s] kept for backward; the CPU path)."""
+    """Attention kernel of the trainer: flash (TE / FlashAttention, and torch's SDPA that our local layer spec
+    uses on CPU: no [s, s] scores kept) or unfused (Megatron's DotProductAttention: softmax probabilities
+    [heads, s, s] kept for backward)."""
     pipeline_bubble: bool = True
     """Charge 1F1B's (PP - 1) / (micro-batches + PP - 1) pipeline bubble to training time."""
     sync_efficiency: float = 0.7
     """Fraction of link bandwidth a bucketed weight broadcast reaches."""
+    moe_imbalance: float = 1.25
+    """MoE: tokens the busiest expert rank receives over the mean (dropless routing with a load-balancing
+    loss is never exactly even); scales routed-token memory, expert flops and all-to-all bytes."""
+    alltoall_efficiency: float = 0.7
+    """MoE: fraction of link bandwidth an expert-parallel all-to-all (dispatch / combine) reaches."""
 
     def __post_init__(self) -> None:
-        for name in ("train_mfu", "hbm_efficiency", "decode_flop_efficiency", "memory_fraction", "sync_efficiency"):
+        for name in ("train_mfu", "hbm_efficiency", "decode_flop_efficiency", "memory_fraction", "sync_efficiency",
+                     "alltoall_efficiency"):
             require(0 < getattr(self, name) <= 1, name, "must be in (0, 1]")
+        require(self.moe_imbalance >= 1, "moe_imbalance", "must be >= 1 (the busiest rank gets at least the mean)")
         require(0 < self.mean_response_fraction <= 1, "mean_response_fraction", "must be in (0, 1]")
         require(self.prompt_tokens >= 1, "prompt_tokens", "must be >= 1")
         require(self.kv_cache_dtype_bytes in (1, 2, 4), "kv_cache_dtype_bytes", "must be 1, 2 or 4")

@@ -15,6 +15,14 @@ assumptions in `CostAssumptions` (no term is fitted to a measurement):
   response (the decode latency floor) times the waves its batch limit forces.
 - Training: (6 + 2 if recomputing) x params x tokens flops at `train_mfu` of the peak, plus the 1F1B bubble.
 - Weight sync: bytes each receiving GPU must take in, over the link that feeds it.
+
+Mixture-of-experts models (docs/moe.md, "Planning MoE layouts") split every count into dense parameters
+(attention, embeddings, norms, the router) and expert parameters. Expert weights are spread over the
+expert-parallel group (EP, times the expert tensor-parallel size ETP) and their optimizer states over the
+expert data-parallel group, Megatron's layout; routed tokens add their own activations, scaled by the
+imbalance of the busiest expert rank; flops count the active parameters (top-k experts per token); every
+MoE layer pays a dispatch and a combine all-to-all over the EP group (NVLink inside a node, InfiniBand
+across). Engines hold every expert and per decode step read the experts the batch's tokens touch.
 """
 from __future__ import annotations
 
@@ -39,29 +47,75 @@ def padded_vocab(arch: ModelArch, tp: int, divisible_by: int = 128) -> int:
     return -(-arch.vocab_size // multiple) * multiple
 
 
-def layer_parameters(arch: ModelArch, tp: int = 1) -> float:
-    """Parameters of one transformer layer on one TP rank (the RMSNorm weights, q/k norms included, are
-    replicated; q/k/v biases are split like their rows)."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * f
+def dense_layer_parameters(arch: ModelArch, tp: int = 1) -> float:
+    """Non-expert parameters of one transformer layer on one TP rank: attention, norms and the dense MLP,
+    or for an MoE layer the router [experts, hidden] instead of the MLP. The RMSNorm weights (q/k norms
+    included) and the router are replicated over TP; q/k/v biases are split like their rows."""
+    h = arch.hidden_size
+    sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
     if arch.attention_bias:
         sharded += arch.q_size + 2 * arch.kv_size
     replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
+    if arch.is_moe:
+        replicated += arch.num_experts * h
+    else:
+        sharded += 3 * h * arch.ffn_hidden_size
     return sharded / tp + replicated
 
 
-def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128) -> float:
-    """Parameters held by one GPU of pipeline stage `stage` (layers + embedding / output / final norm)."""
-    params = layer_parameters(arch, tp) * arch.num_layers / pp
+def expert_layer_parameters(arch: ModelArch, ep: int = 1, etp: int = 1) -> float:
+    """Expert parameters of one MoE layer on one GPU: E / EP local SwiGLU experts, each split over ETP."""
+    if not arch.is_moe:
+        return 0.0
+    return arch.num_experts / ep * 3 * arch.hidden_size * arch.moe_ffn_hidden_size / etp
+
+
+def layer_parameters(arch: ModelArch, tp: int = 1, ep: int = 1, etp: int | None = None) -> float:
+    """Parameters of one transformer layer on one GPU (dense part over TP, experts over EP x ETP)."""
+    return dense_layer_parameters(arch, tp) + expert_layer_parameters(arch, ep, tp if etp is None else etp)
+
+
+def expert_parameters(arch: ModelArch) -> float:
+    """Every expert's parameters in the model (0 for a dense model)."""
+    return arch.num_layers * expert_layer_parameters(arch)
+
+
+def active_parameters(arch: ModelArch) -> float:
+    """Parameters one token's forward pass multiplies by: all dense ones and its top-k experts per layer."""
+    if not arch.is_moe:
+        return float(arch.num_parameters())
+    return arch.num_parameters() - expert_parameters(arch) * (1 - arch.moe_top_k / arch.num_experts)
+
+
+def experts_touched(arch: ModelArch, tokens: float) -> float:
+    """Expected distinct experts of one layer that `tokens` tokens route to, each choosing top-k of E
+    uniformly: E (1 - (1 - k/E)^tokens); k for one token, nearly E once a batch is large."""
+    if not arch.is_moe:
+        return 0.0
+    return arch.num_experts * (1 - (1 - arch.moe_top_k / arch.num_experts) ** max(tokens, 1.0))
+
+
+def stage_parameter_split(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128, *,
+                          ep: int = 1, etp: int | None = None) -> tuple[float, float]:
+    """(dense, expert) parameters held by one GPU of pipeline stage `stage` (layers, plus the embedding /
+    output / final norm on the first and last stage)."""
+    layers = arch.num_layers / pp
+    dense = dense_layer_parameters(arch, tp) * layers
+    experts = expert_layer_parameters(arch, ep, tp if etp is None else etp) * layers
     embed = padded_vocab(arch, tp, vocab_divisible_by) * arch.hidden_size / tp
-    last = stage == pp - 1
     if stage == 0:
-        params += embed
-    if last:
-        params += arch.hidden_size
+        dense += embed
+    if stage == pp - 1:
+        dense += arch.hidden_size
         if not arch.tie_word_embeddings or pp > 1:
-            params += embed
-    return params
+            dense += embed
+    return dense, experts
+
+
+def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128, *,
+                     ep: int = 1, etp: int | None = None) -> float:
+    """Parameters held by one GPU of pipeline stage `stage` (layers + embedding / output / final norm)."""
+    return sum(stage_parameter_split(arch, tp, pp, stage, vocab_divisible_by, ep=ep, etp=etp))
 
 
 def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int) -> float:
@@ -87,26 +141,60 @@ class TrainerLayout:
     recompute: bool = False
     distributed_optimizer: bool = True
     vocab_divisible_by: int = 128
+    ep: int = 1
+    """Expert-parallel size (MoE): each GPU holds num_experts / EP experts."""
+    etp: int = 0
+    """Expert tensor-parallel size (MoE); 0 = the trainer's TP (Megatron's default)."""
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Megatron's expert data-parallel size: the trainer's GPUs / (ETP x EP x PP)."""
+        return max(1, self.tp * self.dp // (self.expert_tp * self.ep))
 
 
 def layer_activation_elements(arch: ModelArch, seq_len: int, tp: int,
                               attention: Literal["flash", "unfused"]) -> float:
     """Elements one token keeps alive per transformer layer for the backward pass (no recompute).
 
-    Counted tensor by tensor for Megatron's Llama layer (checked on CPU against the saved tensors
-    of a real step): each RMSNorm keeps its input's rsqrt statistic and two products (x * rstd, then
-    x the weight) [2h + 1], the two residual sums [2h]; attention keeps q after RoPE, k and v expanded
-    to every query head, and the context [4q] plus the softmax probabilities [heads * s] when unfused,
-    or q, k, v, output and the log-sum-exp [2q + 2kv + heads] with flash attention; the SwiGLU MLP keeps
-    fc1's output [2f], silu(gate), the product and fc2's input [3f]. Norms and residuals are replicated
-    over TP (no sequence parallelism); the rest is split."""
+    Counted tensor by tensor for our Megatron layer (checked on CPU against the tensors autograd saves in a
+    real step, with the fused RMSNorm / SwiGLU / RoPE of trainer/local_fusions.py and torch's SDPA, which
+    save what Transformer Engine's fused modules save): the layer input and the mid-layer residual sum [2h],
+    each RMSNorm's output (the next projection's input) and its rsqrt statistic [2h + 2]; with flash
+    attention, the qkv projection's output (v is a view of it) [q + 2kv], q and k after RoPE [q + kv], the
+    attention output [q] and the log-sum-exp [heads]; unfused (Megatron's materialised scores), q after
+    RoPE, k and v expanded to every query head and the context [4q] plus the softmax probabilities
+    [heads * s]; the SwiGLU MLP keeps fc1's output [2f] and fc2's input [f]. Norms and residuals are
+    replicated over TP (no sequence parallelism); the rest is split.
+
+    An MoE layer keeps, instead of the MLP, the router's logits and probabilities [2E] (the routed experts'
+    own tensors are `routed_activation_elements`). Megatron trains MoE with TP > 1 only under sequence
+    parallelism, which splits the norms and residuals over TP as well."""
     h, f, q, kv, heads = arch.hidden_size, arch.ffn_hidden_size, arch.q_size, arch.kv_size, arch.num_attention_heads
-    replicated = 6 * h + 2
+    replicated = 4 * h + 2
     if attention == "unfused":
         attn = 4 * q + heads * seq_len
     else:
-        attn = 2 * q + 2 * kv + heads
-    return replicated + (attn + 5 * f) / tp
+        attn = 3 * q + 3 * kv + heads
+    if arch.is_moe:
+        return replicated / tp + attn / tp + 2 * arch.num_experts
+    return replicated + (attn + 3 * f) / tp
+
+
+def routed_activation_elements(arch: ModelArch, tp: int, etp: int, imbalance: float) -> float:
+    """Elements per token of one MoE layer on the busiest expert rank: each token is dispatched to k experts,
+    and under EP the rank receives `imbalance` x the mean share; every routed copy keeps its permuted input
+    [h] and Megatron's expert MLP (Python SwiGLU, routing weight applied inside the expert): fc1's output
+    [2f], silu(gate), up, their product, the weighted product (fc2's input) [4f], f = the expert's width
+    over ETP (checked on CPU against the saved tensors of a real step). Tokens arrive split over TP
+    (sequence parallelism)."""
+    if not arch.is_moe:
+        return 0.0
+    per_copy = arch.hidden_size + 6 * arch.moe_ffn_hidden_size / etp
+    return imbalance * arch.moe_top_k * per_copy / tp
 
 
 def logprob_workspace_bytes(arch: ModelArch, tokens: int, tp: int, on_gpu: bool) -> float:
@@ -119,16 +207,24 @@ def logprob_workspace_bytes(arch: ModelArch, tokens: int, tp: int, on_gpu: bool)
 
 def trainer_memory(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssumptions, *,
                    on_gpu: bool = True) -> dict[str, float]:
-    """Bytes per GPU on the fullest pipeline stage, by term."""
+    """Bytes per GPU on the fullest pipeline stage, by term. An MoE model adds expert_weights,
+    expert_gradients, expert_optimizer (states sharded over the expert data-parallel group) and
+    routed_tokens."""
     worst: dict[str, float] = {}
     for stage in sorted({0, layout.pp - 1}):
-        params = stage_parameters(arch, layout.tp, layout.pp, stage, layout.vocab_divisible_by)
+        params, experts = stage_parameter_split(arch, layout.tp, layout.pp, stage, layout.vocab_divisible_by,
+                                                ep=layout.ep, etp=layout.expert_tp)
         optimizer_bytes = 12 if layout.params_bytes == 2 else 8  # fp32 master (bf16 only) + Adam m, v
         terms = {
             "weights": params * layout.params_bytes,
             "gradients": params * 4,
             "optimizer": params * optimizer_bytes / (layout.dp if layout.distributed_optimizer else 1),
         }
+        if arch.is_moe:
+            terms["expert_weights"] = experts * layout.params_bytes
+            terms["expert_gradients"] = experts * 4
+            terms["expert_optimizer"] = experts * optimizer_bytes / (layout.expert_dp if layout.distributed_optimizer
+                                                                     else 1)
         terms.update(_activations(arch, layout, assumptions, stage, on_gpu))
         if sum(terms.values()) > sum(worst.values()):
             worst = terms
@@ -142,11 +238,17 @@ def _activations(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssump
     layers = arch.num_layers / layout.pp
     in_flight = min(layout.pp - stage, layout.micro_batches)  # 1F1B: stage s holds PP - s micro-batches
     per_layer = layer_activation_elements(arch, layout.seq_len, layout.tp, assumptions.attention) * tokens * act_bytes
+    imbalance = assumptions.moe_imbalance if layout.ep > 1 else 1.0  # one EP rank computes every routed copy
+    routed = routed_activation_elements(arch, layout.tp, layout.expert_tp, imbalance) * tokens * act_bytes
     if layout.recompute:  # full, uniform: each layer keeps its input; one layer is rebuilt at a time
         stored = layers * in_flight * tokens * arch.hidden_size * act_bytes + per_layer
+        routed_stored = routed
     else:
         stored = layers * in_flight * per_layer
+        routed_stored = layers * in_flight * routed
     terms = {"activations": stored}
+    if arch.is_moe:
+        terms["routed_tokens"] = routed_stored
     extra = 0.0
     if assumptions.attention == "unfused":  # Megatron's global buffer for the [b, heads, s, s] scores
         extra += layout.micro_batch_size * arch.num_attention_heads / layout.tp * layout.seq_len ** 2 * act_bytes
@@ -161,19 +263,28 @@ def _activations(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssump
 
 def engine_memory(arch: ModelArch, engine_tp: int, precision: str, sequences: int, context: int,
                   assumptions: CostAssumptions) -> dict[str, float]:
-    """Bytes per GPU of an inference engine holding `sequences` of up to `context` tokens."""
+    """Bytes per GPU of an inference engine holding `sequences` of up to `context` tokens. An MoE engine
+    holds every expert (split over its GPUs, by TP or EP alike): they are the `expert_weights` term."""
     weight_bytes = 1 if precision == "fp8" else 2
-    params = arch.num_parameters()
-    scales = params / 128 ** 2 * 4 if precision == "fp8" else 0.0  # one fp32 scale per 128x128 block
-    return {"weights": (params * weight_bytes + scales) / engine_tp,
-            "kv_cache": sequences * context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / engine_tp}
+
+    def stored(params: float) -> float:
+        scales = params / 128 ** 2 * 4 if precision == "fp8" else 0.0  # one fp32 scale per 128x128 block
+        return (params * weight_bytes + scales) / engine_tp
+
+    experts = expert_parameters(arch)
+    terms = {"weights": stored(arch.num_parameters() - experts)}
+    if arch.is_moe:
+        terms["expert_weights"] = stored(experts)
+    terms["kv_cache"] = sequences * context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / engine_tp
+    return terms
 
 
 def kv_capacity(arch: ModelArch, engine_tp: int, precision: str, context: int, hw: HardwareSpec,
                 assumptions: CostAssumptions, other_bytes: float = 0.0) -> int:
     """Sequences of `context` tokens whose KV cache fits next to the weights (and `other_bytes`)."""
-    free = hw.hbm_bytes * assumptions.memory_fraction - engine_memory(arch, engine_tp, precision, 0, context,
-                                                                      assumptions)["weights"] - other_bytes
+    weights = engine_memory(arch, engine_tp, precision, 0, context, assumptions)
+    free = (hw.hbm_bytes * assumptions.memory_fraction - weights["weights"] - weights.get("expert_weights", 0.0)
+            - other_bytes)
     per_sequence = context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / engine_tp
     return max(0, int(free // per_sequence))
 
@@ -188,14 +299,43 @@ def allreduce_seconds(nbytes: float, group: int, hw: HardwareSpec, *, within_nod
     return latency + 2 * (group - 1) / group * nbytes / bandwidth
 
 
+def alltoall_seconds(nbytes: float, ep: int, hw: HardwareSpec, assumptions: CostAssumptions, *,
+                     etp: int = 1) -> float:
+    """One all-to-all in which each GPU of an EP group sends `nbytes` spread evenly over the group (1/EP
+    stays local). Megatron's rank order (tp-cp-ep-dp-pp) puts EP ranks ETP apart, so gpus_per_node / ETP
+    of them share a node: their share goes over NVLink, the rest over InfiniBand, both at once; the slower
+    link bounds the time, at `alltoall_efficiency` of its bandwidth."""
+    if ep <= 1:
+        return 0.0
+    per_peer = nbytes / ep
+    in_node = min(ep, max(1, hw.gpus_per_node // etp)) - 1
+    across = ep - 1 - in_node
+    latency = (hw.ib_latency_us if across else hw.nvlink_latency_us) * 1e-6
+    nvlink = in_node * per_peer / (hw.nvlink_gbps * 1e9)
+    ib = across * per_peer / (hw.ib_gbps * 1e9)
+    return latency + max(nvlink, ib) / assumptions.alltoall_efficiency
+
+
+def moe_alltoall_bytes(arch: ModelArch, tokens: float, assumptions: CostAssumptions, dtype_bytes: int = 2) -> float:
+    """Bytes one GPU exchanges in one dispatch (or combine) of an MoE layer: each of its `tokens` goes to k
+    experts as a [hidden] row; the busiest rank receives `moe_imbalance` x the mean."""
+    if not arch.is_moe:
+        return 0.0
+    return tokens * arch.moe_top_k * arch.hidden_size * dtype_bytes * assumptions.moe_imbalance
+
+
 def decode_step_seconds(arch: ModelArch, *, tp: int, pp: int = 1, precision: str, batch: int, context: float,
                         hw: HardwareSpec, assumptions: CostAssumptions, cuda_graphs: bool) -> float:
-    """Time of one decode step (one new token for each of `batch` sequences) of one engine."""
-    weight_bytes = arch.num_parameters() * (1 if precision == "fp8" else 2) / (tp * pp)
+    """Time of one decode step (one new token for each of `batch` sequences) of one engine. An MoE engine
+    streams its dense weights and only the experts the batch's tokens route to (`experts_touched`), and
+    multiplies by the active parameters."""
+    untouched = 1 - experts_touched(arch, batch) / max(arch.num_experts, 1)
+    read = arch.num_parameters() - expert_parameters(arch) * untouched
+    weight_bytes = read * (1 if precision == "fp8" else 2) / (tp * pp)
     kv_bytes = batch * context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / (tp * pp)
     memory_s = (weight_bytes + kv_bytes) / (hw.hbm_tbps * 1e12 * assumptions.hbm_efficiency)
     peak = (hw.fp8_tflops if precision == "fp8" else hw.bf16_tflops) * 1e12
-    compute_s = 2 * arch.num_parameters() * batch / (tp * pp) / (peak * assumptions.decode_flop_efficiency)
+    compute_s = 2 * active_parameters(arch) * batch / (tp * pp) / (peak * assumptions.decode_flop_efficiency)
     per_stage = max(memory_s, compute_s)
     layers = arch.num_layers / pp
     launch = (assumptions.kernel_overhead_us if cuda_graphs else assumptions.kernels_per_layer * assumptions.launch_us) * 1e-6
@@ -209,7 +349,7 @@ def decode_step_seconds(arch: ModelArch, *, tp: int, pp: int = 1, precision: str
 def prefill_seconds(arch: ModelArch, *, gpus: int, tokens: float, precision: str, hw: HardwareSpec,
                     assumptions: CostAssumptions) -> float:
     peak = (hw.fp8_tflops if precision == "fp8" else hw.bf16_tflops) * 1e12
-    return 2 * arch.num_parameters() * tokens / (gpus * peak * assumptions.decode_flop_efficiency)
+    return 2 * active_parameters(arch) * tokens / (gpus * peak * assumptions.decode_flop_efficiency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,14 +388,37 @@ def generation_seconds(arch: ModelArch, *, sequences: int, engines: int, tp: int
 
 
 def train_seconds(arch: ModelArch, *, tokens: float, gpus: int, pp: int, micro_batches: int, recompute: bool,
-                  fp8: bool, hw: HardwareSpec, assumptions: CostAssumptions) -> float:
-    """One optimizer step over `tokens` tokens on `gpus` GPUs."""
-    flops = (8 if recompute else 6) * arch.num_parameters() * tokens
+                  fp8: bool, hw: HardwareSpec, assumptions: CostAssumptions, tp: int = 1, ep: int = 1,
+                  etp: int | None = None, micro_batch_tokens: float = 0.0) -> float:
+    """One optimizer step over `tokens` tokens on `gpus` GPUs.
+
+    MoE: flops count the active parameters, the routed experts' share scaled by `moe_imbalance` under EP
+    (the busiest expert rank sets the pace), plus every MoE layer's dispatch and combine all-to-all of each
+    micro-batch of `micro_batch_tokens` (split over TP by sequence parallelism), forward and backward and
+    again when recomputing, not overlapped with compute."""
+    experts = expert_parameters(arch) * (arch.moe_top_k / arch.num_experts if arch.is_moe else 0.0)
+    imbalance = assumptions.moe_imbalance if ep > 1 else 1.0  # without EP each rank computes its own tokens' experts
+    flops = (8 if recompute else 6) * (active_parameters(arch) - experts + experts * imbalance) * tokens
     rate = gpus * hw.bf16_tflops * 1e12 * assumptions.train_mfu * (assumptions.fp8_train_speedup if fp8 else 1.0)
-    seconds = flops / rate
+    seconds = flops / rate + train_alltoall_seconds(
+        arch, pp=pp, micro_batches=micro_batches, recompute=recompute, hw=hw, assumptions=assumptions, tp=tp, ep=ep,
+        etp=etp, micro_batch_tokens=micro_batch_tokens)
     if assumptions.pipeline_bubble and pp > 1:
         seconds *= (micro_batches + pp - 1) / micro_batches
     return seconds
+
+
+def train_alltoall_seconds(arch: ModelArch, *, pp: int, micro_batches: int, recompute: bool, hw: HardwareSpec,
+                           assumptions: CostAssumptions, tp: int = 1, ep: int = 1, etp: int | None = None,
+                           micro_batch_tokens: float = 0.0) -> float:
+    """A trainer GPU's expert-parallel all-to-all time in one step (before the pipeline bubble): per
+    micro-batch and local MoE layer, a dispatch and a combine in forward, backward and any recompute."""
+    if not arch.is_moe or ep <= 1:
+        return 0.0
+    passes = 2 * (3 if recompute else 2)
+    per_layer = alltoall_seconds(moe_alltoall_bytes(arch, micro_batch_tokens / tp, assumptions), ep, hw, assumptions,
+                                 etp=tp if etp is None else etp)
+    return micro_batches * arch.num_layers / pp * passes * per_layer
 
 
 def sync_seconds(arch: ModelArch, *, engines: int, engine_tp: int, precision: str, trainer_gpus: int,

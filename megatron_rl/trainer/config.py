@@ -16,6 +16,10 @@ class ParallelConfig:
     """Tensor-parallel size (Megatron TP); must divide the model's key/value heads."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size (Megatron PP); must divide the number of layers."""
+    expert_parallel: int = 1
+    """Expert-parallel size (Megatron EP, mixture-of-experts models only): each EP rank holds num_experts / EP
+    experts of every layer; must divide num_experts and the data-parallel size (EP groups are carved out of
+    the data-parallel ranks, experts keep TP as their tensor-parallel size). docs/moe.md."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto picks nccl when CUDA is available, else gloo."""
     timeout_minutes: int = 30
@@ -24,6 +28,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         require(self.tensor_parallel >= 1, "tensor_parallel", "must be >= 1")
         require(self.pipeline_parallel >= 1, "pipeline_parallel", "must be >= 1")
+        require(self.expert_parallel >= 1, "expert_parallel", "must be >= 1")
         require(self.timeout_minutes >= 1, "timeout_minutes", "must be >= 1")
 
 
@@ -32,7 +37,12 @@ class ParallelConfig:
         if world_size % model_parallel:
             raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel "
                               f"= {self.tensor_parallel} x {self.pipeline_parallel}")
-        return world_size // model_parallel
+        data = world_size // model_parallel
+        if data % self.expert_parallel:
+            raise ConfigError(f"expert_parallel={self.expert_parallel} does not divide the data-parallel size {data} "
+                              f"(world {world_size} / (tensor_parallel {self.tensor_parallel} x pipeline_parallel "
+                              f"{self.pipeline_parallel})): expert-parallel groups are made of data-parallel ranks")
+        return data
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -83,6 +93,16 @@ class TrainerConfig:
     max_nonfinite_steps_in_a_row: int = 3
     """A step whose loss or gradients hold NaN/Inf is skipped (weights and optimizer state untouched,
     counted as train/nonfinite); the run stops with an error after this many such steps in a row."""
+    moe_aux_loss_coeff: float | None = None
+    """Mixture of experts: coefficient of Megatron's load-balancing (switch) loss added to the policy loss;
+    None takes the model's `router_aux_loss_coef` (HF config), 0 turns it off. Dense models ignore it."""
+    moe_routing_replay: bool = False
+    """Mixture of experts: recompute log-probs and gradients with the experts the rollout engine chose
+    (`Completion.routed_experts`, through Megatron's RouterReplay), so the trainer's policy is the one that
+    sampled; positions without a record use the trainer's own routing. docs/moe.md."""
+    moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
+    """Megatron's MoE token dispatcher: auto is alltoall on CUDA and allgather on CPU (Megatron's alltoall
+    dispatcher needs CUDA streams)."""
 
     def __post_init__(self) -> None:
         # Adam's step is about lr per weight: above 1 every weight is rewritten each step.
@@ -101,6 +121,8 @@ class TrainerConfig:
         require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")
+        require(self.moe_aux_loss_coeff is None or 0 <= self.moe_aux_loss_coeff < float("inf"), "moe_aux_loss_coeff",
+                f"must be a finite number >= 0 (or null: the model's router_aux_loss_coef), got {self.moe_aux_loss_coeff!r}")
 
 
 

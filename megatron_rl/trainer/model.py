@@ -27,6 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 from megatron_rl.models.rope import rope_inv_freq
+from megatron_rl.trainer import local_fusions
+from megatron_rl.trainer.moe import sequence_parallel_block_spec
 
 
 def transformer_engine_available() -> bool:
@@ -47,16 +49,19 @@ def resolve_layer_spec(requested: Literal["auto", "local", "te"]) -> Literal["lo
 
 def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parallel: int,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
-                       fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024):
+                       fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024,
+                       expert_parallel: int = 1, moe_aux_loss_coeff: float | None = None,
+                       moe_token_dispatcher: str = "auto"):
     """Megatron's TransformerConfig for `arch` (RMSNorm, SwiGLU, RoPE, GQA, no dropout; q/k/v biases and
     q/k norms as the family has them).
 
     `fp8_recipe` ("delayed" or "tensorwise") turns on Transformer Engine FP8 GEMMs in the "hybrid" format
     (e4m3 forward, e5m2 gradients); Megatron's TransformerBlock then enters TE's fp8 autocast itself
     (around the whole block for delayed scaling, per layer otherwise). Needs the TE layer spec."""
-    check_parallel_layout(arch, tensor_parallel, pipeline_parallel)
+    check_parallel_layout(arch, tensor_parallel, pipeline_parallel, expert_parallel)
     on_gpu = torch.cuda.is_available()
-    kwargs = {}
+    kwargs = moe_config_kwargs(arch, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                               aux_loss_coeff=moe_aux_loss_coeff, dispatcher=moe_token_dispatcher)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8_recipe:
@@ -105,11 +110,32 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     )
 
 
-def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False):
-    """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE."""
+def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel: int,
+                      aux_loss_coeff: float | None, dispatcher: str) -> dict:
+    """TransformerConfig fields of a mixture-of-experts arch (docs/moe.md); {} for a dense one. The router is
+    softmax top-k: with `moe_norm_topk_prob` the k weights are renormalised, which is Megatron's softmax over
+    the top-k logits (moe_router_pre_softmax False); without, the softmax over all experts is kept as is."""
+    if not arch.is_moe:
+        return {}
+    if dispatcher == "auto":
+        dispatcher = "alltoall" if torch.cuda.is_available() else "allgather"
+    coeff = arch.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
+                moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+                moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=coeff, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
+                moe_router_dtype="fp32", moe_enable_routing_replay=True, expert_model_parallel_size=expert_parallel,
+                # Megatron trains MoE layers under TP only with sequence parallelism.
+                sequence_parallel=tensor_parallel > 1)
+
+
+def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0):
+    """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE;
+    `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM)."""
+    moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
     if kind == "te":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
 
@@ -162,9 +188,12 @@ class ArchRotaryEmbedding(RotaryEmbedding):
 def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_process: bool, post_process: bool):
     """The GPTModel stage this rank holds. Its vocabulary is padded as `layout` says."""
     arch = layout.arch
+    spec = layer_spec(layout.layer_spec, qk_norm=arch.qk_norm, num_experts=arch.num_experts)
+    if config.sequence_parallel and layout.layer_spec == "local":
+        spec = sequence_parallel_block_spec(spec, layout.layers_per_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(layout.layer_spec, qk_norm=arch.qk_norm),
+        transformer_layer_spec=spec,
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -177,4 +206,6 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
     )
     model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,
                                                cp_group=pg_collection.cp)
+    if layout.layer_spec == "local":  # (Transformer Engine fuses these itself)
+        local_fusions.fuse_model(model)
     return model

@@ -56,6 +56,7 @@ def setup_model_parallel(config: ParallelConfig):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
+        expert_model_parallel_size=config.expert_parallel,
         create_gloo_process_groups=resolved_backend(config) != "gloo",
     )
     return ProcessGroupCollection.use_mpu_process_groups()

@@ -35,9 +35,13 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.module import Float16Module
 
+from megatron_rl.config import ConfigError
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import (
@@ -52,13 +56,14 @@ from megatron_rl.models.pretrained import (
     read_megatron_layout,
     resolve_model_path,
 )
-from megatron_rl.trainer import cpu_compat
+from megatron_rl.trainer import cpu_compat, local_fusions
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.model import (
     build_gpt_model,
     resolve_layer_spec,
     transformer_config,
 )
+from megatron_rl.trainer.moe import MoERouting
 from megatron_rl.trainer.parallel import setup_model_parallel
 from megatron_rl.types import TrainBatch
 
@@ -101,13 +106,20 @@ class MegatronTrainer:
     # --- construction -----------------------------------------------------------------------------
     def _build(self, pg_collection, hf_state) -> None:
         cfg, parallel = self.config, self.config.parallel
+        if not self.arch.is_moe and parallel.expert_parallel > 1:
+            raise ConfigError(f"trainer.parallel.expert_parallel={parallel.expert_parallel} needs a mixture-of-experts "
+                              f"model (this {self.arch.family} model is dense)")
         self.pg = pg_collection if pg_collection is not None else setup_model_parallel(parallel)
         self.tp_rank, self.tp_size = self.pg.tp.rank(), self.pg.tp.size()
         self.pp_rank, self.pp_size = self.pg.pp.rank(), self.pg.pp.size()
         self.dp_size = self.pg.dp.size()
+        self.ep_rank, self.ep_size = (self.pg.ep.rank(), self.pg.ep.size()) if self.arch.is_moe else (0, 1)
+        if cfg.moe_routing_replay and cfg.recompute_activations:
+            raise ConfigError("trainer.moe_routing_replay with trainer.recompute_activations is not supported "
+                             "(the recomputed forward would route by itself)")
         self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
                                      layer_spec=resolve_layer_spec(cfg.layer_spec),
-                                     vocab_divisible_by=cfg.vocab_divisible_by)
+                                     vocab_divisible_by=cfg.vocab_divisible_by, ep=self.ep_size)
         self.params_dtype = params_dtype(cfg)
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
@@ -117,14 +129,28 @@ class MegatronTrainer:
         self.tf_config = transformer_config(self.arch, tensor_parallel=self.tp_size, pipeline_parallel=self.pp_size,
                                             params_dtype=self.params_dtype, recompute=cfg.recompute_activations,
                                             fp8_recipe=None if cfg.fp8 == "none" else cfg.fp8,
-                                            fp8_amax_history_len=cfg.fp8_amax_history_len)
+                                            fp8_amax_history_len=cfg.fp8_amax_history_len,
+                                            expert_parallel=self.ep_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                                            moe_token_dispatcher=cfg.moe_token_dispatcher)
+        self.sequence_parallel = bool(self.tf_config.sequence_parallel)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
+        self.routing = MoERouting(model, num_experts=self.arch.num_experts, top_k=self.arch.moe_top_k,
+                                  first_layer=self.pp_rank * self.layout.layers_per_stage,
+                                  replay=cfg.moe_routing_replay,
+                                  sequence_parallel_size=self.tp_size if self.sequence_parallel else 1,
+                                  ) if self.arch.is_moe else None
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         self.gpt = model
         if self.is_last_stage:
             model.output_layer.forward = _hidden_states_head
+            if self.sequence_parallel:
+                # The head sees whole sequences: gather the sequence-parallel chunks. The log-prob kernel
+                # all-reduces its hidden-state gradient over TP already, so backward only keeps this
+                # rank's chunk (no second reduction).
+                model.output_layer.forward = lambda input_, *args, **kwargs: _hidden_states_head(
+                    gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False, group=self.pg.tp))
         if hf_state is not None:
             self.load_hf_state(hf_state)
         self._hook_layer_boundaries(model)
@@ -146,6 +172,7 @@ class MegatronTrainer:
             params_dtype=self.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=self._param_group_overrides(opt_config),
                                                 use_gloo_process_groups=False, pg_collection=self.pg)
+        local_fusions.fuse_adam(self.optimizer)  # (torch's Adam when neither TE nor Apex is installed)
         decay_steps = max(cfg.lr_decay_steps, cfg.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr,
@@ -195,7 +222,7 @@ class MegatronTrainer:
     # --- weights ----------------------------------------------------------------------------------
     def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of HF-named weights into the model (and the optimizer's master copy)."""
-        self.load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.tp_rank])
+        self.load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.layout.shard_index(self.tp_rank, self.ep_rank)])
 
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
         own = {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k}
@@ -234,13 +261,17 @@ class MegatronTrainer:
         shard = {k: v.detach().float().cpu() if v.dtype == torch.float32 else v.detach().cpu()
                  for k, v in self.shard_state().items()}
         gathered: list = [None] * world if dist.get_rank() == dst else None
-        dist.gather_object((self.tp_rank, self.pp_rank, self.pg.dp.rank(), shard), gathered, dst=dst)
+        # With expert parallelism a stage's shards differ over (TP, EP) ranks; the expert-data-parallel
+        # replicas (and, without EP, the data-parallel ones) hold copies.
+        replica = self.pg.expt_dp.rank() if self.arch.is_moe else self.pg.dp.rank()
+        index = self.layout.shard_index(self.tp_rank, self.ep_rank)
+        dist.gather_object((index, self.pp_rank, replica, shard), gathered, dst=dst)
         if gathered is None:
             return None
-        shards = [[None] * self.tp_size for _ in range(self.pp_size)]
-        for tp_rank, pp_rank, dp_rank, state in gathered:
-            if dp_rank == 0:
-                shards[pp_rank][tp_rank] = state
+        shards = [[None] * self.layout.shards_per_stage for _ in range(self.pp_size)]
+        for index, pp_rank, replica, state in gathered:
+            if replica == 0:
+                shards[pp_rank][index] = state
         return megatron_to_hf(shards, self.layout)
 
     # --- colocated offload ------------------------------------------------------------------------
@@ -309,7 +340,10 @@ class MegatronTrainer:
         micro = list(batch.micro_batches(self.config.micro_batch_size))
         if trim and self.pp_size == 1:  # (pipeline stages exchange activations of one fixed shape)
             micro = [mb.trimmed() for mb in micro]
-        seq = batch.seq_length - 1
+        # Sequence parallelism (MoE at TP > 1) splits the sequence over TP: inputs are padded to a multiple
+        # of TP at the end (a causal model's earlier positions do not see them) and the padding dropped again.
+        multiple = self.tp_size if self.sequence_parallel else 1
+        seq = -(-(batch.seq_length - 1) // multiple) * multiple
         device = self._device()
 
         def forward_step(data_iterator, model):
@@ -318,8 +352,18 @@ class MegatronTrainer:
                 self.between_layers()
             tokens = mb.tokens.to(device)
             inputs = tokens[:, :-1]
+            width = inputs.shape[1]
+            if width % multiple:
+                inputs = torch.cat([inputs, inputs.new_zeros(inputs.shape[0], multiple - width % multiple)], dim=1)
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+            if self.routing is not None:
+                self.routing.set_micro_batch(mb.routed_experts, _routed_positions(mb, inputs.shape[1]),
+                                             inputs.shape[1], self.tp_rank if multiple > 1 else 0, multiple)
             output = model(inputs, positions, None)
+            if self.routing is not None:
+                self.routing.finish_micro_batch()
+            if self.is_last_stage and output.shape[1] != width:
+                output = output[:, :width]
             return output, lambda hidden: on_hidden(hidden, tokens, mb)
 
         schedule = get_forward_backward_func()
@@ -335,8 +379,11 @@ class MegatronTrainer:
         rows = batch.batch_size
         padded_rows = -(-rows // self.config.micro_batch_size) * self.config.micro_batch_size
         if padded_rows != rows:
+            routed = batch.routed_experts
+            if routed is not None:
+                routed = torch.cat([routed, routed.new_full((padded_rows - rows, *routed.shape[1:]), -1)])
             batch = TrainBatch(tokens=torch.cat([batch.tokens, batch.tokens[:1].expand(padded_rows - rows, -1)]),
-                               loss_mask=torch.zeros(padded_rows, batch.seq_length))
+                               loss_mask=torch.zeros(padded_rows, batch.seq_length), routed_experts=routed)
         self._check_batch(batch)
         self.model.eval()
         try:
@@ -416,6 +463,8 @@ class MegatronTrainer:
             return loss * scale, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in reported.items()}
 
         start = time.perf_counter()
+        if self.routing is not None:
+            self.routing.reset_stats()
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -428,6 +477,8 @@ class MegatronTrainer:
                 self.scheduler.step(increment=1)
                 self.step_count += 1
             metrics = self._reduce_metrics(outputs)
+            if self.routing is not None:
+                metrics.update(self.routing.metrics(micro_batches=num_micro))
         metrics.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/update_skipped": float(not update_ok),
@@ -469,6 +520,14 @@ class MegatronTrainer:
         return {(n if "/" in n else f"train/{n}"): float(v) for n, v in zip(names, values.tolist())}
 
 
+def _routed_positions(mb: TrainBatch, width: int) -> torch.Tensor:
+    """[b, width] bool: input positions up to each row's last loss position (the router statistics skip
+    right padding and rows without loss)."""
+    loss = mb.loss_positions()[:, 1:width + 1]
+    last = torch.where(loss.any(dim=1), loss.shape[1] - 1 - loss.flip(1).float().argmax(dim=1), -1)
+    return torch.arange(width).unsqueeze(0) <= last.unsqueeze(1)
+
+
 def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, pretrained=None) -> MegatronTrainer:
     """A trainer holding `model_path`'s weights. A Megatron checkpoint written at this rank's TP x PP is
     read shard by shard (each rank reads only its own file); any other source is converted in memory
@@ -477,9 +536,11 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, MEGATRON_META)):
         saved = read_megatron_layout(path)
         trainer = MegatronTrainer(saved.arch, config, pg_collection=pg_collection)
-        if (saved.tp, saved.pp, saved.layer_spec, saved.padded_vocab_size) == (
-                trainer.tp_size, trainer.pp_size, trainer.layout.layer_spec, trainer.layout.padded_vocab_size):
-            trainer.load_shard(load_megatron_shard(path, trainer.tp_rank, trainer.pp_rank))
+        if (saved.tp, saved.pp, saved.ep, saved.layer_spec, saved.padded_vocab_size) == (
+                trainer.tp_size, trainer.pp_size, trainer.ep_size, trainer.layout.layer_spec,
+                trainer.layout.padded_vocab_size):
+            trainer.load_shard(load_megatron_shard(path, trainer.tp_rank, trainer.pp_rank,
+                                                   trainer.ep_rank if trainer.ep_size > 1 else None))
             return trainer
         trainer.load_hf_state((pretrained or load_pretrained(path)).state)
         return trainer

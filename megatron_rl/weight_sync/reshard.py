@@ -18,6 +18,12 @@ Engine sharding (vLLM/SGLang `QKVParallelLinear`, `MergedColumnParallelLinear`, 
   and its loader zero-fills the padding rows (the shard of the last ranks may be short or empty).
 - q_proj / k_proj / v_proj biases (Qwen2; Megatron's fused `linear_qkv.bias`): split like their rows.
 - norms, Qwen3's per-head q_norm / k_norm (Megatron `q_layernorm` / `k_layernorm`) included: replicated.
+- MoE (Mixtral, Qwen3-MoE): the router is replicated; every engine rank holds every expert (SGLang's fused
+  MoE without expert parallelism), rows [e * I/E, (e + 1) * I/E) of its gate/up and those columns of its
+  down. On the Megatron side an expert-parallel run's shards of a stage are indexed
+  `MegatronLayout.shard_index(tp_rank, ep_rank)` (the "tp_rank" of a source key is that index); dense
+  tensors are read from EP rank 0, each expert from the EP rank that holds it, so a trainer rank with
+  ep_rank > 0 feeds only expert copies (`copies_from(pp, layout.shard_index(tp, ep))`).
 
 Buckets: `plan_buckets` / `allocate_buckets` / `pack_tensors` / `Bucket.unpack` pack many tensors into
 flat per-dtype buffers of bounded bytes (offsets aligned) and give them back as views (no copies);
@@ -32,6 +38,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
 from megatron_rl.models.megatron_layout import MegatronLayout
 
 SourceKey = tuple[int, int]  # (pp_rank, tp_rank)
@@ -54,8 +61,10 @@ class EngineLayout:
         if (a.num_query_groups % tp) if tp <= a.num_query_groups else (tp % a.num_query_groups):
             raise ConfigError(f"engine tensor_parallel={tp} and num_query_groups={a.num_query_groups}: one must "
                               "divide the other")
-        if a.ffn_hidden_size % tp:
-            raise ConfigError(f"engine tensor_parallel={tp} does not divide ffn_hidden_size={a.ffn_hidden_size}")
+        ffn, field = ((a.moe_ffn_hidden_size, "moe_ffn_hidden_size") if a.is_moe
+                      else (a.ffn_hidden_size, "ffn_hidden_size"))
+        if ffn % tp:
+            raise ConfigError(f"engine tensor_parallel={tp} does not divide {field}={ffn}")
 
     @property
     def vocab_per_rank(self) -> int:
@@ -205,14 +214,39 @@ class _PlanBuilder:
                                  meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
                 self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
                          meg + "self_attention.linear_proj.weight", proj_map, h)
-                fc1 = meg + "mlp.linear_fc1.weight"
-                self.add(r, hf + "mlp.gate_proj.weight", (fe, h), 0, r * fe, (r + 1) * fe, pp, fc1, gate_map, h)
-                self.add(r, hf + "mlp.up_proj.weight", (fe, h), 0, r * fe, (r + 1) * fe, pp, fc1, up_map, h)
-                self.add(r, hf + "mlp.down_proj.weight", (h, fe), 1, r * fe, (r + 1) * fe, pp,
-                         meg + "mlp.linear_fc2.weight", proj_map_f(fm), h)
+                if a.is_moe:
+                    self._add_experts(r, layer, pp, meg, replicated)
+                else:
+                    fc1 = meg + "mlp.linear_fc1.weight"
+                    self.add(r, hf + "mlp.gate_proj.weight", (fe, h), 0, r * fe, (r + 1) * fe, pp, fc1, gate_map, h)
+                    self.add(r, hf + "mlp.up_proj.weight", (fe, h), 0, r * fe, (r + 1) * fe, pp, fc1, up_map, h)
+                    self.add(r, hf + "mlp.down_proj.weight", (h, fe), 1, r * fe, (r + 1) * fe, pp,
+                             meg + "mlp.linear_fc2.weight", proj_map_f(fm), h)
                 self.add(r, hf + "input_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_attn, replicated, 1)
                 self.add(r, hf + "post_attention_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_mlp, replicated, 1)
         return ReshardPlan(m, e, self.shapes, self.copies)
+
+    def _add_experts(self, r: int, layer: int, pp: int, meg: str, replicated) -> None:
+        """Router (replicated) and experts of one layer for engine rank r. Megatron: expert x lives on EP rank
+        x // (E / EP) as local expert x % (E / EP), in the stage's shard `m.shard_index(tp, ep)`, its fc1 =
+        cat(gate rows, up rows) and fc2 split over TP like the dense MLP. Engine (SGLang's fused MoE without
+        EP): every rank holds every expert, rows [r * I/T, (r + 1) * I/T) of gate/up, those columns of down."""
+        a, m, e = self.a, self.m, self.e
+        h, experts, family = a.hidden_size, a.num_experts, get_family(a.family)
+        im, ie = a.moe_ffn_hidden_size // m.tp, a.moe_ffn_hidden_size // e.tp
+        self.add(r, hf_router_name(family, layer), (experts, h), 0, 0, experts, pp, meg + "mlp.router.weight",
+                 replicated, h)
+        for x in range(experts):
+            ep_rank, j = divmod(x, m.local_experts)
+            base = m.shard_index(0, ep_rank)  # the shard of (tp 0, this ep rank); its tp ranks follow it
+            gate, up, down = hf_expert_names(family, layer, x)
+            expert = f"{meg}mlp.experts.local_experts.{j}."
+            rows = lambda i, b=base: (b + i // im, i % im)  # noqa: E731
+            up_rows = lambda i, b=base: (b + i // im, im + i % im)  # noqa: E731
+            lo, hi = r * ie, (r + 1) * ie
+            self.add(r, gate, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", rows, h)
+            self.add(r, up, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", up_rows, h)
+            self.add(r, down, (h, ie), 1, lo, hi, pp, expert + "linear_fc2.weight", rows, h)
 
 
 def proj_map_f(per_rank: int):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
+from megatron_rl.rollout.native.moe import moe_mlp
 from megatron_rl.rollout.native.weights import LlamaWeights
 
 
@@ -41,11 +42,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, d]; cos/sin [N, 1, d]: x * cos + rotate_half(x) * sin, as transformers."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d]; cos/signed_sin [N, 1, d] (`_signed_sin`): x * cos + rotate_half(x) * sin, as
+    transformers; rotate_half's negation rides on the sine (exact), so this is three kernels, not five."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == roll(x, d/2) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 @dataclasses.dataclass
@@ -60,6 +66,7 @@ class _Batch:
     chunks: list[tuple[int, int, int, int]]  # (offset in packed rows, slot, start position, length)
     logit_rows: torch.Tensor        # [R] rows of the packed batch whose next token is sampled
     rope_lens: torch.Tensor | None = None  # [N] long: the sequence length that sets each row's dynamic RoPE
+    routing: torch.Tensor | None = None    # [N, layers, top_k] int16 to fill with the chosen experts (MoE)
 
 
 def dynamic_rope_base(arch: ModelArch) -> int | None:
@@ -138,10 +145,13 @@ class LlamaModel:
 
         x = F.embedding(tokens, w.embed)
         cos, sin = self.rope(batch.positions, batch.rope_lens)
+        sin = _signed_sin(sin)
         if n_dec:
             t_max = int(batch.dec_lens.max())
             steps = torch.arange(t_max, device=tokens.device)
-            dec_mask = (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max)
+            # additive mask, built once per step: one fused SDPA call per layer reads it
+            dec_mask = torch.zeros(n_dec, 1, 1, t_max, device=tokens.device, dtype=x.dtype).masked_fill_(
+                (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max), float("-inf"))
             # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
             t_alloc = k_cache.shape[3]
             heads = torch.arange(n_kv, device=tokens.device)
@@ -167,7 +177,7 @@ class LlamaModel:
                 q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
             kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
-            out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype)
+            out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype) if batch.chunks else None
             if n_dec:
                 kc.view(-1, d).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, d))
                 vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
@@ -177,11 +187,13 @@ class LlamaModel:
                 else:
                     keys = kc[:, :, :t_max].index_select(0, batch.dec_slots)
                     values = vc[:, :, :t_max].index_select(0, batch.dec_slots)
+                # each KV head's group of q heads attends as `group` queries: GQA without repeating K/V
                 qd = q[:n_dec].reshape(n_dec, n_kv, group, d)
-                scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)   # [B, kv, g, T]
-                scores.masked_fill_(dec_mask, float("-inf"))
-                probs = torch.softmax(scores, dim=-1)
-                out[:n_dec] = torch.matmul(probs, values).view(n_dec, n_heads * d)
+                attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
+                if out is None:  # a pure decode step: the attention output is the whole step's
+                    out = attended.reshape(n_dec, n_heads * d)
+                else:
+                    out[:n_dec] = attended.reshape(n_dec, n_heads * d)
             for offset, slot, start, length in batch.chunks:
                 end = start + length
                 kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
@@ -196,6 +208,9 @@ class LlamaModel:
                     length, n_heads * d)
             x = x + matmul(out, layer.o, packed[1], transposed[1])
             h = _rms_norm(x, layer.ln2, a.norm_eps)
+            if layer.moe is not None:  # mixture of experts (moe.py)
+                x = x + moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
+                continue
             gate_up = matmul(h, layer.gate_up, packed[2], transposed[2])
             x = x + matmul(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down, packed[3], transposed[3])
         rows = batch.logit_rows.numel()

@@ -23,6 +23,7 @@ import torch
 
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.native.model import _Batch
+from megatron_rl.rollout.native.moe import routing_record, store_routing
 from megatron_rl.rollout.native.sampling import sample_tokens
 from megatron_rl.types import Completion
 
@@ -74,11 +75,13 @@ class _Seq:
         self.share_len = 0
         self.kv_epoch: int | None = None     # weights epoch of our prompt K/V (-1: mixed)
         self.on_token = None                 # streaming listener (sample_id, token, logprob, version)
+        self.routing = None                  # MoE routing record buffer (moe.py), when recording
 
     def completion(self) -> Completion:
         return Completion(request_id=self.sample_id, prompt_ids=list(self.prompt), output_ids=self.output,
                           output_logprobs=self.logprobs, weight_versions=self.versions,
-                          finish_reason=self.finish or "abort", group_id=self.group_id)
+                          finish_reason=self.finish or "abort", group_id=self.group_id,
+                          routed_experts=routing_record(self))
 
 
 class _Scheduler:
@@ -280,7 +283,12 @@ class _Scheduler:
                        dec_first_slot=slots[0] if contiguous else -1, chunks=packed_chunks,
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
                        rope_lens=None if rope_lens is None else torch.tensor(rope_lens, dtype=torch.long, device=dev))
+        record = self.config.record_routing and self.arch.is_moe
+        if record:
+            batch.routing = torch.empty((len(tokens), self.arch.num_layers, self.arch.moe_top_k), dtype=torch.int16)
         logits = self.model.forward(batch, self._k_cache, self._v_cache)
+        if record:
+            store_routing(batch.routing, self.arch, self.max_seq_len, decode, chunks, plan.copies)
         sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
         self._stats["steps"] += 1
         if not sampling:

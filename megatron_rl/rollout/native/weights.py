@@ -15,11 +15,12 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.rollout.native import moe as moe_weights
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
 class _Layer:
-    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2")
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "moe")
 
 
 def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
@@ -60,8 +61,12 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
         if arch.qk_norm:
             block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
         block((p + "self_attn.o_proj.weight", (h, q)))
-        block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
-        block((p + "mlp.down_proj.weight", (h, f)))
+        if arch.is_moe:  # router, experts' gate/up, experts' down (rollout/native/moe.py)
+            for tensors in moe_weights.arena_blocks(arch, i):
+                block(*tensors)
+        else:
+            block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
+            block((p + "mlp.down_proj.weight", (h, f)))
         block((p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)))
     return BucketLayout(dtype, numel, tuple(entries))
 
@@ -96,6 +101,7 @@ class LlamaWeights:
         self.lm_head = self.embed if arch.tie_word_embeddings else t["lm_head.weight"]
         self.norm = t["model.norm.weight"]
         self.layers: list[_Layer] = []
+        self._covers: dict[str, tuple[str, ...]] = {}  # fused alias -> the arena names it fills
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             layer = _Layer()
@@ -107,8 +113,15 @@ class LlamaWeights:
             if arch.qk_norm:
                 layer.q_norm, layer.k_norm = t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"]
             layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
-            layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)         # [2f, h]
-            layer.down = t[p + "mlp.down_proj.weight"]                      # [h, f]
+            if arch.is_moe:
+                layer.gate_up = layer.down = None
+                layer.moe, aliases, covers = moe_weights.layer_views(arch, i, arena, offsets)
+                t.update(aliases)  # transformers 5's fused in-memory names: the same memory
+                self._covers.update(covers)
+            else:
+                layer.moe = None
+                layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)     # [2f, h]
+                layer.down = t[p + "mlp.down_proj.weight"]                  # [h, f]
             layer.ln1, layer.ln2 = t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"]
             self.layers.append(layer)
         self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
@@ -160,7 +173,7 @@ class LlamaWeights:
                 self.packed_lm_head = pack(self.lm_head)
             else:
                 layer = self.layers[i]
-                matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
+                matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
                 self.packed[i] = tuple(pack(m) for m in matrices)
                 # [in, out] copies for the steps that are not nearly full (a batch's long tail): x @ W
                 # on them is up to 2x faster than F.linear on [out, in] at a few rows
@@ -194,6 +207,9 @@ class LlamaWeights:
             return f" (a q/k norm, but the model config (family {a.family}) has qk_norm=False)"
         if name.endswith(".bias"):
             return f" (the model config (family {a.family}) has no bias for this layer)"
+        moe_hint = moe_weights.unknown_name_hint(a, name)
+        if moe_hint is not None:
+            return moe_hint
         close = difflib.get_close_matches(name, list(self._targets), n=1)
         return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -207,7 +223,7 @@ class LlamaWeights:
                 if target is None:
                     continue
                 target.copy_(tensor)
-                seen.add(name)
+                seen.update(self._covers.get(name, (name,)))
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     dirty.add(-1)
                 elif self._layer_of[name] >= 0 and target.dim() == 2:  # packed copies exist of matrices only

@@ -1,0 +1,173 @@
+"""The native engine's mixture-of-experts MLP (Mixtral, Qwen3-MoE) and its routing record.
+
+Router (transformers' MixtralTopKRouter / Qwen3MoeTopKRouter): logits = h W_r^T, softmax over all experts
+in fp32, top-k, and (`ModelArch.moe_norm_topk_prob`) the k weights renormalized to sum to 1. Each expert is
+a SwiGLU MLP; a token's output is the weighted sum of its k experts' outputs.
+
+Batched on CPU without a per-token loop: the (token, slot) pairs of a step are sorted by expert (stable, so
+a token's contributions are added in ascending expert order, as transformers does), each expert that got
+tokens runs two matmuls on its contiguous run of gathered rows, and one `index_add_` scatters the weighted
+outputs back. A decode step of B sequences therefore costs at most min(E, B * k) expert matmul pairs.
+
+Arena layout (weights.py): per layer one block [router], one block [gate_0, up_0, gate_1, up_1, ...] and one
+block [down_0, down_1, ...], under the published per-expert HF names (what `save_pretrained` writes and
+SGLang loads). The middle block is exactly transformers 5's in-memory `mlp.experts.gate_up_proj` [E, 2I, H]
+and the last its `mlp.experts.down_proj` [E, H, I], so those fused names are accepted too (same memory).
+
+Routing record (`NativeEngineConfig.record_routing`): every forward fills an int16 [N, layers, k] tensor of
+the chosen expert ids (top-k order: descending router probability); the scheduler copies each row into its
+sequence's buffer (`store_routing`), prefix-shared prompt rows from the donor sequence, and the completion
+carries rows [0, P + R - 1) (`routing_record`). A running sequence holds at most
+min(P + max_new_tokens, max_seq_len) x layers x k int16 values; nothing is kept once it completes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """HF names of one layer's router and experts (published per-expert form)."""
+
+    router: str
+    gate: tuple[str, ...]
+    up: tuple[str, ...]
+    down: tuple[str, ...]
+    fused_router: str
+    """transformers 5's in-memory name of the router (equal to `router` for Qwen3-MoE)."""
+    fused_gate_up: str
+    """transformers 5's in-memory [E, 2I, H] tensor: per expert its gate rows, then its up rows."""
+    fused_down: str
+    """transformers 5's in-memory [E, H, I] tensor."""
+
+
+def expert_names(arch: ModelArch, layer: int) -> ExpertNames:
+    """The HF names of layer `layer`'s MoE tensors for the model's family."""
+    family = get_family(arch.family)
+    if not family.moe_block:
+        raise ConfigError(f"model family {arch.family!r} has no mixture-of-experts layers "
+                          f"(num_experts={arch.num_experts})", field="num_experts")
+    gate, up, down = zip(*(hf_expert_names(family, layer, e) for e in range(arch.num_experts)))
+    p = f"model.layers.{layer}."
+    return ExpertNames(hf_router_name(family, layer), gate, up, down, fused_router=p + "mlp.gate.weight",
+                       fused_gate_up=p + "mlp.experts.gate_up_proj", fused_down=p + "mlp.experts.down_proj")
+
+
+def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The arena blocks of one layer's MoE (tensors adjacent within a block): router; gate/up interleaved
+    per expert ([E, 2I, H] as one view); downs ([E, H, I] as one view)."""
+    n = expert_names(arch, layer)
+    h, i = arch.hidden_size, arch.moe_ffn_hidden_size
+    gate_up = [t for e in range(arch.num_experts) for t in ((n.gate[e], (i, h)), (n.up[e], (i, h)))]
+    return [[(n.router, (arch.num_experts, h))], gate_up, [(d, (h, i)) for d in n.down]]
+
+
+class MoeLayer:
+    """Views into the arena of one layer's router and experts."""
+
+    __slots__ = ("router", "gate_up", "down")
+
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+        self.router = router      # [E, H]
+        self.gate_up = gate_up    # [E, 2I, H]: per expert gate rows then up rows
+        self.down = down          # [E, H, I]
+
+
+def layer_views(arch: ModelArch, layer: int, arena: torch.Tensor,
+                offsets: dict[str, int]) -> tuple[MoeLayer, dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+    """(the layer's MoE views, fused-name aliases -> views, alias -> the canonical names it covers)."""
+    n = expert_names(arch, layer)
+    e, h, i = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
+
+    def view(first: str, shape: tuple[int, ...]) -> torch.Tensor:
+        start = offsets[first]
+        count = 1
+        for s in shape:
+            count *= s
+        return arena[start:start + count].view(shape)
+
+    moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)))
+    aliases = {n.fused_gate_up: moe.gate_up, n.fused_down: moe.down}
+    covers = {n.fused_gate_up: tuple(x for pair in zip(n.gate, n.up) for x in pair), n.fused_down: n.down}
+    if n.fused_router != n.router:
+        aliases[n.fused_router] = moe.router
+        covers[n.fused_router] = (n.router,)
+    return moe, aliases, covers
+
+
+def unknown_name_hint(arch: ModelArch, name: str) -> str | None:
+    """Why an MoE-looking tensor name has no place in this model (None: not an MoE name)."""
+    if not any(part in name for part in (".block_sparse_moe.", ".mlp.experts.", ".mlp.gate.weight")):
+        return None
+    if not arch.is_moe:
+        return f" (an MoE tensor, but the model config (family {arch.family}) is dense: num_experts=0)"
+    return (f" (this {arch.family} model has num_experts={arch.num_experts}, named like "
+            f"{expert_names(arch, 0).gate[0]!r})")
+
+
+def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE MLP of normed hidden states h [N, H]; writes the chosen expert ids into `record` [N, k]
+    (int16) when given."""
+    k, ffn = arch.moe_top_k, arch.moe_ffn_hidden_size
+    logits = F.linear(h, moe.router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)                     # [N, k], descending
+    if arch.moe_norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if record is not None:
+        record.copy_(experts)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)                            # (token, slot) pairs by expert
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=arch.num_experts).tolist()
+    rows = h.index_select(0, tokens)                                    # [N * k, H], grouped by expert
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        gate_up = F.linear(rows[start:start + count], moe.gate_up[e])
+        out_rows[start:start + count] = F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], moe.down[e])
+        start += count
+    out_rows.mul_(weights.reshape(-1).index_select(0, order).to(h.dtype)[:, None])
+    return torch.zeros_like(h).index_add_(0, tokens, out_rows)
+
+
+# ------------------------------------------------------------------------------------- routing record
+def _buffer(seq, arch: ModelArch, max_seq_len: int) -> np.ndarray:
+    """The sequence's record buffer [rows, layers, k] (allocated on first use, sized for its longest life)."""
+    if seq.routing is None:
+        rows = max(len(seq.prompt), min(len(seq.prompt) + seq.params.max_new_tokens, max_seq_len) - 1)
+        seq.routing = np.empty((rows, arch.num_layers, arch.moe_top_k), dtype=np.int16)
+    return seq.routing
+
+
+def store_routing(routing: torch.Tensor, arch: ModelArch, max_seq_len: int, decode: list, chunks: list,
+                  copies: list) -> None:
+    """Copy one step's record [N, layers, k] (decode rows first, then the prompt chunks, as packed) into the
+    sequences' buffers; prefix-shared prompt rows come from the donor's buffer."""
+    rec = routing.numpy()
+    for seq, donor, length in copies:
+        _buffer(seq, arch, max_seq_len)[:length] = donor.routing[:length]
+    for row, seq in enumerate(decode):
+        _buffer(seq, arch, max_seq_len)[len(seq.prompt) + len(seq.output) - 1] = rec[row]
+    offset = len(decode)
+    for seq, start, length in chunks:
+        _buffer(seq, arch, max_seq_len)[start:start + length] = rec[offset:offset + length]
+        offset += length
+
+
+def routing_record(seq) -> torch.Tensor | None:
+    """int16 [P + R - 1, layers, k] of a sequence whose prompt was computed and which sampled a token
+    (None otherwise: recording off, or aborted before its first token)."""
+    if seq.routing is None or not seq.output or seq.prefilled < len(seq.prompt):
+        return None
+    return torch.from_numpy(seq.routing[:len(seq.prompt) + len(seq.output) - 1].copy())

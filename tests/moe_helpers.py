@@ -1,0 +1,77 @@
+"""Tiny random mixture-of-experts models of each MoE family, built from transformers' config classes (no hub),
+and a transformers reference forward that routes by a given record (for the routing-replay tests)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_rl.cli import parity
+
+_BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False,
+             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+             router_aux_loss_coef=0.01)
+
+CASES = {
+    # 4 experts so that EP=2 holds 2 per rank; expert width 32 divides by TP=2.
+    "qwen3_moe": parity.Case("qwen3_moe", "Qwen3MoeConfig", {**_BASE, "intermediate_size": 96,
+                                                            "moe_intermediate_size": 32, "num_experts": 4,
+                                                            "norm_topk_prob": True}),
+    "qwen3_moe (raw top-k weights)": parity.Case("qwen3_moe (raw top-k weights)", "Qwen3MoeConfig", {
+        **_BASE, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4, "norm_topk_prob": False}),
+    "mixtral": parity.Case("mixtral", "MixtralConfig", {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
+                                                        "sliding_window": None}),
+}
+FAMILY_CASES = ("qwen3_moe", "mixtral")
+
+
+def build(name: str, seed: int = 0):
+    """(transformers model, ModelArch, HF state in transformers' in-memory form, tokens [2, 49])."""
+    model, arch, state = parity.case_model(CASES[name], seed)
+    return model, arch, state, parity.case_tokens(CASES[name], arch, seed)
+
+
+@contextlib.contextmanager
+def hf_forced_routing(model, record: torch.Tensor):
+    """transformers' routers take the experts of `record` [B, S, L, k] (-1: the router's own top-k) for a
+    forward of B x S tokens; the weights are the router's own probabilities of those experts, renormalised
+    when the family renormalises (the semantics of routing replay)."""
+    layers = model.model.layers
+    originals = []
+    for index, layer in enumerate(layers):
+        router = layer.mlp.gate
+        originals.append(router.forward)
+
+        def forced(hidden_states, router=router, index=index):
+            hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, router.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            own = torch.topk(probs, router.top_k, dim=-1).indices
+            wanted = record[:, :, index].reshape(-1, router.top_k).long()
+            chosen = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, own)
+            weights = probs.gather(1, chosen)
+            if getattr(router, "norm_topk_prob", True):
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), chosen
+
+        router.forward = forced
+    try:
+        yield
+    finally:
+        for layer, original in zip(layers, originals):
+            layer.mlp.gate.forward = original
+
+
+def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in descending probability."""
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2])) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    b, s = tokens.shape
+    return torch.stack([c.reshape(b, s, -1) for c in chosen], dim=2)

@@ -1,0 +1,174 @@
+"""Mixture-of-experts families in the registry and the converter, against transformers 5 (tiny random Qwen3-MoE and
+Mixtral models): configs read and written faithfully, every MoE variant we do not implement refused by name,
+published per-expert and transformers' fused expert tensors both read, and HF -> Megatron (EP=2, and TP x PP x EP)
+-> HF bit-exact, with the export reloaded by transformers as the same class and the same logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from megatron_rl.checkpoints_tools.convert import convert
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models import families
+from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import (
+    MegatronLayout,
+    canonical_hf_state,
+    hf_to_megatron,
+    megatron_to_hf,
+)
+from megatron_rl.models.pretrained import load_pretrained, read_megatron_layout
+from tests import moe_helpers
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {name: moe_helpers.build(name) for name in moe_helpers.CASES}
+
+
+@pytest.mark.parametrize("name", list(moe_helpers.CASES))
+def test_config_round_trips_through_the_registry(built, name):
+    model, arch, _, _ = built[name]
+    config = model.config
+    assert arch.family == config.model_type and arch.is_moe
+    assert (arch.num_experts, arch.moe_top_k) == (config.num_local_experts, config.num_experts_per_tok)
+    expert_size = config.moe_intermediate_size if name.startswith("qwen3_moe") else config.intermediate_size
+    assert arch.moe_ffn_hidden_size == expert_size
+    assert arch.moe_norm_topk_prob == getattr(config, "norm_topk_prob", True)
+    assert arch.router_aux_loss_coef == config.router_aux_loss_coef
+    exported = families.to_hf_config(arch)
+    assert families.from_hf_config(exported) == arch
+    reread = getattr(transformers, type(config).__name__)(**exported)
+    for field in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
+        assert getattr(reread, field) == getattr(config, field), field
+    if name.startswith("qwen3_moe"):
+        assert (reread.moe_intermediate_size, reread.norm_topk_prob) == (config.moe_intermediate_size,
+                                                                          config.norm_topk_prob)
+        assert reread.decoder_sparse_step == 1 and reread.mlp_only_layers == []
+
+
+@pytest.mark.parametrize("family,field,value", [
+    ("qwen3_moe", "decoder_sparse_step", 2),
+    ("qwen3_moe", "mlp_only_layers", [0]),
+    ("qwen3_moe", "shared_expert_intermediate_size", 64),
+    ("qwen3_moe", "attention_bias", True),
+    ("mixtral", "router_jitter_noise", 0.1),
+    ("mixtral", "sliding_window", 64),
+    ("mixtral", "n_shared_experts", 1),
+    ("mixtral", "scoring_func", "sigmoid"),
+])
+def test_unsupported_moe_variants_are_refused_by_name(built, family, field, value):
+    config = built[family][0].config.to_dict()
+    config[field] = value
+    with pytest.raises(ConfigError, match=field):
+        families.from_hf_config(config, where="config.json")
+
+
+def test_moe_arch_validation():
+    base = dict(vocab_size=64, num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                num_query_groups=2, family="mixtral")
+    with pytest.raises(ConfigError, match="moe_top_k"):
+        ModelArch(**base, num_experts=4, moe_top_k=5, moe_ffn_hidden_size=64)
+    with pytest.raises(ConfigError, match="num_experts"):
+        ModelArch(**base, moe_top_k=2)
+    arch = ModelArch(**base, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+    dense = ModelArch(**{**base, "family": "llama"})
+    assert arch.num_parameters() - dense.num_parameters() == 4 * 3 * 32 * 16 + 4 * 32 - 3 * 32 * 64
+    with pytest.raises(ConfigError, match="expert_parallel=3"):
+        MegatronLayout(arch, ep=3)
+    with pytest.raises(ConfigError, match="dense"):
+        MegatronLayout(dense, ep=2)
+    with pytest.raises(ConfigError, match="moe_ffn_hidden_size"):
+        MegatronLayout(dataclass_replace(arch, moe_ffn_hidden_size=15), tp=2)
+
+
+def dataclass_replace(arch, **changes):
+    import dataclasses
+
+    return dataclasses.replace(arch, **changes)
+
+
+@pytest.mark.parametrize("name", list(moe_helpers.FAMILY_CASES))
+def test_published_and_fused_expert_tensors_read_alike(tmp_path, built, name):
+    model, arch, fused, _ = built[name]
+    assert any(k.endswith("experts.gate_up_proj") for k in fused)  # transformers 5 fuses in memory
+    model.save_pretrained(tmp_path)
+    published = load_pretrained(str(tmp_path)).state
+    gate, up, down = families.hf_expert_names(families.get_family(arch.family), 1, 3)
+    assert gate in published and families.hf_router_name(families.get_family(arch.family), 1) in published
+    assert torch.equal(published[gate], fused["model.layers.1.mlp.experts.gate_up_proj"][3, :arch.moe_ffn_hidden_size])
+    assert torch.equal(published[up], fused["model.layers.1.mlp.experts.gate_up_proj"][3, arch.moe_ffn_hidden_size:])
+    assert torch.equal(published[down], fused["model.layers.1.mlp.experts.down_proj"][3])
+    canonical = canonical_hf_state(fused, arch)
+    assert canonical.keys() == published.keys()
+    assert all(torch.equal(canonical[k], published[k]) for k in published)
+    layout = MegatronLayout(arch, tp=2, ep=2, vocab_divisible_by=1)
+    a, b = hf_to_megatron(fused, layout), hf_to_megatron(published, layout)
+    assert all(torch.equal(a[p][i][k], b[p][i][k]) for p in range(1) for i in range(4) for k in a[p][i])
+
+
+@pytest.mark.parametrize("name", list(moe_helpers.FAMILY_CASES))
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 2, 2), (1, 1, 4), (2, 1, 1)])
+def test_in_memory_round_trip_any_layout(built, name, tp, pp, ep):
+    _, arch, state, _ = built[name]
+    layout = MegatronLayout(arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=1)
+    shards = hf_to_megatron(state, layout)
+    assert len(shards) == pp and all(len(row) == tp * ep for row in shards)
+    experts = [k for k in shards[0][0] if ".local_experts." in k and "layers.0." in k and "fc1" in k]
+    assert len(experts) == arch.num_experts // ep
+    back = megatron_to_hf(shards, layout)
+    published = canonical_hf_state(state, arch)
+    assert back.keys() == published.keys()
+    assert all(torch.equal(back[k], published[k]) for k in back)
+
+
+def test_expert_placement_on_ep_ranks(built):
+    """Local expert j of EP rank r is global expert r * E/EP + j (Megatron's placement)."""
+    _, arch, state, _ = built["mixtral"]
+    published = canonical_hf_state(state, arch)
+    layout = MegatronLayout(arch, ep=2, vocab_divisible_by=1)
+    shards = hf_to_megatron(state, layout)
+    for ep_rank in range(2):
+        shard = shards[0][layout.shard_index(0, ep_rank)]
+        for j in range(2):
+            gate, up, _ = families.hf_expert_names(families.get_family("mixtral"), 0, ep_rank * 2 + j)
+            fc1 = shard[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight"]
+            assert torch.equal(fc1, torch.cat([published[gate], published[up]]))
+
+
+def test_a_checkpoint_with_other_experts_is_refused(built):
+    _, arch, state, _ = built["qwen3_moe"]
+    fewer = dataclass_replace(arch, num_experts=2, moe_top_k=2)
+    with pytest.raises(ConfigError, match="experts.2"):
+        hf_to_megatron(canonical_hf_state(state, arch), MegatronLayout(fewer, vocab_divisible_by=1))
+    missing = {k: v for k, v in canonical_hf_state(state, arch).items() if "experts.3.down_proj" not in k}
+    with pytest.raises(ConfigError, match="experts.3.down_proj"):
+        hf_to_megatron(missing, MegatronLayout(arch, vocab_divisible_by=1))
+
+
+@pytest.mark.parametrize("name", list(moe_helpers.FAMILY_CASES))
+def test_convert_round_trip_at_ep2_is_bit_exact_and_reloads_in_transformers(tmp_path, built, name):
+    model, arch, state, tokens = built[name]
+    source, megatron_dir, back_dir = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
+    model.save_pretrained(source)
+    convert(str(source), str(megatron_dir), to="megatron", tp=2, pp=2, ep=2)
+    assert sorted(p.name for p in megatron_dir.iterdir() if p.name.startswith("mp_rank")) == [
+        f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2)]
+    assert read_megatron_layout(str(megatron_dir)).ep == 2
+    convert(str(megatron_dir), str(back_dir), to="hf")
+    back = load_pretrained(str(back_dir))
+    assert back.arch == arch
+    published = canonical_hf_state(state, arch)
+    assert back.state.keys() == published.keys()
+    assert max((back.state[k] - published[k]).abs().max().item() for k in published) == 0.0
+    config = json.loads((back_dir / "config.json").read_text())
+    assert config["model_type"] == model.config.model_type
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back_dir, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    assert type(reloaded) is type(model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens[:, :-1]).logits, model(tokens[:, :-1]).logits)

@@ -1,0 +1,176 @@
+"""The native engine's mixture-of-experts forward (Mixtral, Qwen3-MoE), its routing record and MoE weight sync,
+against transformers: tiny configs built from each family's transformers config class with random fp32
+weights. Greedy tokens equal transformers' `generate`, log-probs within 1e-4; the recorded expert ids equal
+the ids transformers' own routers choose (captured by forward hooks on them) for every position, through
+chunked prefill, decode and prefix-shared prompts; Megatron shards (TP=2, EP=2) resharded into the engine
+(TP=1 and TP=2) give bit-identical weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.families import from_hf_config, get_family, hf_expert_names, hf_router_name
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.models.pretrained import read_safetensors_dir
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.native.parity import default_prompts, engine_parity
+from megatron_rl.weight_sync import reshard as R
+from megatron_rl.weight_sync.shared_memory import write_shard
+from tests.test_engine_families import random_model
+
+SHAPES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6)
+CONFIGS = {
+    # Mixtral: 8 experts, top-2, always renormalized
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPES, intermediate_size=48, num_local_experts=8,
+                                                  num_experts_per_tok=2, sliding_window=None),
+    # Qwen3-MoE: q/k norms, free head_dim, top-3 of 8 without renormalization
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
+                                                     num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                                                     head_dim=24),
+    "qwen3_moe_norm": lambda: transformers.Qwen3MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
+                                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                                          tie_word_embeddings=True),
+}
+
+
+def _model(kind: str, seed: int = 0):
+    config = CONFIGS[kind]()
+    model, state = random_model(config, seed=seed)
+    return config, model, state, from_hf_config(config.to_dict())
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_greedy_and_logprobs_match_transformers(kind):
+    config, model, state, arch = _model(kind)
+    assert arch.is_moe and arch.moe_norm_topk_prob == (kind != "qwen3_moe")
+    equal, diff = engine_parity(model, arch, state, max_new_tokens=32)
+    assert equal and diff < 1e-4, (kind, equal, diff)
+
+
+def _hf_routing(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), layers, k]: the expert ids transformers' routers choose in one forward over `ids`."""
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(chosen, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_routing_record_equals_transformers_routing(kind, tmp_path):
+    """Sampled answers (temperature 1), a 40-token prompt sampled twice (the second copy shares its prefix's
+    K/V and routing) plus a prompt sharing 24 tokens with it, prefill chunked at 16 tokens."""
+    config, model, state, arch = _model(kind, seed=1)
+    base = default_prompts(arch, lengths=(40, 12), seed=7)
+    prompts = [base[0], base[0][:24] + base[1], base[1][:5]]
+    engine_config = NativeEngineConfig(max_batch_size=4, max_seq_len=96, max_prefill_tokens=16, record_routing=True)
+    requests = [GenerateRequest("a", prompts[0], SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=3)),
+                GenerateRequest("b", prompts[1], SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)),
+                GenerateRequest("c", prompts[2], SamplingParams(temperature=0.0, max_new_tokens=9))]
+    with NativeEngine(arch, state, config=engine_config, eos_token_ids=[]) as engine:
+        outs = engine.generate(requests)
+        assert engine.health()["shared_prefix_tokens"] >= 24
+    for out in outs:
+        rec = out.routed_experts
+        ids = out.prompt_ids + out.output_ids
+        assert rec is not None and rec.dtype == torch.int16
+        assert tuple(rec.shape) == (len(ids) - 1, arch.num_layers, arch.moe_top_k)
+        ref = _hf_routing(model, ids[:-1])
+        assert torch.equal(rec.long(), ref.long()), (out.request_id, (rec.long() != ref).nonzero()[:5])
+
+
+def test_routing_record_off_by_default_and_none_for_dense():
+    _, _, state, arch = _model("mixtral")
+    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=1, max_seq_len=32), eos_token_ids=[]) as e:
+        out, = e.generate([GenerateRequest("r", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=3))])
+    assert out.routed_experts is None
+    dense = transformers.LlamaConfig(**SHAPES, intermediate_size=48)
+    _, dense_state = random_model(dense)
+    dense_arch = from_hf_config(dense.to_dict())
+    with NativeEngine(dense_arch, dense_state, config=NativeEngineConfig(max_batch_size=1, max_seq_len=32,
+                                                                         record_routing=True), eos_token_ids=[]) as e:
+        out, = e.generate([GenerateRequest("r", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=3))])
+    assert out.routed_experts is None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_published_and_fused_names_load_the_same_and_bad_names_are_refused(kind, tmp_path):
+    """save_pretrained writes the published per-expert names; the engine loads them and transformers 5's fused
+    in-memory form into the same arena."""
+    config, model, state, arch = _model(kind)
+    model.save_pretrained(tmp_path)
+    published = read_safetensors_dir(str(tmp_path))
+    family = get_family(arch.family)
+    assert hf_expert_names(family, 1, 7)[0] in published and hf_router_name(family, 1) in published
+    prompt = SamplingParams(temperature=0.0, max_new_tokens=8)
+    cfg = NativeEngineConfig(max_batch_size=1, max_seq_len=32)
+    with NativeEngine(arch, published, config=cfg, eos_token_ids=[]) as a, \
+            NativeEngine(arch, state, config=cfg, eos_token_ids=[]) as b:
+        held_a, held_b = a.named_weights(), b.named_weights()
+        assert set(held_a) == set(held_b)
+        assert [n for n in held_a if not torch.equal(held_a[n], held_b[n])] == []
+        for name, tensor in published.items():
+            assert torch.equal(held_a[name], tensor), name
+        assert a.generate([GenerateRequest("r", [5, 6, 7], prompt)])[0].output_ids == \
+            b.generate([GenerateRequest("r", [5, 6, 7], prompt)])[0].output_ids
+        with pytest.raises(ConfigError, match="num_experts"):
+            a.update_weights({"model.layers.0.mlp.experts.9.gate_proj.weight": torch.zeros(32, 64)})
+        with pytest.raises(ConfigError, match="unknown tensor name"):
+            a.update_weights({"model.layers.0.mlp.gate_proj.weight": torch.zeros(48, 64)})
+    dense = transformers.LlamaConfig(**SHAPES, intermediate_size=48)
+    _, dense_state = random_model(dense)
+    with NativeEngine(from_hf_config(dense.to_dict()), dense_state, config=cfg) as e:
+        with pytest.raises(ConfigError, match="is dense"):
+            e.update_weights({hf_router_name(family, 0): torch.zeros(8, 64)})
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kind):
+    config, model, state, arch = _model(kind, seed=6)
+    layout = MegatronLayout(arch, tp=2, ep=2)
+    shards = hf_to_megatron(state, layout)
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in shards[0][layout.shard_index(1, 1)]
+    plan = R.build_reshard_plan(layout, R.EngineLayout(arch, tp=1))
+    resharded = R.execute_plan(plan, 0, shards, backend="torch")
+    family = get_family(arch.family)
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+    g, u, d = hf_expert_names(family, 1, 5)
+    assert torch.equal(resharded[g], gate_up[5, :arch.moe_ffn_hidden_size])
+    assert torch.equal(resharded[u], gate_up[5, arch.moe_ffn_hidden_size:])
+    assert torch.equal(resharded[d], state["model.layers.1.mlp.experts.down_proj"][5])
+    zeros = {k: torch.zeros_like(v) for k, v in state.items()}
+    with NativeEngine(arch, zeros, config=NativeEngineConfig(max_batch_size=2, max_seq_len=32)) as engine:
+        engine.update_weights(resharded, version=1)
+        held = engine.named_weights()
+        assert [n for n, t in state.items() if not torch.equal(held[n], t)] == []
+        assert engine.version == 1
+        # each trainer rank (tp, ep) writes its own shard straight into a fresh engine arena (the shared-memory
+        # channel's path) and the engine adopts it
+        arena = torch.full((engine.weights.layout.numel,), float("nan"))
+        views = R.Bucket(engine.weights.layout, arena).unpack()
+        for ep_rank in range(2):
+            for tp_rank in range(2):
+                index = layout.shard_index(tp_rank, ep_rank)
+                write_shard(plan, 0, index, shards[0][index], {0: views})
+        engine.adopt_weight_arena(arena, version=2)
+        held = engine.named_weights()
+        assert [n for n, t in state.items() if not torch.equal(held[n], t)] == []  # NaN where nothing was written
+    # an EP rank > 0 feeds only its experts; an engine at TP=2 gets row halves of every expert
+    ep1 = plan.copies_from(0, layout.shard_index(0, 1))[0]
+    assert ep1 and all(".experts." in c.dst for c in ep1)
+    plan2 = R.build_reshard_plan(layout, R.EngineLayout(arch, tp=2))
+    halves = [R.execute_plan(plan2, r, shards, backend="torch") for r in range(2)]
+    assert torch.equal(torch.cat([h[g] for h in halves]), resharded[g])
+    assert torch.equal(torch.cat([h[d] for h in halves], dim=1), resharded[d])
+    router = hf_router_name(family, 0)
+    assert torch.equal(halves[1][router], resharded[router])
