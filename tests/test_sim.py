@@ -111,8 +111,9 @@ _MEMORY_ARCH = dict(vocab_size=4096, num_layers=4, hidden_size=256, ffn_hidden_s
                     num_query_groups=4, max_position_embeddings=512)
 
 
-def _measure_step_worker(rank, world_size, rows, seq, micro):
-    """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures)."""
+def _measure_step_worker(rank, world_size, rows, seq, micro, arch_fields=None):
+    """In a fresh process, so that only this trainer's tensors are alive (not other tests' fixtures); the
+    arch is `_MEMORY_ARCH` or `arch_fields` (tests/test_sim_moe.py measures an MoE one)."""
     from megatron_rl.models.arch import ModelArch
     from megatron_rl.sim.measure import measure_peak
     from megatron_rl.trainer.config import TrainerConfig
@@ -120,7 +121,7 @@ def _measure_step_worker(rank, world_size, rows, seq, micro):
     from megatron_rl.types import TrainBatch
 
     torch.manual_seed(0)
-    arch = ModelArch(**_MEMORY_ARCH)
+    arch = ModelArch(**(arch_fields or _MEMORY_ARCH))
     trainer = MegatronTrainer(arch, TrainerConfig(micro_batch_size=micro, lr=1e-4, precision="fp32"))
     batch = TrainBatch(tokens=torch.randint(0, arch.vocab_size, (rows, seq + 1)), loss_mask=torch.ones(rows, seq + 1))
 

@@ -22,6 +22,7 @@ from megatron_rl.sim.planner import (
     make_plan,
     search_expert_parallel,
 )
+from tests.test_sim import _measure_step_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "examples", "configs", "qwen3_30b_a3b.yaml")
@@ -216,25 +217,6 @@ _MEMORY_ARCH = {"vocab_size": 4096, "num_layers": 4, "hidden_size": 256, "ffn_hi
                 "moe_top_k": 2, "moe_ffn_hidden_size": 256, "family": "qwen3_moe", "qk_norm": True}
 
 
-def _measure_moe_step_worker(rank, world_size, rows, seq, micro):
-    """In a fresh process, so that only this trainer's tensors are alive."""
-    from megatron_rl.sim.measure import measure_peak
-    from megatron_rl.trainer.config import TrainerConfig
-    from megatron_rl.trainer.trainer import MegatronTrainer
-    from megatron_rl.types import TrainBatch
-
-    torch.manual_seed(0)
-    arch = ModelArch(**_MEMORY_ARCH)
-    trainer = MegatronTrainer(arch, TrainerConfig(micro_batch_size=micro, lr=1e-4, precision="fp32"))
-    batch = TrainBatch(tokens=torch.randint(0, arch.vocab_size, (rows, seq + 1)), loss_mask=torch.ones(rows, seq + 1))
-
-    def loss_fn(logprobs, mb, entropy):
-        return -(logprobs * mb.loss_mask).sum() / batch.loss_mask.sum(), {}
-
-    trainer.train_step(batch, loss_fn)  # the first step creates Adam's states; measure a steady-state step
-    return measure_peak(lambda: trainer.train_step(batch, loss_fn))
-
-
 @pytest.mark.slow
 def test_moe_memory_within_10_percent_of_measured_cpu_step():
     """Peak bytes of live tensors during a real Megatron MoE train step on CPU (sim/measure.py) vs the planner.
@@ -243,7 +225,7 @@ def test_moe_memory_within_10_percent_of_measured_cpu_step():
 
     arch = ModelArch(**_MEMORY_ARCH)
     rows, seq, micro = 8, 256, 4
-    measured = run_distributed(_measure_moe_step_worker, 1, rows, seq, micro)[0]
+    measured = run_distributed(_measure_step_worker, 1, rows, seq, micro, _MEMORY_ARCH)[0]
     layout = cost.TrainerLayout(tp=1, pp=1, dp=1, micro_batch_size=micro, micro_batches=rows // micro, seq_len=seq,
                                 params_bytes=4, distributed_optimizer=False)
     estimate = cost.trainer_memory(arch, layout, CostAssumptions(attention="flash"), on_gpu=False)  # CPU: SDPA

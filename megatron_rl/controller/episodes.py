@@ -7,8 +7,9 @@ admission) and keeps the buffer a checkpoint saves; an episode producer decides 
     samples = episodes.collect(prompt, futures[i])       # waits for group i, scores it: list[Sample]
 
 `SingleTurnSampling` (below) samples n responses of the prompt from one engine and scores them with the
-reward; WaltzRL's two-agent episodes (recipes/waltz/episodes.py) are another producer behind the same
-interface, so staleness admission, partial rollouts, checkpoints, resume and metrics apply to both.
+reward; WaltzRL's two-agent episodes (recipes/waltz/episodes.py) and the agent recipe's multi-turn tool
+episodes (recipes/agent/episodes.py) are producers behind the same interface (both on `EpisodeRuns`, below),
+so staleness admission, partial rollouts, checkpoints, resume and metrics apply to all of them.
 """
 from __future__ import annotations
 
@@ -165,3 +166,30 @@ class SingleTurnSampling:
                 groups.append(Group(prompt, self.score(prompt, completions), version,
                                     time.perf_counter() - submitted))
         return groups
+
+
+class EpisodeRuns:
+    """Base of the producers whose samples are episodes advanced turn by turn in the engines' callback
+    threads (WaltzRL's two agents, the agent recipe): each of a group's `samples_per_prompt` episodes is one
+    run, seeded apart, started without blocking; a subclass says what a run is (`episode_run`) and how a
+    finished group is collected."""
+
+    samples_per_prompt: int
+
+    def episode_run(self, prompt: Prompt, run_id: str, seed: int | None):
+        """One episode: an object with `start()` and the `future` of its sample."""
+        raise NotImplementedError
+
+    def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
+        return [self.start(group.prompt, group.request_id, group.seed) for group in groups]
+
+    def start(self, prompt: Prompt, request_id: str, seed: int | None) -> list[Future]:
+        """Start the group's episodes (turns advance in the engines' threads); their futures."""
+        runs = [self.episode_run(prompt, f"{request_id}-e{k}", None if seed is None else seed + 7919 * k)
+                for k in range(self.samples_per_prompt)]
+        for run in runs:
+            run.start()
+        return [run.future for run in runs]
+
+    def drain(self, futures: Sequence[Future]) -> None:
+        concurrent.futures.wait(futures)

@@ -23,7 +23,6 @@ prompts and a resumed run plays them again with the same seeds.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import difflib
 import json
@@ -32,7 +31,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from megatron_rl.controller.episodes import GroupRequest, Sample
+from megatron_rl.controller.episodes import EpisodeRuns, Sample
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.recipes.agent.environment import Environment, EnvStep
@@ -278,7 +277,7 @@ class _EpisodeRun:
         return self.future.result()
 
 
-class AgentEpisodes:
+class AgentEpisodes(EpisodeRuns):
     """Episode producer of multi-turn agent runs (controller/episodes.py's interface): each prompt's
     group is `samples_per_prompt` episodes, each one sample. `make_environment()` builds one episode's
     environment."""
@@ -314,18 +313,8 @@ class AgentEpisodes:
     def begin_step(self, step: int) -> None:
         self.step = step
 
-    def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
-        return [self.start(g.prompt, g.request_id, g.seed) for g in groups]
-
-    def start(self, prompt: Prompt, request_id: str, seed: int | None) -> list[Future]:
-        runs = [_EpisodeRun(self, prompt, f"{request_id}-e{k}", None if seed is None else seed + 7919 * k)
-                for k in range(self.samples_per_prompt)]
-        for run in runs:
-            run.start()
-        return [run.future for run in runs]
-
-    def drain(self, futures: Sequence[Future]) -> None:
-        concurrent.futures.wait(futures)
+    def episode_run(self, prompt: Prompt, run_id: str, seed: int | None) -> "_EpisodeRun":
+        return _EpisodeRun(self, prompt, run_id, seed)
 
     def collect(self, prompt: Prompt, futures: Sequence[Future]) -> list[Sample]:
         episodes = [f.run.drive() for f in futures]  # type: ignore[attr-defined]

@@ -22,7 +22,6 @@ feedback agent in the loop.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -39,7 +38,7 @@ from megatron_rl.algorithms.waltz import (
     parse_feedback,
     training_stage,
 )
-from megatron_rl.controller.episodes import GroupRequest, Sample
+from megatron_rl.controller.episodes import EpisodeRuns, Sample
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.recipes.waltz.config import WaltzConfig
 from megatron_rl.recipes.waltz.judge import prompt_kind
@@ -205,7 +204,7 @@ class _EpisodeRun:
         return self.future.result()
 
 
-class WaltzEpisodes:
+class WaltzEpisodes(EpisodeRuns):
     """Episode producer of a WaltzRL run (see the module docstring; controller/episodes.py's interface).
     A checkpoint keeps only its in-flight groups' prompts: a resumed run plays them again."""
 
@@ -268,19 +267,8 @@ class WaltzEpisodes:
         self.stage = training_stage(step, self.config.stage1_steps)
         self.step = step
 
-    def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
-        return [self.start(group.prompt, group.request_id, group.seed) for group in groups]
-
-    def start(self, prompt: Any, request_id: str, seed: int | None) -> list[Future]:
-        """Start the group's `samples_per_prompt` episodes (turns advance in the engines' threads)."""
-        runs = [_EpisodeRun(self, prompt, f"{request_id}-e{k}", None if seed is None else seed + 7919 * k)
-                for k in range(self.samples_per_prompt)]
-        for run in runs:
-            run.start()
-        return [run.future for run in runs]
-
-    def drain(self, futures: Sequence[Future]) -> None:
-        concurrent.futures.wait(futures)
+    def episode_run(self, prompt: Any, run_id: str, seed: int | None) -> "_EpisodeRun":
+        return _EpisodeRun(self, prompt, run_id, seed)
 
     def collect(self, prompt: Any, futures: Sequence[Future]) -> list[Sample]:
         episodes = [f.run.drive() for f in futures]  # type: ignore[attr-defined]
