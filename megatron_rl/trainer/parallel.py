@@ -52,6 +52,11 @@ def setup_model_parallel(config: ParallelConfig):
     init_distributed(config)
     config.data_parallel(dist.get_world_size())  # validates divisibility with a clear message
     if parallel_state.model_parallel_is_initialized():
+        if _same_layout(config):
+            # Several trainers of one process (policy, reference, value model; the tests' many) share
+            # the groups: Megatron's reset drops its references without destroying them, and every
+            # gloo group keeps its transport threads for the life of the process.
+            return ProcessGroupCollection.use_mpu_process_groups()
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
@@ -60,6 +65,12 @@ def setup_model_parallel(config: ParallelConfig):
         create_gloo_process_groups=resolved_backend(config) != "gloo",
     )
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _same_layout(config: ParallelConfig) -> bool:
+    return (parallel_state.get_tensor_model_parallel_world_size() == config.tensor_parallel
+            and parallel_state.get_pipeline_model_parallel_world_size() == config.pipeline_parallel
+            and parallel_state.get_expert_model_parallel_world_size() == config.expert_parallel)
 
 
 def teardown() -> None:
