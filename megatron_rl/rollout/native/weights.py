@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.rollout.native import moe as moe_weights
+from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
@@ -62,7 +62,7 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
             block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
         block((p + "self_attn.o_proj.weight", (h, q)))
         if arch.is_moe:  # router, experts' gate/up, experts' down (rollout/native/moe.py)
-            for tensors in moe_weights.arena_blocks(arch, i):
+            for tensors in arena_blocks(arch, i):
                 block(*tensors)
         else:
             block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
@@ -115,7 +115,7 @@ class LlamaWeights:
             layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
             if arch.is_moe:
                 layer.gate_up = layer.down = None
-                layer.moe, aliases, covers = moe_weights.layer_views(arch, i, arena, offsets)
+                layer.moe, aliases, covers = layer_views(arch, i, arena, offsets)
                 t.update(aliases)  # transformers 5's fused in-memory names: the same memory
                 self._covers.update(covers)
             else:
@@ -207,7 +207,7 @@ class LlamaWeights:
             return f" (a q/k norm, but the model config (family {a.family}) has qk_norm=False)"
         if name.endswith(".bias"):
             return f" (the model config (family {a.family}) has no bias for this layer)"
-        moe_hint = moe_weights.unknown_name_hint(a, name)
+        moe_hint = unknown_name_hint(a, name)
         if moe_hint is not None:
             return moe_hint
         close = difflib.get_close_matches(name, list(self._targets), n=1)
