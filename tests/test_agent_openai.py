@@ -5,6 +5,10 @@ behaviour log-probs equal the trainer's recomputation, and the server's own chat
 re-tokenizing loop) would have changed tokens."""
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
+
 import pytest
 
 from megatron_rl.algorithms.config import AdvantageConfig
@@ -119,3 +123,101 @@ def test_rewritten_history_starts_a_new_segment_and_unsupported_fields_are_refus
     assert len(run.segments) == 2 and [t.segment for t in run.turns] == [0, 1]
     assert run.reward == 1.0 and len(run.samples()) == 2
     assert all(s.completion.output_mask == [1] * len(s.completion.output_ids) for s in run.samples())
+
+
+def echo_openai_agent(agent_config, tokenizer):
+    """`agent.openai_agent` factory: an OpenAI-client agent over the echo environment (several turns even from
+    a random model). It asks for its own temperature and seed, which a training run overrides."""
+    from tests.test_agent_episodes import EchoEnvironment
+
+    def agent(client, model, prompt):
+        env = EchoEnvironment(agent_config.max_turns)
+        messages = env.reset(prompt)
+        while True:
+            text = client.chat.completions.create(model=model, messages=messages, temperature=0.01,
+                                                  seed=5).choices[0].message.content
+            step = env.step(text)
+            if step.done:
+                return step.reward
+            messages += [{"role": "assistant", "content": text}, *step.messages]
+    return agent
+
+
+def failing_openai_agent(agent_config, tokenizer):
+    """Raises before its first request, always."""
+    def agent(client, model, prompt):
+        raise RuntimeError("the agent's own bug")
+    return agent
+
+
+def flaky_openai_agent(agent_config, tokenizer):
+    """Every second episode of each prompt raises before its first request."""
+    started = collections.defaultdict(itertools.count)
+    lock = threading.Lock()
+    echo = echo_openai_agent(agent_config, tokenizer)
+
+    def agent(client, model, prompt):
+        with lock:
+            fails = next(started[prompt.prompt_id]) % 2
+        if fails:
+            raise RuntimeError("the agent's own bug")
+        return echo(client, model, prompt)
+    return agent
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_openai_client_agent_trains_through_the_recipe(tmp_path, tiny_chat_model, staleness):
+    """agent.openai_agent: the recipe serves the policy's engine, the agent's own client loop produces the
+    episodes, the loop trains on them (sync and asynchronous) and the server is gone after the run."""
+    import json
+    import os
+
+    from megatron_rl.controller.loop import train
+    from megatron_rl.run_config import load_run_config
+    from tests.test_agent_recipe import RECIPE, _overrides
+
+    run_dir = str(tmp_path / f"staleness{staleness}")
+    config = load_run_config(RECIPE, _overrides(tiny_chat_model, run_dir, "steps=2", f"rollout.max_staleness={staleness}",
+                                                "agent.openai_agent=tests.test_agent_openai:echo_openai_agent"))
+    assert train(config).steps == 2
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [m for m in metrics if "agent/episodes" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/episodes"] == 4 and m["agent/turns_per_episode"] == 3.0
+        assert m["agent/segments_per_episode"] == 1.0 and m["agent/environment_tokens"] > 0
+        if m["rollout/staleness_max"] == 0:
+            assert m["train/logprob_mismatch"] < 1e-4
+    assert any("eval/accuracy" in m for m in metrics)
+    episodes = [json.loads(line) for line in open(os.path.join(run_dir, "agent_episodes.jsonl"))]
+    assert len(episodes) == 8 and all(len(e["turns"]) == 3 for e in episodes)
+    # the run's temperature 1 and per-episode seeds replaced the agent's own (0.01, seed 5): a group's
+    # episodes differ
+    first_turns = {}
+    for e in episodes:
+        first_turns.setdefault((e["step"], e["prompt_id"]), []).append(e["turns"][0]["text"])
+    assert all(len(set(texts)) > 1 for texts in first_turns.values())
+    assert not [t for t in threading.enumerate() if t.name == "rollout-http" or t.name.startswith("openai-agent")]
+
+
+def test_openai_agent_errors_are_counted_and_a_group_that_all_failed_is_reported(tmp_path, tiny_chat_model):
+    import json
+    import os
+
+    from megatron_rl.controller.loop import train
+    from megatron_rl.run_config import load_run_config
+    from tests.test_agent_recipe import RECIPE, _overrides
+
+    def config(name, agent):
+        return load_run_config(RECIPE, _overrides(tiny_chat_model, str(tmp_path / name), "steps=1",
+                                                  "rollout.samples_per_prompt=4", "eval.before_training=false",
+                                                  "eval.after_training=false",
+                                                  f"agent.openai_agent=tests.test_agent_openai:{agent}"))
+    # half the episodes raise: the run goes on, on the others
+    assert train(config("flaky", "flaky_openai_agent")).steps == 1
+    (m,) = [json.loads(line) for line in open(os.path.join(tmp_path, "flaky", "metrics.jsonl"))
+            if "agent/episodes" in line]
+    assert m["agent/episodes"] == 8 and m["agent/agent_errors"] == 4 and m["agent/turns_per_episode"] == 1.5
+    with pytest.raises(RuntimeError, match="every agent episode of prompt .* raised before sampling anything.*"
+                                           "the agent's own bug"):
+        train(config("failing", "failing_openai_agent"))

@@ -247,6 +247,9 @@ class Controller:
 
     def close(self) -> None:
         self.timeline.write()
+        close_episodes = getattr(self.rollouts.episodes if self.rollouts else None, "close", None)
+        if close_episodes is not None:  # producers that own threads or servers (OpenAI-client agents)
+            close_episodes()
         for policy in self.policies:
             if policy.engine is not None:
                 policy.engine.close()

@@ -48,6 +48,14 @@ class AgentConfig:
     environment: str = "tools"
     """tools: the task with the tools below (ToolEnvironment); or 'module:function', called with (this
     config, the tokenizer), returning a factory of fresh `Environment`s (a custom environment)."""
+    openai_agent: str = ""
+    """'module:function': train an agent written against the OpenAI API instead of running `environment`
+    here. The function is called with (this config, the tokenizer) and returns agent(client, model,
+    prompt) -> its reward, or its final answer (graded by the task); the recipe serves the policy's engine
+    on a loopback port and the agent's official `openai` client reaches it token-exact (openai_agent.py).
+    Example: megatron_rl.recipes.agent.calculator_agent:calculator_agent."""
+    openai_concurrency: int = 64
+    """Agent episodes run at once (threads) when `openai_agent` is set."""
     tools: list[str] = dataclasses.field(default_factory=lambda: ["calculator"])
     """Tools offered: calculator (safe arithmetic), python (runs code in the sandbox)."""
     tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
@@ -67,6 +75,9 @@ class AgentConfig:
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
         require(self.environment == "tools" or ":" in self.environment, "environment",
                 f"must be 'tools' or 'module:function', got {self.environment!r}")
+        require(not self.openai_agent or ":" in self.openai_agent, "openai_agent",
+                f"must be 'module:function', got {self.openai_agent!r}")
+        require(self.openai_concurrency >= 1, "openai_concurrency", "must be >= 1")
         for name in self.tools:
             require(name in TOOLS, "tools", f"unknown tool {name!r}; known: {', '.join(TOOLS)}")
         require(self.few_shot >= 0, "few_shot", "must be >= 0")

@@ -66,6 +66,8 @@ def build_agent(config, model) -> RunParts:
     agent: AgentConfig = config.agent
     driver = ranks.is_driver()
     train, heldout = build_calculator_datasets(agent.task)
+    if agent.openai_agent:
+        return _openai_agent_parts(config, model, policy, selector, train, heldout)
     make_environment = environment_factory(agent, model.tokenizer)
     context = context_length(config, model)
     episodes = None
@@ -95,3 +97,38 @@ def build_agent(config, model) -> RunParts:
     return RunParts(model.tokenizer, [policy], train, heldout, episodes, selector,
                     HeldoutEvaluation(config.eval, measure))
 
+
+
+def _openai_agent_parts(config, model, policy, selector, train, heldout) -> RunParts:
+    """The run's parts for an agent written against the OpenAI API (`agent.openai_agent`): its episodes
+    run through a server over the policy's engine; the held-out evaluation runs it greedily."""
+    from megatron_rl.recipes.agent.openai_agent import OpenAIAgentEpisodes, count_openai_run, openai_run_metrics
+
+    agent: AgentConfig = config.agent
+    episodes = None
+    if ranks.is_driver():
+        module, _, function = agent.openai_agent.partition(":")
+        make_agent = getattr(importlib.import_module(module), function)
+        rollout = config.rollout
+        record = os.path.join(config.run_dir, "agent_episodes.jsonl") if agent.record_episodes else None
+        episodes = OpenAIAgentEpisodes(policy.engine, model.tokenizer, make_agent(agent, model.tokenizer),
+                                       grade=grade_final_answer, temperature=rollout.temperature, top_p=rollout.top_p,
+                                       top_k=rollout.top_k, stop=list(rollout.stop) or None,
+                                       max_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt,
+                                       concurrency=agent.openai_concurrency, record_path=record)
+    else:
+        train, heldout = [], []
+
+    def measure(step: int) -> dict[str, float]:
+        if episodes is None:
+            return {}
+        counts: dict[str, float] = {}
+        for run in episodes.play(list(heldout), tag=f"eval{step}",
+                                 forced={"temperature": 0.0, "max_tokens": config.eval.max_new_tokens}):
+            count_openai_run(counts, run)
+        metrics = openai_run_metrics(counts)
+        metrics.update(reward_errors=0.0, samples=counts.get("episodes", 0.0))
+        return metrics
+
+    return RunParts(model.tokenizer, [policy], train, heldout, episodes, selector,
+                    HeldoutEvaluation(config.eval, measure))
