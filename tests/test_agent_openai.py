@@ -221,3 +221,26 @@ def test_openai_agent_errors_are_counted_and_a_group_that_all_failed_is_reported
     with pytest.raises(RuntimeError, match="every agent episode of prompt .* raised before sampling anything.*"
                                            "the agent's own bug"):
         train(config("failing", "failing_openai_agent"))
+
+
+def test_the_calculator_task_as_an_openai_client_agent_trains(tmp_path, tiny_chat_model):
+    """The built-in example (recipes/agent/calculator_agent.py): the calculator environment's tools and
+    worked example, driven by an OpenAI-client loop; no episode of it raises."""
+    import json
+    import os
+
+    from megatron_rl.controller.loop import train
+    from megatron_rl.run_config import load_run_config
+    from tests.test_agent_recipe import RECIPE, _overrides
+
+    run_dir = str(tmp_path / "calculator")
+    config = load_run_config(RECIPE, _overrides(
+        tiny_chat_model, run_dir, "steps=1", "eval.before_training=false",
+        "agent.openai_agent=megatron_rl.recipes.agent.calculator_agent:calculator_agent"))
+    assert train(config).steps == 1
+    with open(os.path.join(run_dir, "agent_episodes.jsonl")) as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == 4 and not any(e["error"] for e in episodes)
+    assert all(1 <= len(e["turns"]) <= 3 for e in episodes)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert "eval/accuracy" in f.read()
