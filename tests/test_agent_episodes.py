@@ -5,6 +5,7 @@ negative control (a re-tokenizing loop changes tokens), and the tool environment
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -119,6 +120,43 @@ def test_each_turn_prompt_is_the_previous_prompt_plus_sampled_ids_plus_new_messa
     assert metrics["agent/turns_per_episode"] == 3.0
     assert metrics["agent/sampled_tokens"] == sum(e.trajectory.sampled_tokens for e in episodes) > 0
     assert metrics["agent/environment_tokens"] == sum(e.trajectory.environment_tokens for e in episodes) > 0
+
+
+class ThreadRecordingEnvironment(EchoEnvironment):
+    """Echo episodes that note which thread ran each environment step."""
+
+    threads: list[str] = []
+
+    def step(self, assistant_text: str) -> EnvStep:
+        ThreadRecordingEnvironment.threads.append(threading.current_thread().name)
+        return super().step(assistant_text)
+
+
+@pytest.mark.parametrize("environment_threads", [0, 2])
+def test_environment_steps_run_off_the_engine_thread_when_asked(tiny_model, environment_threads):
+    """Asynchronous runs step environments (tool calls) on a pool, so a slow tool does not hold the engine's
+    batch; synchronous ones in the engine's callback thread. The trajectories stay token-exact either way."""
+    from megatron_rl.rollout.native import NativeEngine
+
+    ThreadRecordingEnvironment.threads = []
+    with NativeEngine(tiny_model.arch, tiny_model.state, tokenizer=tiny_model.tokenizer,
+                      config=NativeEngineConfig(max_batch_size=8, max_seq_len=512)) as engine:
+        producer = AgentEpisodes(engine, tiny_model.tokenizer, lambda: ThreadRecordingEnvironment(3),
+                                 sampling=SamplingParams(max_new_tokens=6, temperature=1.0), samples_per_prompt=2,
+                                 environment_threads=environment_threads)
+        futures = [producer.start(p, f"s0-p{i}", 11 + i) for i, p in enumerate(_prompts())]
+        for p, fs in zip(_prompts(), futures):
+            producer.collect(p, fs)
+        producer.close()
+    episodes = [f.result() for fs in futures for f in fs]
+    assert all(len(e.turns) == 3 for e in episodes)
+    for e in episodes:
+        full = e.trajectory.prompt_ids + e.trajectory.output_ids
+        assert all(full[:len(t.completion.prompt_ids)] == t.completion.prompt_ids for t in e.turns)
+    threads = ThreadRecordingEnvironment.threads
+    assert len(threads) == 3 * len(episodes)
+    on_pool = [name.startswith("agent-env") for name in threads]
+    assert all(on_pool) if environment_threads else not any(on_pool)
 
 
 def test_trainer_logprobs_equal_engine_behaviour_logprobs_on_every_sampled_token(tiny_model):

@@ -68,6 +68,10 @@ class AgentConfig:
     """Sandbox wall-time limit of one tool call."""
     tool_memory_mb: int = 512
     """Sandbox memory limit of one tool call."""
+    environment_threads: int = 8
+    """Asynchronous runs (rollout.max_staleness > 0): threads that run environment steps (tool calls) off
+    the engine's thread. Synchronous runs step environments in the engine's thread (batches independent of
+    timing: a resumed run is bit-exact)."""
     record_episodes: bool = True
     """Append every training episode, turn by turn, to RUN_DIR/agent_episodes.jsonl."""
 
@@ -84,3 +88,4 @@ class AgentConfig:
         require(not self.few_shot or "calculator" in self.tools, "few_shot", "the worked examples use the calculator")
         require(self.tool_wall_time_s > 0, "tool_wall_time_s", "must be > 0")
         require(self.tool_memory_mb >= 64, "tool_memory_mb", "must be >= 64")
+        require(self.environment_threads >= 1, "environment_threads", "must be >= 1")

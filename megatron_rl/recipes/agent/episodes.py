@@ -17,12 +17,15 @@ log-probs stay valid (a re-tokenizing loop changes tokens: `retokenization_chang
 The episode is one sample: a `Completion` whose `output_ids` hold every token after the first prompt,
 with `output_mask` 1 on sampled tokens and 0 on environment tokens (log-prob 0, no loss;
 controller/batching.py), and per-token weight versions (environment tokens carry the version of the
-turn before them). Turns advance in the engines' callback threads, as WaltzRL's episodes do, so
-asynchronous runs generate whole episodes while the trainer trains; a checkpoint keeps only in-flight
+turn before them). Turns advance from the engines' callbacks, as WaltzRL's episodes do, so asynchronous
+runs generate whole episodes while the trainer trains (their environment steps run on a thread pool, so
+a slow tool does not hold the engine's batch; synchronous runs step them in the callback thread, which
+keeps the order of submissions, hence the batches, independent of timing); a checkpoint keeps only in-flight
 prompts and a resumed run plays them again with the same seeds.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import difflib
 import json
@@ -227,6 +230,16 @@ class _EpisodeRun:
         future.add_done_callback(self._on_sampled)
 
     def _on_sampled(self, future: Future) -> None:
+        if self.owner.environment_pool is None:
+            self._advance(future)
+            return
+        try:
+            self.owner.environment_pool.submit(self._advance, future)
+        except RuntimeError as exc:  # the producer closed: the run is ending
+            self._fail(exc)
+
+    def _advance(self, future: Future) -> None:
+        """The environment answers the turn just sampled, and the next turn is submitted."""
         try:
             completion = future.result()
             o, episode = self.owner, self.episode
@@ -286,8 +299,13 @@ class AgentEpisodes(EpisodeRuns):
 
     def __init__(self, engine, tokenizer: ChatTokenizer, make_environment: Callable[[], Environment], *,
                  sampling: SamplingParams, samples_per_prompt: int = 1, record_path: str | None = None,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, environment_threads: int = 0):
+        """`environment_threads` > 0: environment steps (tool calls) run on that many threads, so a slow
+        tool does not hold the engine's batch; 0: in the engine's callback thread, which submits the next
+        turns in a timing-independent order (synchronous runs, bit-exact resume)."""
         self.engine = engine
+        self.environment_pool = (concurrent.futures.ThreadPoolExecutor(environment_threads, thread_name_prefix="agent-env")
+                                 if environment_threads > 0 else None)
         self.tokenizer = tokenizer
         self.make_environment = make_environment
         self.sampling = sampling
@@ -329,6 +347,10 @@ class AgentEpisodes(EpisodeRuns):
     def pop_metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, {}
         return {f"agent/{k}": v for k, v in episode_metrics(counts).items()}
+
+    def close(self) -> None:
+        if self.environment_pool is not None:
+            self.environment_pool.shutdown(wait=False, cancel_futures=True)
 
     def play(self, prompts: Sequence[Prompt], *, tag: str) -> list[AgentEpisode]:
         """One episode per prompt now, outside the training stream (evaluation), batched together."""

@@ -76,7 +76,8 @@ def build_agent(config, model) -> RunParts:
         episodes = AgentEpisodes(policy.engine, model.tokenizer, make_environment,
                                  sampling=SamplingParams.for_rollouts(config.rollout, None),
                                  samples_per_prompt=config.rollout.samples_per_prompt, record_path=record,
-                                 max_seq_len=context)
+                                 max_seq_len=context,
+                                 environment_threads=agent.environment_threads if config.rollout.max_staleness else 0)
     else:  # trainer ranks receive scored groups from the driver
         train, heldout = [], []
 
