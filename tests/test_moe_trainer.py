@@ -161,6 +161,31 @@ def test_replayed_training_loss_is_the_forced_models_loss(built):
     assert abs(metrics["train/loss"] - expected.item()) <= 1e-5
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_replay_diagnostics_score_both_routings_against_the_engine(built, replay):
+    """trainer.moe_replay_diagnostics: an engine that sampled with experts the trainer's router would not
+    pick (its log-probs: transformers forced to the record; a few positions unrecorded, where both route
+    themselves). Replayed, the trainer's log-probs are the
+    engine's; with its own routing they are far off. Either way the step trains as configured."""
+    model, arch, state, tokens = built["mixtral"]
+    _, record = _forced_record(model, tokens, arch)
+    with torch.no_grad(), moe_helpers.hf_forced_routing(model, record[:, :-1]):
+        forced = torch.log_softmax(model(tokens[:, :-1]).logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    train = _batch(tokens)
+    train.routed_experts = record
+    train.behaviour_logprobs = torch.cat([torch.zeros(tokens.shape[0], 1), forced], dim=1) * train.loss_mask
+    trainer = _trainer(arch, state, replay=replay, moe_replay_diagnostics=True)
+    metrics = trainer.train_step(train, _lm_loss(train.loss_mask.sum()))
+    assert metrics["moe/logprob_mismatch_replay_max"] <= TOL
+    assert metrics["moe/logprob_mismatch_own_routing"] > 1e-2
+    assert metrics["moe/logprob_mismatch_own_routing_max"] >= metrics["moe/logprob_mismatch_own_routing"]
+    # (replayed, later layers see other hidden states, so a few of their own choices meet the record)
+    assert trainer.routing.replay is replay and metrics["moe/routing_mismatch"] > 0.9
+    if replay:  # the training pass itself replayed (the diagnostics left the switch as it was)
+        expected = -(forced * train.loss_mask[:, 1:]).sum() / train.loss_mask.sum()
+        assert abs(metrics["train/loss"] - expected.item()) <= 1e-5
+
+
 def test_step_batch_carries_the_routing_records():
     """build_step_batch puts Completion.routed_experts [P + R - 1, L, k] at the tokens' positions of their rows
     (rows sorted longest first, padding rows and unrecorded positions -1)."""

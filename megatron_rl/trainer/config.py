@@ -100,6 +100,11 @@ class TrainerConfig:
     """Mixture of experts: recompute log-probs and gradients with the experts the rollout engine chose
     (`Completion.routed_experts`, through Megatron's RouterReplay), so the trainer's policy is the one that
     sampled; positions without a record use the trainer's own routing. docs/moe.md."""
+    moe_replay_diagnostics: bool = False
+    """Mixture of experts: before each step, two extra forward passes (no gradient) score the batch with the
+    engine's experts replayed and with the trainer's own routing, and report both log-prob mismatches with
+    the engine (`moe/logprob_mismatch_replay`, `moe/logprob_mismatch_own_routing`: mean |log pi - log mu|
+    over sampled tokens; `_max` the largest), whichever of the two trains. Costs two forwards per step."""
     moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
     """Megatron's MoE token dispatcher: auto is alltoall on CUDA and allgather on CPU (Megatron's alltoall
     dispatcher needs CUDA streams)."""

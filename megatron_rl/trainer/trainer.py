@@ -440,7 +440,36 @@ class MegatronTrainer:
             logprobs, entropy = self._token_logprobs(hidden, tokens, where=mb.loss_positions())
             return loss_fn(logprobs, mb, entropy)
 
-        return self.train_step_on_hidden(batch, head_loss, trim=True)
+        diagnostics = self.replay_diagnostics(batch) if self.config.moe_replay_diagnostics else {}
+        return {**self.train_step_on_hidden(batch, head_loss, trim=True), **diagnostics}
+
+    def replay_diagnostics(self, batch: TrainBatch) -> dict[str, float]:
+        """The log-prob mismatch with the engine over `batch`'s sampled tokens with the engine's routing
+        replayed and with the trainer's own (two forward passes at the current weights; averaged over DP).
+        Empty for dense models and batches without a routing record or behaviour log-probs."""
+        if self.routing is None or batch.routed_experts is None or batch.behaviour_logprobs is None:
+            return {}
+        sampled = (batch.loss_mask != 0) & torch.isfinite(batch.behaviour_logprobs)
+        totals = []
+        trained_with = self.routing.replay
+        try:
+            for replay in (True, False):
+                self.routing.replay = replay
+                gap = (self.compute_logprobs(batch) - batch.behaviour_logprobs).abs()[sampled].double()
+                totals += [float(gap.sum()), float(gap.max()) if gap.numel() else 0.0]
+        finally:
+            self.routing.replay = trained_with
+            self.routing.reset_stats()
+        sums = torch.tensor([totals[0], totals[2], float(sampled.sum())], dtype=torch.float64)
+        peaks = torch.tensor([totals[1], totals[3]], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(sums, group=self.pg.dp)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.pg.dp)
+        count = max(float(sums[2]), 1.0)
+        return {"moe/logprob_mismatch_replay": float(sums[0]) / count,
+                "moe/logprob_mismatch_own_routing": float(sums[1]) / count,
+                "moe/logprob_mismatch_replay_max": float(peaks[0]),
+                "moe/logprob_mismatch_own_routing_max": float(peaks[1])}
 
     def train_step_on_hidden(self, batch: TrainBatch, head_loss, *, trim: bool = False) -> dict[str, float]:
         """One optimizer step where `head_loss(hidden [b, S-1, H], tokens [b, S], micro_batch) ->
