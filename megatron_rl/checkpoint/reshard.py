@@ -109,6 +109,27 @@ def gather_optimizer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, 
     by_param = {m: (w, main, span) for w, m, main, span in entries}
     keep_main = any(m.dtype != torch.float32 for _, m in params)
     all_kinds = kinds + ([MAIN_PARAM] if keep_main else [])
+    group_step = [g["step"] for w in _wrappers(trainer) for g in w.optimizer.param_groups if "step" in g]
+    meta = {"initialized": True, "kinds": kinds, "main_params": keep_main, "scalars": scalars,
+            "group_step": float(group_step[0]) if group_step else None}
+    if not (distributed and dp_group.size() > 1):
+        if dp_rank != 0:
+            return None
+        # One rank holds every element: each state is copied once, straight into its own tensor (a flat
+        # buffer cut into copies would hold the state twice, which a large model on one host cannot afford).
+        tensors = {}
+        with torch.no_grad():
+            for name, param in params:
+                wrapper, main, _ = by_param.get(param, (None, None, None))
+                state = wrapper.optimizer.state.get(main, {}) if wrapper is not None else {}
+                for kind in all_kinds:
+                    source = main if kind == MAIN_PARAM else state.get(kind)
+                    dtype = sample[kind].dtype if kind in sample else torch.float32
+                    out = torch.zeros(param.shape, dtype=dtype)
+                    if source is not None:
+                        out.copy_(source.detach().reshape(param.shape))
+                    tensors[f"{kind}/{name}"] = out
+        return tensors, meta
     offsets, total = {}, 0
     for name, param in params:
         for kind in all_kinds:
@@ -139,9 +160,6 @@ def gather_optimizer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, 
             at = offsets[(kind, name)]
             dtype = sample[kind].dtype if kind in sample else torch.float32
             tensors[f"{kind}/{name}"] = flat[at:at + param.numel()].view(param.shape).to(dtype).clone()
-    group_step = [g["step"] for w in _wrappers(trainer) for g in w.optimizer.param_groups if "step" in g]
-    meta = {"initialized": True, "kinds": kinds, "main_params": keep_main, "scalars": scalars,
-            "group_step": float(group_step[0]) if group_step else None}
     return tensors, meta
 
 
