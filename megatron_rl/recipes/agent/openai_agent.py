@@ -39,6 +39,8 @@ from megatron_rl.rewards.registry import RewardResult
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.types import Completion
 
+log = logging.getLogger(__name__)
+
 _PASSED_THROUGH = ("temperature", "top_p", "seed", "stop", "user", "top_k", "min_p", "stop_token_ids", "ignore_eos")
 _ACCEPTED = {"model", "messages", "tools", "max_tokens", "max_completion_tokens", "n", "return_token_ids",
              "stream", *_PASSED_THROUGH}
@@ -275,9 +277,6 @@ def run_openai_agent(agent: AgentFunction, prompt: Prompt, *, base_url: str, tok
         text = final if result is None else str(result)
         reward = grade(text, prompt)
     return OpenAIAgentRun(prompt, session.segments, session.turns, reward, final, run_id)
-
-
-log = logging.getLogger(__name__)
 
 
 class _AgentRunInFlight:
