@@ -34,6 +34,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
+import torch
+
 from megatron_rl.controller.episodes import EpisodeRuns, Sample
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
@@ -113,6 +115,8 @@ class Trajectory:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
+    routed: torch.Tensor | None = None
+    """MoE routing record of the positions so far (`Completion.routed_experts`), None without one."""
 
     def next_prompt(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -123,6 +127,12 @@ class Trajectory:
         self.logprobs += completion.output_logprobs
         self.versions += completion.weight_versions
         self.mask += [1] * n
+        record = completion.routed_experts
+        if record is not None:
+            # Positions recorded by earlier turns keep the experts chosen when those tokens were fed; the
+            # rest (the previous turn's last token, the environment's tokens, this turn's) take this turn's.
+            kept = 0 if self.routed is None else self.routed.shape[0]
+            self.routed = record.clone() if self.routed is None else torch.cat([self.routed, record[kept:]])
 
     def add_environment(self, ids: Sequence[int]) -> None:
         # Environment tokens take the version of the turn before them: they do not change the
@@ -134,9 +144,16 @@ class Trajectory:
         self.mask += [0] * len(ids)
 
     def completion(self, request_id: str, group_id: str, finish_reason: str) -> Completion:
+        routed = self.routed
+        if routed is not None:  # [P + R - 1] positions; -1 where no turn recorded one
+            positions = len(self.prompt_ids) + len(self.output_ids) - 1
+            routed = routed[:positions]
+            if routed.shape[0] < positions:
+                routed = torch.cat([routed, routed.new_full((positions - routed.shape[0], *routed.shape[1:]), -1)])
         return Completion(request_id=request_id, prompt_ids=list(self.prompt_ids), output_ids=list(self.output_ids),
                           output_logprobs=list(self.logprobs), weight_versions=list(self.versions),
-                          finish_reason=finish_reason, group_id=group_id, output_mask=list(self.mask))
+                          finish_reason=finish_reason, group_id=group_id, output_mask=list(self.mask),
+                          routed_experts=routed)
 
     @property
     def sampled_tokens(self) -> int:
