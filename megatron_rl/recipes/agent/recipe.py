@@ -99,7 +99,6 @@ def build_agent(config, model) -> RunParts:
                     HeldoutEvaluation(config.eval, measure))
 
 
-
 def _openai_agent_parts(config, model, policy, selector, train, heldout) -> RunParts:
     """The run's parts for an agent written against the OpenAI API (`agent.openai_agent`): its episodes
     run through a server over the policy's engine; the held-out evaluation runs it greedily."""
