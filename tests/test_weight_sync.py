@@ -13,7 +13,7 @@ from tests.helpers import near_uniform_state
 from tests.test_trainer_parallel import _data
 
 
-def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2):
+def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2, ep=1):
     import torch.distributed as dist
 
     from megatron_rl.placement.generator_process import GeneratorProcess
@@ -27,9 +27,11 @@ def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2):
     )
 
     torch.set_num_threads(1)
-    trainer = MegatronTrainer(arch, TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
-                                                  micro_batch_size=2, lr=1e-2, vocab_divisible_by=1), hf_state=state)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
+    trainer = MegatronTrainer(arch, TrainerConfig(parallel=parallel, micro_batch_size=2, lr=1e-2, vocab_divisible_by=1),
+                              hf_state=state)
     generator = engine = None
+    state = trainer.gather_hf_state(dst=0)  # the engine's names (MoE: transformers' in-memory form -> published)
     if rank == 0:
         generator = GeneratorProcess(arch, state, config=NativeEngineConfig(max_batch_size=2), verify_weights=True)
         engine = NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=2))
@@ -48,7 +50,7 @@ def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2):
                 views = channel.arena_views[1 - generator.staging_index]  # the arena the engine adopted
                 assert set(views) == set(expected), sorted(set(views) ^ set(expected))
                 mismatches.append([n for n in expected if not torch.equal(views[n], expected[n])])
-                held = engine.named_weights()
+                held = engine.named_weights(expected)  # (an MoE engine also answers to transformers' fused names)
                 assert set(held) == set(expected) and engine.version == version
                 mismatches[-1] += [f"bucketed {n}" for n in expected if not torch.equal(held[n], expected[n])]
                 assert generator.version == version
@@ -64,6 +66,17 @@ def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2):
 def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):
     state = near_uniform_state(tiny_arch)
     mismatches = run_distributed(_sync_worker, 4, tiny_arch, state, _data(tiny_arch))[0]
+    assert mismatches == [[], []]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_ep2_trainer_to_engine_carries_every_ranks_experts(family):
+    """Expert parallelism: each EP rank holds half of every layer's experts (and data-parallel rank 1 is
+    EP rank 1), so both channels must take experts from every EP rank, dense tensors once."""
+    from tests import moe_helpers
+
+    _, arch, state, _ = moe_helpers.build(family)
+    mismatches = run_distributed(_sync_worker, 2, arch, state, _data(arch, rows=4), 1, 1, 2)[0]
     assert mismatches == [[], []]
 
 

@@ -252,7 +252,8 @@ class ValueTrainer(MegatronTrainer):
 
     def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         """HF-named backbone weights (a policy's or a pretrained model's); the head is left as it is."""
-        super().load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.tp_rank])
+        stage = hf_to_megatron(hf_state, self.layout)[self.pp_rank]
+        super().load_shard(stage[self.layout.shard_index(self.tp_rank, self.ep_rank)])
 
     # --- executor operations ----------------------------------------------------------------------
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 Both are planned once from the two layouts (Megatron shards -> the engine's HF tensors, `weight_sync/reshard.py`).
 - `SharedMemoryWeightChannel`, to a generator process on the host: every push has each trainer rank of
-  data-parallel replica 0 write its own shard's slices straight into the generator's staging weight
+  data-parallel replica 0 (with expert parallelism: of expert-data-parallel replica 0) write its own shard's slices straight into the generator's staging weight
   arena (shared memory the engine will compute from; no gather of the model on one rank, no copy in
   the engine), a barrier, and the owner rank commits the new version: the generator adopts that
   arena between two decode steps.
@@ -55,17 +55,29 @@ class InProcessWeightChannel:
         return {"perf/weight_sync_time": time.perf_counter() - start}
 
 
+def shard_writer(trainer) -> tuple[bool, int, object]:
+    """Which trainer ranks write the weights once: (this rank writes, its shard's index in the reshard
+    plan's stage, the group of all writers). One data-parallel replica holds every shard once; with
+    expert parallelism a stage's shards are the (TP, EP) ranks of one expert-data-parallel replica
+    (the plan reads dense tensors from EP rank 0, each expert from the EP rank that holds it)."""
+    if trainer.arch.is_moe:
+        return (trainer.pg.expt_dp.rank() == 0, trainer.layout.shard_index(trainer.tp_rank, trainer.ep_rank),
+                trainer.pg.tp_ep_pp)
+    return trainer.pg.dp.rank() == 0, trainer.tp_rank, trainer.pg.mp
+
+
 def assemble_hf_buckets(trainer, plan, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's weights as HF-named tensors on global rank 0, bucket by bucket; a collective that
-    every trainer rank iterates to its end (rank 0 alone yields). Each rank of data-parallel replica 0
+    every trainer rank iterates to its end (rank 0 alone yields). Each writing rank (`shard_writer`)
     copies its shard's slices of the bucket's tensors (the reshard plan to one engine rank) into a
-    zeroed flat buffer, and one sum-reduce over the model-parallel group assembles the bucket on rank 0:
-    the plan writes every element exactly once, so the sum is the tensor."""
-    if trainer.pg.dp.rank() != 0:
+    zeroed flat buffer, and one sum-reduce over the writers assembles the bucket on rank 0: the plan
+    writes every element exactly once, so the sum is the tensor."""
+    writes, index, group = shard_writer(trainer)
+    if not writes:
         return
     shard = trainer.shard_state()
     first = next(iter(shard.values()))
-    group, group_size = trainer.pg.mp, trainer.pg.mp.size()
+    group_size = group.size()
     shapes = plan.shapes[0]
     names = list(shapes)
     start = 0
@@ -82,7 +94,7 @@ def assemble_hf_buckets(trainer, plan, bucket_bytes: int) -> Iterator[tuple[str,
             count = math.prod(shapes[name])
             views[name] = flat[offset:offset + count].view(shapes[name])
             offset += count
-        write_shard(plan, trainer.pp_rank, trainer.tp_rank, shard, {0: views}, partial=True)
+        write_shard(plan, trainer.pp_rank, index, shard, {0: views}, partial=True)
         if group_size > 1:
             dist.reduce(flat, dst=0, group=group)
         if dist.get_rank() == 0:
@@ -124,7 +136,7 @@ class SharedMemoryWeightChannel:
         self.arenas = [SharedBuckets.attach(descriptor) for descriptor in box[0]]
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
         self.arena_views = [arena.views() for arena in self.arenas]
-        self.writes = trainer.pg.dp.rank() == 0  # one data-parallel replica holds every shard once
+        self.writes, self.shard_index, _ = shard_writer(trainer)
 
     def push(self, version: int) -> dict[str, float]:
         """Write every shard into the engine's buffer and commit `version`. Returns timings (owner)."""
@@ -133,7 +145,7 @@ class SharedMemoryWeightChannel:
         dist.broadcast(staging, src=self.owner_rank, group=self.group)
         written = 0
         if self.writes:
-            written = write_shard(self.plan, self.trainer.pp_rank, self.trainer.tp_rank,
+            written = write_shard(self.plan, self.trainer.pp_rank, self.shard_index,
                                   self.trainer.shard_state(), {0: self.arena_views[int(staging)]})
         total = torch.tensor([written], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)  # doubles as the barrier: every shard is written
