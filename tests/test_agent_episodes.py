@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from megatron_rl.config import ConfigError
 from megatron_rl.algorithms.config import AdvantageConfig
 from megatron_rl.controller.batching import build_step_batch
 from megatron_rl.controller.episodes import Group
@@ -227,6 +228,35 @@ def test_calculator_tasks_are_seeded_disjoint_and_graded_on_the_final_integer():
     terms = [int(x) for x in sums[0].question.removeprefix("What is ").rstrip("?").split(" + ")]
     assert len(terms) == 5 and int(sums[0].answer) == sum(terms)
 
+
+
+@pytest.mark.parametrize("task, options", [("products", {"min_digits": 3, "max_digits": 4}),
+                                           ("chain_sum", {"min_terms": 6, "max_terms": 6, "min_digits": 4,
+                                                          "max_digits": 4})])
+def test_reasoning_gym_tasks_keep_its_questions_and_answers_and_the_calculator_solves_them(task, options):
+    from megatron_rl.data.reasoning_gym_tasks import create_task_dataset
+    from megatron_rl.recipes.agent.arithmetic import evaluate_arithmetic  # the calculator tool's arithmetic
+    from megatron_rl.recipes.agent.tasks import worked_examples
+
+    config = CalculatorTaskConfig(kind="reasoning_gym", reasoning_gym_task=task, task_config=options,
+                                  train_size=30, heldout_size=6, seed=3)
+    train, heldout = build_calculator_datasets(config)
+    assert (len(train), len(heldout)) == (30, 6) and not {p.question for p in train} & {p.question for p in heldout}
+    # reasoning-gym's own entries, in its order (integer answers only), with our instruction appended
+    source = create_task_dataset(task, options, size=80, seed=3)
+    by_question = {source[i]["question"].strip(): source[i] for i in range(80)}
+    for prompt in list(heldout) + list(train)[:10]:
+        entry = by_question[prompt.question]
+        assert prompt.answer == str(entry["answer"]) and prompt.messages[0]["content"].endswith(config.instruction)
+        expression = prompt.metadata["agent_task"]["expression"]
+        assert evaluate_arithmetic(expression) == prompt.answer  # the tool solves every problem
+    example = worked_examples(config, 2)
+    assert len(example) == 2 and example[0].question.split(" Use the")[0] not in {p.question for p in train}
+    assert evaluate_arithmetic(example[0].call.arguments["expression"]) == example[0].result
+    with pytest.raises(ConfigError, match="no expression"):
+        build_calculator_datasets(dataclasses.replace(config, reasoning_gym_task="spell_backward", task_config={}))
+    with pytest.raises(ConfigError, match="only 81 distinct problems"):
+        build_calculator_datasets(CalculatorTaskConfig(digits=[1, 1], train_size=200, heldout_size=8))
 
 def test_tool_environment_runs_calls_answers_errors_and_grades_the_final_answer():
     from megatron_rl.recipes.agent.tools import Calculator, tool_call_format_for

@@ -14,8 +14,15 @@ TOOLS = ("calculator", "python")
 class CalculatorTaskConfig:
     """Arithmetic a small model gets wrong alone and right with a calculator, generated from a seed."""
 
-    kind: Literal["multiply", "chain_sum"] = "multiply"
-    """multiply: a x b with `digits` digits each; chain_sum: the sum of `terms` numbers of `digits` digits."""
+    kind: Literal["multiply", "chain_sum", "reasoning_gym"] = "multiply"
+    """multiply: a x b with `digits` digits each; chain_sum: the sum of `terms` numbers of `digits` digits;
+    reasoning_gym: the arithmetic generator `reasoning_gym_task` of reasoning-gym (its questions, its
+    answers; problems with a non-integer answer are skipped)."""
+    reasoning_gym_task: str = "products"
+    """reasoning_gym: an arithmetic task whose entries carry their expression (products, chain_sum,
+    basic_arithmetic)."""
+    task_config: dict = dataclasses.field(default_factory=dict)
+    """reasoning_gym: the generator's own options, e.g. {min_digits: 3, max_digits: 4} for products."""
     digits: list[int] = dataclasses.field(default_factory=lambda: [4, 3])
     """multiply: the digits of each factor; chain_sum: [digits of every term]."""
     terms: int = 6
@@ -30,6 +37,8 @@ class CalculatorTaskConfig:
     """Appended to every question."""
 
     def __post_init__(self) -> None:
+        require(self.kind != "reasoning_gym" or bool(self.reasoning_gym_task), "reasoning_gym_task",
+                "name a reasoning-gym task")
         require(self.kind != "multiply" or len(self.digits) == 2, "digits", "multiply needs two digit counts")
         require(self.kind != "chain_sum" or len(self.digits) == 1, "digits", "chain_sum needs one digit count")
         require(all(1 <= d <= 30 for d in self.digits), "digits", "each digit count must be in [1, 30]")
