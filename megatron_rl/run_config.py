@@ -108,6 +108,12 @@ class RunConfig:
     """Multi-turn tool-using agent training (recipes/agent/: episodes with tools, a calculator task that
     replaces the `data` section); None: single-turn samples."""
 
+    @property
+    def records_routing(self) -> bool:
+        """Whether the rollout engines record MoE routing: the rollout asks for it or the trainer replays it
+        (the records travel with each completion to `TrainBatch.routed_experts`)."""
+        return self.engine.record_routing or self.rollout.record_routing or self.trainer.moe_routing_replay
+
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
         require(self.agent is None or self.waltz is None, "agent", "an agent run cannot also be a waltz run")

@@ -10,7 +10,9 @@ Where each part comes from (all read from the unpacked wheel's source with `ast`
 - "requests": the msgspec request structs of sglang/srt/managers/io_struct.py (fields, whether required,
   Literal choices, and whether the type admits a list), with BaseReq's own fields (rid, http_worker_ipc).
 - "generate": GenerateRequest and SamplingParams of sglang/api/v1/api_types.py (the generated JSON
-  contract /generate checks before anything else; SamplingParams rejects unknown keys).
+  contract /generate checks before anything else: it type-checks the keys it knows and ignores the
+  others; SamplingParams rejects unknown keys). The handler then parses the body as io_struct's
+  GenerateReqInput (in "requests"), which holds fields the pre-check does not know (return_routed_experts).
 - "routes": every route of sglang/srt/entrypoints/http_server.py with its methods, its body type and
   whether its docstring calls it deprecated.
 - "server_flags": the `--flag` names of `sglang.launch_server`. `sglang.srt.server_args` does import
@@ -35,6 +37,7 @@ REQUEST_STRUCTS = (
     "UpdateWeightVersionReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
     "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput", "FlushCacheReqInput",
     "UpdateWeightFromDiskReqInput", "CheckWeightsReqInput",
+    "GenerateReqInput",  # what /generate's handler parses (GenerateRequest below is only its pre-check)
 )
 BASE_FIELDS = {"BaseReq": ["rid", "http_worker_ipc"]}
 

@@ -174,3 +174,48 @@ def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kin
     assert torch.equal(torch.cat([h[d] for h in halves], dim=1), resharded[d])
     router = hf_router_name(family, 0)
     assert torch.equal(halves[1][router], resharded[router])
+
+
+def test_routing_record_served_as_sglang_does_and_decoded_by_our_sglang_client():
+    """`megatron-rl serve` returns an MoE engine's routing record as SGLang 0.5.23 does (return_routed_experts ->
+    meta_info.routed_experts, base64 int32 [positions from routed_experts_start_len to P + R - 1, layers, k]),
+    and HTTPEngine(routing=...), the client a run's SGLang generator group uses, decodes it into exactly the
+    record the engine holds; an engine that does not record refuses the field."""
+    from megatron_rl.rollout.client import HTTPEngine, decode_routed_experts
+    from megatron_rl.rollout.engine import RequestError
+    from megatron_rl.rollout.server import RolloutServer
+
+    _, _, state, arch = _model("mixtral", seed=4)
+    layers, k = arch.num_layers, arch.moe_top_k
+    prompt, greedy = [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, temperature=0.0)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+            "return_routed_experts": True}
+    recording = NativeEngineConfig(max_batch_size=4, max_seq_len=64, record_routing=True)
+    with NativeEngine(arch, state, config=recording, eos_token_ids=[]) as engine:
+        direct = engine.generate([GenerateRequest("direct", prompt, greedy)])[0]
+        server = RolloutServer(engine, port=0).start()
+        try:
+            client = HTTPEngine(server.url, routing=(layers, k))
+            served = client.generate([GenerateRequest("served", prompt, greedy)])[0]
+            assert served.output_ids == direct.output_ids and len(served.output_ids) == 6
+            assert served.routed_experts.dtype == torch.int16
+            assert served.routed_experts.shape == (len(prompt) + 6 - 1, layers, k)
+            assert torch.equal(served.routed_experts, direct.routed_experts)
+            _, out = client.request("POST", "/generate", {**body, "routed_experts_start_len": 3})
+            assert torch.equal(decode_routed_experts(out["meta_info"]["routed_experts"], layers, k),
+                               direct.routed_experts[3:])
+            with pytest.raises(RequestError, match="routed_experts_start_len"):
+                client.request("POST", "/generate", {**body, "routed_experts_start_len": 6})
+            with pytest.raises(RequestError, match="return_routed_experts"):
+                client.request("POST", "/generate", {**body, "return_routed_experts": [True]})
+            with pytest.raises(RuntimeError, match="not a multiple of layers x top_k"):
+                HTTPEngine(server.url, routing=(layers + 1, k)).generate([GenerateRequest("x", prompt, greedy)])
+        finally:
+            server.shutdown()
+    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=2, max_seq_len=64)) as plain:
+        server = RolloutServer(plain, port=0).start()
+        try:
+            with pytest.raises(RequestError, match="'return_routed_experts' needs a mixture-of-experts model"):
+                HTTPEngine(server.url, routing=(layers, k)).generate([GenerateRequest("y", prompt, greedy)])
+        finally:
+            server.shutdown()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_rl.cli.launch_env import sglang_server_args
-from megatron_rl.rollout.client import HTTPEngine, SGLangServer
+from megatron_rl.rollout.client import HTTPEngine, SGLangServer, encode_routed_experts
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.trainer.parallel import free_port
 from megatron_rl.weight_sync.distributed import BroadcastWeightSender
@@ -59,9 +59,12 @@ class _Recorder:
             n = len(body["input_ids"]) if body["input_ids"] and isinstance(body["input_ids"][0], list) else 1
             samples = sum(p.get("n", 1) for p in body["sampling_params"]) if n > 1 or isinstance(
                 body["sampling_params"], list) else body["sampling_params"].get("n", 1)
-            return 200, [{"output_ids": [1], "meta_info": {"id": "r", "finish_reason": {"type": "length"},
-                                                          "weight_version": "default",
-                                                          "output_token_logprobs": [[-0.5, 1, None]]}}] * samples
+            meta = {"id": "r", "finish_reason": {"type": "length"}, "weight_version": "default",
+                    "output_token_logprobs": [[-0.5, 1, None]]}
+            if body.get("return_routed_experts"):  # prompt + 1 output - 1 positions, 2 layers x top-2
+                prompt = body["input_ids"][0] if isinstance(body["input_ids"][0], list) else body["input_ids"]
+                meta["routed_experts"] = encode_routed_experts(torch.zeros(len(prompt), 2, 2, dtype=torch.int32))
+            return 200, [{"output_ids": [1], "meta_info": meta}] * samples
         return 200, {"success": True, "message": "ok"}
 
 
@@ -76,10 +79,14 @@ def _violations(sent) -> list[str]:
             problems.append(f"{path}: deprecated in SGLang {CONTRACT['sglang_version']}")
         if method not in route["methods"]:
             problems.append(f"{path}: {method} not among {route['methods']}")
-        if path == "/generate":
-            unknown = set(body) - set(CONTRACT["generate"]["GenerateRequest"]["fields"])
+        if path == "/generate":  # pre-checked as api_types' GenerateRequest, then parsed as GenerateReqInput
+            unknown = set(body) - set(CONTRACT["requests"]["GenerateReqInput"]["fields"])
             if unknown:
                 problems.append(f"/generate: fields SGLang ignores {sorted(unknown)}")
+            known = CONTRACT["generate"]["GenerateRequest"]["fields"]
+            lists = [k for k, v in body.items() if isinstance(v, list) and k in known and not known[k]["list"]]
+            if lists:
+                problems.append(f"/generate: {lists} take one value, not a list")
             error = check_sampling_params(body.get("sampling_params"))
             if error:
                 problems.append(f"/generate: {error}")
@@ -119,6 +126,21 @@ def test_generation_and_control_bodies_match_contract(recorded):
     assert {"rid": "r0-0"} in aborts and {"rid": "r1"} in aborts and {"abort_all": True} in aborts
     generate = next(b for _, p, b in recorded.sent if p == "/generate")
     assert [p["top_k"] for p in generate["sampling_params"]] == [-1, 5]
+    assert "return_routed_experts" not in generate
+
+
+def test_routing_record_request_matches_contract(recorded):
+    """An MoE run's engines ask for routing records: a field /generate's handler reads (GenerateReqInput),
+    one scalar for the whole batch, and the launch flag that turns the capture on."""
+    HTTPEngine("http://sglang", routing=(2, 2)).generate(
+        [GenerateRequest(request_id="r0", prompt_ids=[1, 2], sampling=SamplingParams(max_new_tokens=1))])
+    assert _violations(recorded.sent) == []
+    generate = next(b for _, p, b in recorded.sent if p == "/generate")
+    assert generate["return_routed_experts"] is True
+    fields = CONTRACT["requests"]["GenerateReqInput"]["fields"]
+    assert fields["return_routed_experts"]["type"] == "bool" and not fields["return_routed_experts"]["list"]
+    assert "--enable-return-routed-experts" in sglang_server_args(1, "bf16", 8, True, record_routing=True)
+    assert "--enable-return-routed-experts" not in sglang_server_args(1, "bf16", 8, True)
 
 
 def test_weight_update_bodies_match_contract(recorded):
@@ -137,7 +159,7 @@ def test_weight_update_bodies_match_contract(recorded):
 
 
 def test_launch_flags_are_sglang_0_5_23_flags():
-    args = sglang_server_args(8, "fp8", 256, False, mem_fraction_static=0.82, deterministic=True)
+    args = sglang_server_args(8, "fp8", 256, False, mem_fraction_static=0.82, deterministic=True, record_routing=True)
     flags = [a for a in args if a.startswith("--")]
     assert set(flags) <= set(CONTRACT["server_flags"]), sorted(set(flags) - set(CONTRACT["server_flags"]))
     assert args[args.index("--tp-size") + 1] == "8" and args[args.index("--max-running-requests") + 1] == "256"

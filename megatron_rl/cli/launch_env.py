@@ -31,19 +31,22 @@ def main(argv: list[str] | None = None) -> int:
         "PLACEMENT": plan.placement,
         "ENGINE_SERVER_ARGS": shlex.join(sglang_server_args(
             plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
-            mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic)),
+            mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic,
+            record_routing=config.records_routing)),
     }
     print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
     return 0
 
 
 def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool, *,
-                       mem_fraction_static: float | None = None, deterministic: bool = False) -> list[str]:
+                       mem_fraction_static: float | None = None, deterministic: bool = False,
+                       record_routing: bool = False) -> list[str]:
     """`sglang.launch_server` flags (SGLang 0.5.23's names, checked by tests/test_sglang_contract.py) for
     one engine of the plan: its TP size, fp8 weights, the continuous batch and CUDA-graph setting the
     planner's generation time assumes, the memory share its memory check allowed, deterministic
     sampling when the run asks for reproducible rollouts (per-request sampling_seed is ignored without
-    it), and weight version 0 for the checkpoint it loads (SGLang's default label is "default")."""
+    it), MoE routing records when the run records or replays routing, and weight version 0 for the
+    checkpoint it loads (SGLang's default label is "default")."""
     args = ["--tp-size", str(engine_tp), "--max-running-requests", str(max_running_requests)]
     if precision == "fp8":
         args += ["--quantization", "fp8"]
@@ -53,6 +56,8 @@ def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int
         args += ["--mem-fraction-static", f"{mem_fraction_static:g}"]
     if deterministic:
         args.append("--enable-deterministic-inference")
+    if record_routing:
+        args.append("--enable-return-routed-experts")
     args += ["--weight-version", "0"]
     return args
 

@@ -25,6 +25,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"])
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--enable-return-routed-experts", dest="record_routing", action="store_true",
+                        help="MoE models: record each token's experts, returned by /generate's return_routed_experts "
+                             "(SGLang's flag)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -34,7 +37,8 @@ def build_engine(args: argparse.Namespace):
 
     config = NativeEngineConfig(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                                 max_prefill_tokens=args.max_prefill_tokens, device=args.device,
-                                dtype=args.dtype, num_threads=args.threads)
+                                dtype=args.dtype, num_threads=args.threads,
+                                record_routing=getattr(args, "record_routing", False))
     return NativeEngine.from_pretrained(load_pretrained(args.model), config)
 
 

@@ -264,7 +264,5 @@ def generator_rank_pool(config):
 
 
 def rollout_engine_config(config):
-    """The run's native-engine config, recording MoE routing when the rollout asks for it or the trainer
-    replays it (the records travel with each completion to `TrainBatch.routed_experts`)."""
-    record = config.engine.record_routing or config.rollout.record_routing or config.trainer.moe_routing_replay
-    return dataclasses.replace(config.engine, record_routing=record)
+    """The run's native-engine config, recording MoE routing when the run does (`RunConfig.records_routing`)."""
+    return dataclasses.replace(config.engine, record_routing=config.records_routing)

@@ -33,14 +33,17 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
     rollout = config.rollout
     generator = config.cluster.generator
     engine_config = rollout_engine_config(config)
+    arch = model.arch
+    routing = (arch.num_layers, arch.moe_top_k) if engine_config.record_routing and arch.is_moe else None
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
         return generator_rank_pool(config)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
         return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
-                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size)
+                                             precision=generator.precision, fp8_block_size=generator.fp8_block_size,
+                                             routing=routing)
     if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
-        return SGLangEngine(config.model.path, tp_size=generator.engine_tp, **(sglang_kwargs or {}),
+        return SGLangEngine(config.model.path, tp_size=generator.engine_tp, routing=routing, **(sglang_kwargs or {}),
                             **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
         torch.set_num_threads(rollout.trainer_threads)

@@ -14,6 +14,7 @@ from the checkpoint reports weight version "default", which is our version 0.
 """
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import urllib.error
@@ -47,10 +48,40 @@ class EngineHTTPError(RuntimeError):
         self.status = status
 
 
-def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: str) -> Completion:
-    """An SGLang /generate output dict (with return_logprob) -> Completion."""
+def encode_routed_experts(record: torch.Tensor) -> str:
+    """A routing record [positions, layers, top_k] as SGLang returns one in `meta_info.routed_experts`:
+    base64 of its int32 bytes (sglang/srt/state_capturer/routed_experts.py, 0.5.23)."""
+    return base64.b64encode(record.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode_routed_experts(encoded: str, layers: int, top_k: int) -> torch.Tensor:
+    """SGLang's `meta_info.routed_experts` -> the int16 record `Completion.routed_experts` holds, [positions,
+    layers, top_k]. With `routed_experts_start_len` 0 (what we send) the positions are [0, prompt + output
+    - 1): every token fed through the model, the experts each layer routed it to (prefix-cache hits
+    included: SGLang keeps the record with the cached KV). Raises ValueError when the size does not fit
+    the model's layers x top_k (a server of another model)."""
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    if flat.numel() % (layers * top_k):
+        raise ValueError(f"meta_info.routed_experts holds {flat.numel()} expert ids, not a multiple of "
+                         f"layers x top_k = {layers} x {top_k} (is the server running this model?)")
+    return flat.view(-1, layers, top_k).to(torch.int16)
+
+
+def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: str,
+                         routing: tuple[int, int] | None = None) -> Completion:
+    """An SGLang /generate output dict (with return_logprob) -> Completion. `routing` (layers, top_k):
+    decode the MoE routing record the request asked for (`return_routed_experts`)."""
     meta = out.get("meta_info", {})
     output_ids = list(out.get("output_ids") or [])
+    routed = None
+    if routing is not None:
+        if not meta.get("routed_experts"):
+            raise EngineHTTPError(200, "the server returned no meta_info.routed_experts for a request with "
+                                  "return_routed_experts (SGLang: launch it with --enable-return-routed-experts)")
+        try:
+            routed = decode_routed_experts(meta["routed_experts"], *routing)
+        except ValueError as exc:
+            raise EngineHTTPError(200, str(exc)) from None
     logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
     spans = meta.get("weight_versions")
     if spans:
@@ -66,7 +97,7 @@ def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: s
         kind = "abort"
     return Completion(request_id=str(meta.get("id", "")), prompt_ids=list(prompt_ids), output_ids=output_ids,
                       output_logprobs=logprobs, weight_versions=versions, finish_reason=kind,
-                      group_id=meta.get("group_id") or group_id)
+                      group_id=meta.get("group_id") or group_id, routed_experts=routed)
 
 
 def _version_int(value: Any) -> int:
@@ -102,8 +133,11 @@ class HTTPEngine:
     """RolloutEngine over HTTP (see the module docstring). Thread-safe."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0,
-                 max_workers: int = 64, bucket_bytes: int = 512 << 20):
+                 max_workers: int = 64, bucket_bytes: int = 512 << 20, routing: tuple[int, int] | None = None):
+        """`routing` (the MoE model's layers, top_k): ask for every completion's routing record
+        (`return_routed_experts`) and return it as `Completion.routed_experts`."""
         self.base_url = base_url.rstrip("/")
+        self.routing = routing
         self.api_key = api_key
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
@@ -137,13 +171,15 @@ class HTTPEngine:
         body = {"input_ids": [list(map(int, r.prompt_ids)) for r in requests],
                 "sampling_params": [r.sampling.to_sglang() for r in requests],
                 "rid": [r.request_id for r in requests], "return_logprob": True}
+        if self.routing is not None:
+            body["return_routed_experts"] = True
         _, outs = self.request("POST", "/generate", body)
         if isinstance(outs, dict):
             outs = [outs]
         expected = [(r, k) for r in requests for k in range(r.sampling.n)]
         if len(outs) != len(expected):
             raise EngineHTTPError(200, f"server returned {len(outs)} outputs for {len(expected)} samples")
-        return [completion_from_json(out, r.prompt_ids, r.group_id) for out, (r, _) in zip(outs, expected)]
+        return [completion_from_json(out, r.prompt_ids, r.group_id, self.routing) for out, (r, _) in zip(outs, expected)]
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
         return self._generate_batch(as_requests(requests))

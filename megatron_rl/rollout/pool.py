@@ -59,14 +59,15 @@ class EnginePool:
     @classmethod
     def for_sglang_servers(cls, urls: Sequence[str], *, engine_tp: int, master_address: str, master_port: int,
                            precision: str = "bf16", fp8_block_size: int = 128, api_key: str | None = None,
-                           ready_timeout: float = 3600.0) -> "EnginePool":
+                           ready_timeout: float = 3600.0, routing: tuple[int, int] | None = None) -> "EnginePool":
         """Generation over each server's /generate, weights over one NCCL group (SGLang's
-        update_weights_from_distributed)."""
+        update_weights_from_distributed). `routing` (layers, top_k): MoE routing records with every
+        completion (servers launched with --enable-return-routed-experts)."""
         def sender():
             return BroadcastWeightSender([SGLangServer(u, api_key=api_key) for u in urls], [engine_tp] * len(urls),
                                          master_address=master_address, master_port=master_port, backend="nccl")
 
-        engines = [HTTPEngine(u, api_key=api_key) for u in urls]
+        engines = [HTTPEngine(u, api_key=api_key, routing=routing) for u in urls]
         wait_until_ready(engines, ready_timeout)
         return cls(engines, weight_sender_factory=sender, fp8_block_size=fp8_block_size if precision == "fp8" else None)
 

@@ -4,11 +4,14 @@ requests from every endpoint share the engine's continuous batch. docs/serving.m
 
 SGLang-native endpoints (fields as in SGLang 0.5's `entrypoints/http_server.py` / `managers/io_struct.py`):
   POST /generate                 {input_ids | text, sampling_params, rid, return_logprob, logprob_start_len,
-                                 top_logprobs_num, return_text_in_logprobs, stream, group_id} ->
+                                 top_logprobs_num, return_text_in_logprobs, stream, group_id,
+                                 return_routed_experts, routed_experts_start_len} ->
                                  {text, output_ids, meta_info: {id, finish_reason: {type, matched | length},
                                  prompt_tokens, completion_tokens, cached_tokens, weight_version,
                                  weight_versions: [{version, start, end}], output_token_logprobs,
-                                 input_token_logprobs, output_top_logprobs, input_top_logprobs}}
+                                 input_token_logprobs, output_top_logprobs, input_top_logprobs,
+                                 routed_experts (MoE engines that record routing: base64 int32
+                                 [positions start..P+R-1, layers, top_k], as SGLang's)}}
                                  (a list for batched input or n > 1, prompt-major); stream: SSE chunks
                                  with the text so far, then `data: [DONE]`
   POST /tokenize {prompt}, /detokenize {tokens}
@@ -54,6 +57,7 @@ from safetensors.torch import load as load_safetensors
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.client import encode_routed_experts
 from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.rollout.openai_api import add_openai_routes
 from megatron_rl.rollout.serving import (
@@ -81,7 +85,8 @@ from megatron_rl.types import Completion
 log = logging.getLogger(__name__)
 
 _GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                    "top_logprobs_num", "return_text_in_logprobs", "stream", "group_id"}
+                    "top_logprobs_num", "return_text_in_logprobs", "stream", "group_id", "return_routed_experts",
+                    "routed_experts_start_len"}
 # sampling_params keys the server honours itself (the rest go to SamplingParams.from_sglang)
 _TEXT_OPTIONS = ("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "stream_interval")
 
@@ -123,6 +128,7 @@ class _GenerateCall:
         self.top_logprobs: list[int] = []
         self.with_text = False
         self.stream = False
+        self.routed_experts_start: int | None = None  # None: no routing record asked for
 
 
 class RolloutServer:
@@ -430,6 +436,14 @@ class RolloutServer:
                              for v in per_prompt("top_logprobs_num")]
         call.with_text = checked_bool(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
         call.stream = checked_bool(body.get("stream"), "stream")
+        start = checked_int(body.get("routed_experts_start_len"), "routed_experts_start_len", low=0, default=0)
+        if checked_bool(body.get("return_routed_experts"), "return_routed_experts"):
+            if not self.records_routing:
+                raise bad_request("return_routed_experts", "needs a mixture-of-experts model served with "
+                                  "--enable-return-routed-experts (engine.record_routing)")
+            if any(start > len(p) for p in prompts):
+                raise bad_request("routed_experts_start_len", f"is {start}, beyond a prompt's length")
+            call.routed_experts_start = start
         for i, (prompt, params, rid) in enumerate(zip(prompts, per_prompt("sampling_params"), rids)):
             if call.logprob_start[i] >= len(prompt):
                 raise bad_request("logprob_start_len", f"is {call.logprob_start[i]} but the prompt has {len(prompt)} tokens")
@@ -476,7 +490,15 @@ class RolloutServer:
         if call.return_logprob[i]:
             await self._add_logprob_details(out["meta_info"], c, call.logprob_start[i], call.top_logprobs[i],
                                             call.with_text)
+        if call.routed_experts_start is not None and c.routed_experts is not None:
+            out["meta_info"]["routed_experts"] = encode_routed_experts(c.routed_experts[call.routed_experts_start:])
         return out
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether the engine records MoE routing (`Completion.routed_experts`) for /generate to return."""
+        config, arch = getattr(self.engine, "config", None), getattr(self.engine, "arch", None)
+        return bool(getattr(config, "record_routing", False) and getattr(arch, "is_moe", False))
 
     async def _add_logprob_details(self, meta: dict[str, Any], c: Completion, start: int, top: int,
                                    with_text: bool) -> None:

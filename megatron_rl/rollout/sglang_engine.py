@@ -9,7 +9,8 @@ How the calls map:
   rid=...)` scheduled on the engine's event loop, which a background thread runs (so many requests are
   in flight at once and join SGLang's continuous batch). `meta_info.output_token_logprobs` gives
   (logprob, token_id, text) per token; `meta_info.weight_versions` spans (or `weight_version`) give the
-  version of each token.
+  version of each token. MoE routing records (`routing`): `enable_return_routed_experts` on the engine,
+  `return_routed_experts=True` per request, `meta_info.routed_experts` decoded (rollout/client.py).
 - Log-probs: SGLang returns log-probs of the temperature-scaled distribution unless the environment
   variable SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set before its scheduler starts; we set it so that every
   engine returns the raw policy's log-probs (see rollout/engine.py).
@@ -83,13 +84,19 @@ def colocated_engine_kwargs(plan, *, deterministic: bool) -> dict[str, Any]:
 class SGLangEngine:
     """RolloutEngine over an in-process `sglang.Engine` (see the module docstring)."""
 
-    def __init__(self, model_path: str, *, version: int = 0, **engine_kwargs: Any):
+    def __init__(self, model_path: str, *, version: int = 0, routing: tuple[int, int] | None = None,
+                 **engine_kwargs: Any):
+        """`routing` (the MoE model's layers, top_k): record every completion's routing
+        (`enable_return_routed_experts`, `return_routed_experts`) into `Completion.routed_experts`."""
         os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
         try:
             import sglang  # optional (gpu extra): imported when an SGLang engine is built
         except ImportError as exc:
             raise ConfigError(f"the SGLang backend needs the 'sglang' package (pip install sglang): {exc}") from None
         engine_kwargs.setdefault("enable_memory_saver", True)  # else release_memory_occupation frees nothing
+        self.routing = routing
+        if routing is not None:
+            engine_kwargs["enable_return_routed_experts"] = True
         self._engine = sglang.Engine(model_path=model_path, **engine_kwargs)
         self._tm = self._engine.tokenizer_manager
         self._loop: asyncio.AbstractEventLoop = self._engine.loop
@@ -116,9 +123,10 @@ class SGLangEngine:
         out = await self._engine.async_generate(
             input_ids=[list(request.prompt_ids)] * n if n > 1 else list(request.prompt_ids),
             sampling_params=[{**request.sampling.to_sglang(), "n": 1}] * n if n > 1 else request.sampling.to_sglang(),
-            return_logprob=True, rid=rids if n > 1 else rids[0])
+            return_logprob=True, rid=rids if n > 1 else rids[0],
+            **({"return_routed_experts": True} if self.routing is not None else {}))
         outs = out if isinstance(out, list) else [out]
-        return [completion_from_json(o, request.prompt_ids, request.group_id) for o in outs]
+        return [completion_from_json(o, request.prompt_ids, request.group_id, self.routing) for o in outs]
 
     # --- RolloutEngine --------------------------------------------------------------------------
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
