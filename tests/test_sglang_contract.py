@@ -365,6 +365,16 @@ def test_colocated_engine_memory_fraction_from_the_plan():
     plan.engine_memory["kv_cache"] = 50 * gib
     with pytest.raises(ConfigError, match="colocated SGLang engine"):
         colocated_engine_kwargs(plan, deterministic=False)
+    # MoE: the engine holds every expert (the trainer's share x PP x EP), the trainer keeps its expert state
+    moe = SimpleNamespace(hardware=plan.hardware, pp=2, ep=4, usable_bytes=72 * gib, engine_memory={"kv_cache": 10 * gib},
+                          trainer_memory={"weights": 1 * gib, "gradients": 1 * gib, "optimizer": 4 * gib,
+                                          "expert_weights": 2 * gib, "expert_gradients": 2 * gib,
+                                          "expert_optimizer": 8 * gib, "activations": 30 * gib})
+    # 1 x 2 dense + 2 x 2 x 4 experts + 10 KV = 28 GiB of 80
+    assert colocated_engine_kwargs(moe, deterministic=False)["mem_fraction_static"] == 0.35
+    moe.engine_memory["kv_cache"] = 40 * gib  # 18 resident + 58 engine > 72 usable (activations are freed)
+    with pytest.raises(ConfigError, match="colocated SGLang engine needs 58.0 GiB next to the trainer's 18.0 GiB"):
+        colocated_engine_kwargs(moe, deterministic=False)
 
 
 def test_gpu_extra_pins_what_sglang_pins():
