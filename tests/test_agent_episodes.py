@@ -254,7 +254,7 @@ def test_reasoning_gym_tasks_keep_its_questions_and_answers_and_the_calculator_s
     assert len(example) == 2 and example[0].question.split(" Use the")[0] not in {p.question for p in train}
     assert evaluate_arithmetic(example[0].call.arguments["expression"]) == example[0].result
     with pytest.raises(ConfigError, match="no expression"):
-        build_calculator_datasets(dataclasses.replace(config, reasoning_gym_task="spell_backward", task_config={}))
+        build_calculator_datasets(dataclasses.replace(config, reasoning_gym_task="gcd", task_config={}))
     with pytest.raises(ConfigError, match="only 81 distinct problems"):
         build_calculator_datasets(CalculatorTaskConfig(digits=[1, 1], train_size=200, heldout_size=8))
 

@@ -56,12 +56,17 @@ def _run(arch, tp, pp, world):
 def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
     reference_losses, reference_logprobs, reference_start = _run(tiny_arch, 1, 1, 1)
     assert reference_losses[-1] < reference_losses[0]  # it is learning, so the comparison means something
-    assert (reference_logprobs - reference_start).abs().max() > 1e-3
+    # three Adam steps at lr 1e-2 move the log-probs by up to ~2.7: a lost or doubled gradient term would
+    # leave a difference of that order
+    assert (reference_logprobs - reference_start).abs().max() > 0.5
     for tp, pp, world in [(2, 1, 2), (1, 2, 2), (1, 1, 2)]:
         losses, logprobs, start = _run(tiny_arch, tp, pp, world)
         assert torch.allclose(torch.tensor(losses), torch.tensor(reference_losses), atol=1e-5, rtol=0), \
             f"TP={tp} PP={pp} world={world}: {losses} vs {reference_losses}"
-        assert torch.allclose(logprobs, reference_logprobs, atol=1e-5), f"TP={tp} PP={pp} world={world}"
+        # After training, float rounding that differs with the split (it differs with the CPU's kernels too:
+        # 5.4e-5 on an AVX-512 Xeon, under 1e-5 on an AVX2 EPYC) has gone through Adam's normalisation,
+        # which turns a near-zero gradient's rounding into a full-size update of that element.
+        assert torch.allclose(logprobs, reference_logprobs, atol=1e-4, rtol=0), f"TP={tp} PP={pp} world={world}"
         assert torch.allclose(start, reference_start, atol=1e-5), f"frozen copy at TP={tp} PP={pp} world={world}"
 
 
