@@ -181,6 +181,11 @@ def test_replay_diagnostics_score_both_routings_against_the_engine(built, replay
     assert metrics["moe/logprob_mismatch_own_routing_max"] >= metrics["moe/logprob_mismatch_own_routing"]
     # (replayed, later layers see other hidden states, so a few of their own choices meet the record)
     assert trainer.routing.replay is replay and metrics["moe/routing_mismatch"] > 0.9
+    # every route differs, so nearly every token's log-prob depends on which routing is used; on those the
+    # replayed log-probs are the engine's and the trainer's own are off by the full difference
+    assert metrics["moe/routing_sensitive_tokens"] > 0.9
+    assert metrics["moe/logprob_mismatch_replay_sensitive"] <= TOL
+    assert metrics["moe/logprob_mismatch_own_routing_sensitive"] >= metrics["moe/logprob_mismatch_own_routing"]
     if replay:  # the training pass itself replayed (the diagnostics left the switch as it was)
         expected = -(forced * train.loss_mask[:, 1:]).sum() / train.loss_mask.sum()
         assert abs(metrics["train/loss"] - expected.item()) <= 1e-5

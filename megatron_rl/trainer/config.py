@@ -104,7 +104,9 @@ class TrainerConfig:
     """Mixture of experts: before each step, two extra forward passes (no gradient) score the batch with the
     engine's experts replayed and with the trainer's own routing, and report both log-prob mismatches with
     the engine (`moe/logprob_mismatch_replay`, `moe/logprob_mismatch_own_routing`: mean |log pi - log mu|
-    over sampled tokens; `_max` the largest), whichever of the two trains. Costs two forwards per step."""
+    over sampled tokens; `_max` the largest), whichever of the two trains; `moe/routing_sensitive_tokens` is the
+    share of sampled tokens whose two log-probs differ, and `_sensitive` the two mismatches over those tokens
+    alone (where replay can matter). Costs two forwards per step."""
     moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
     """Megatron's MoE token dispatcher: auto is alltoall on CUDA and allgather on CPU (Megatron's alltoall
     dispatcher needs CUDA streams)."""

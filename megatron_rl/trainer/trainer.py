@@ -445,31 +445,44 @@ class MegatronTrainer:
 
     def replay_diagnostics(self, batch: TrainBatch) -> dict[str, float]:
         """The log-prob mismatch with the engine over `batch`'s sampled tokens with the engine's routing
-        replayed and with the trainer's own (two forward passes at the current weights; averaged over DP).
-        Empty for dense models and batches without a routing record or behaviour log-probs."""
+        replayed and with the trainer's own (two forward passes at the current weights; averaged over DP),
+        and the same over the routing-sensitive tokens alone: those whose two log-probs differ (a route that
+        differs at the token or, through attention, before it). Empty for dense models and batches without
+        a routing record or behaviour log-probs."""
         if self.routing is None or batch.routed_experts is None or batch.behaviour_logprobs is None:
             return {}
         sampled = (batch.loss_mask != 0) & torch.isfinite(batch.behaviour_logprobs)
-        totals = []
         trained_with = self.routing.replay
+        logprobs = {}
         try:
             for replay in (True, False):
                 self.routing.replay = replay
-                gap = (self.compute_logprobs(batch) - batch.behaviour_logprobs).abs()[sampled].double()
-                totals += [float(gap.sum()), float(gap.max()) if gap.numel() else 0.0]
+                logprobs[replay] = self.compute_logprobs(batch)[sampled].double()
         finally:
             self.routing.replay = trained_with
             self.routing.reset_stats()
-        sums = torch.tensor([totals[0], totals[2], float(sampled.sum())], dtype=torch.float64)
-        peaks = torch.tensor([totals[1], totals[3]], dtype=torch.float64)
+        behaviour = batch.behaviour_logprobs[sampled].double()
+        gaps = [(logprobs[replay] - behaviour).abs() for replay in (True, False)]
+        # the same routing gives the same kernels, so the same bits; 1e-6 leaves room for the order in which
+        # a token's experts are summed
+        sensitive = (logprobs[True] - logprobs[False]).abs() > 1e-6
+        sums = torch.tensor([float(gaps[0].sum()), float(gaps[1].sum()), float(gaps[0].numel()),
+                             float(gaps[0][sensitive].sum()), float(gaps[1][sensitive].sum()), float(sensitive.sum())],
+                            dtype=torch.float64)
+        peaks = torch.tensor([float(g.max()) if g.numel() else 0.0 for g in gaps], dtype=torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(sums, group=self.pg.dp)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.pg.dp)
-        count = max(float(sums[2]), 1.0)
-        return {"moe/logprob_mismatch_replay": float(sums[0]) / count,
-                "moe/logprob_mismatch_own_routing": float(sums[1]) / count,
-                "moe/logprob_mismatch_replay_max": float(peaks[0]),
-                "moe/logprob_mismatch_own_routing_max": float(peaks[1])}
+        count, sensitive_count = max(float(sums[2]), 1.0), float(sums[5])
+        metrics = {"moe/logprob_mismatch_replay": float(sums[0]) / count,
+                   "moe/logprob_mismatch_own_routing": float(sums[1]) / count,
+                   "moe/logprob_mismatch_replay_max": float(peaks[0]),
+                   "moe/logprob_mismatch_own_routing_max": float(peaks[1]),
+                   "moe/routing_sensitive_tokens": sensitive_count / count}
+        if sensitive_count:
+            metrics.update({"moe/logprob_mismatch_replay_sensitive": float(sums[3]) / sensitive_count,
+                            "moe/logprob_mismatch_own_routing_sensitive": float(sums[4]) / sensitive_count})
+        return metrics
 
     def train_step_on_hidden(self, batch: TrainBatch, head_loss, *, trim: bool = False) -> dict[str, float]:
         """One optimizer step where `head_loss(hidden [b, S-1, H], tokens [b, S], micro_batch) ->
