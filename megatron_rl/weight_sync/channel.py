@@ -2,10 +2,10 @@
 
 Both are planned once from the two layouts (Megatron shards -> the engine's HF tensors, `weight_sync/reshard.py`).
 - `SharedMemoryWeightChannel`, to a generator process on the host: every push has each trainer rank of
-  data-parallel replica 0 (with expert parallelism: of expert-data-parallel replica 0) write its own shard's slices straight into the generator's staging weight
-  arena (shared memory the engine will compute from; no gather of the model on one rank, no copy in
-  the engine), a barrier, and the owner rank commits the new version: the generator adopts that
-  arena between two decode steps.
+  data-parallel replica 0 (with expert parallelism: of expert-data-parallel replica 0) write its own
+  shard's slices straight into the generator's staging weight arena (shared memory the engine will
+  compute from; no gather of the model on one rank, no copy in the engine), a barrier, and the owner
+  rank commits the new version: the generator adopts that arena between two decode steps.
 - `InProcessWeightChannel`, to an engine the driver holds (in-process, or the client of an SGLang
   generator group): the engine's `update_weights`, fed bucket by bucket with several trainer ranks.
 """
