@@ -88,12 +88,7 @@ def build_agent(config, model) -> RunParts:
                                 stop=list(config.rollout.stop) or None)
         evaluator = AgentEpisodes(policy.engine, model.tokenizer, make_environment, sampling=greedy,
                                   max_seq_len=context)
-        counts: dict[str, float] = {}
-        for episode in evaluator.play(list(heldout), tag=f"eval{step}"):
-            count_episode(counts, episode)
-        metrics = episode_metrics(counts)
-        metrics.update(reward_errors=0.0, samples=counts.get("episodes", 0.0))
-        return metrics
+        return heldout_metrics(evaluator.play(list(heldout), tag=f"eval{step}"), count_episode, episode_metrics)
 
     return RunParts(model.tokenizer, [policy], train, heldout, episodes, selector,
                     HeldoutEvaluation(config.eval, measure))
@@ -122,13 +117,18 @@ def _openai_agent_parts(config, model, policy, selector, train, heldout) -> RunP
     def measure(step: int) -> dict[str, float]:
         if episodes is None:
             return {}
-        counts: dict[str, float] = {}
-        for run in episodes.play(list(heldout), tag=f"eval{step}",
-                                 forced={"temperature": 0.0, "max_tokens": config.eval.max_new_tokens}):
-            count_openai_run(counts, run)
-        metrics = openai_run_metrics(counts)
-        metrics.update(reward_errors=0.0, samples=counts.get("episodes", 0.0))
-        return metrics
+        runs = episodes.play(list(heldout), tag=f"eval{step}",
+                             forced={"temperature": 0.0, "max_tokens": config.eval.max_new_tokens})
+        return heldout_metrics(runs, count_openai_run, openai_run_metrics)
 
     return RunParts(model.tokenizer, [policy], train, heldout, episodes, selector,
                     HeldoutEvaluation(config.eval, measure))
+
+
+def heldout_metrics(episodes, count, summarize) -> dict[str, float]:
+    """The held-out evaluation's metrics of `episodes`: each counted by `count(counts, episode)`, the
+    counts turned into rates by `summarize`, plus the evaluation's own fields."""
+    counts: dict[str, float] = {}
+    for episode in episodes:
+        count(counts, episode)
+    return {**summarize(counts), "reward_errors": 0.0, "samples": counts.get("episodes", 0.0)}
