@@ -208,7 +208,7 @@ def test_routing_record_served_as_sglang_does_and_decoded_by_our_sglang_client()
                 client.request("POST", "/generate", {**body, "routed_experts_start_len": 6})
             with pytest.raises(RequestError, match="return_routed_experts"):
                 client.request("POST", "/generate", {**body, "return_routed_experts": [True]})
-            with pytest.raises(RuntimeError, match="not a multiple of layers x top_k"):
+            with pytest.raises(ConfigError, match="not a multiple of layers x top_k"):
                 HTTPEngine(server.url, routing=(layers + 1, k)).generate([GenerateRequest("x", prompt, greedy)])
         finally:
             server.shutdown()

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import save as save_safetensors
 
+from megatron_rl.config import ConfigError
 from megatron_rl.rollout.engine import (
     GenerateRequest,
     NamedTensors,
@@ -75,13 +76,15 @@ def completion_from_json(out: dict[str, Any], prompt_ids: list[int], group_id: s
     output_ids = list(out.get("output_ids") or [])
     routed = None
     if routing is not None:
+        # the server's launch does not match the run (a user's mistake, one line): a config error
         if not meta.get("routed_experts"):
-            raise EngineHTTPError(200, "the server returned no meta_info.routed_experts for a request with "
-                                  "return_routed_experts (SGLang: launch it with --enable-return-routed-experts)")
+            raise ConfigError("cluster.generator.urls: the server returned no meta_info.routed_experts for a request with "
+                              "return_routed_experts: launch SGLang with --enable-return-routed-experts",
+                              field="cluster.generator.urls")
         try:
             routed = decode_routed_experts(meta["routed_experts"], *routing)
         except ValueError as exc:
-            raise EngineHTTPError(200, str(exc)) from None
+            raise ConfigError(f"cluster.generator.urls: {exc}", field="cluster.generator.urls") from None
     logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
     spans = meta.get("weight_versions")
     if spans:
