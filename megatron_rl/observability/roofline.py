@@ -22,7 +22,7 @@ import torch
 
 from megatron_rl.models.arch import ModelArch
 
-_MATMUL_SIZE = 1024
+_MATMUL_SIZES = (1024, 2048)
 _BF16_PROBE_SIZE = 128
 _STREAM_BYTES = 256 * 2**20  # well beyond any last-level cache, so reads come from memory
 
@@ -73,7 +73,7 @@ def _best_rate(work: float, step, seconds: float) -> float:
             return best
 
 
-def _matmul_gflops(dtype: torch.dtype, seconds: float, size: int = _MATMUL_SIZE) -> float:
+def _matmul_gflops(dtype: torch.dtype, seconds: float, size: int) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
@@ -87,14 +87,16 @@ def _memory_gbs(seconds: float) -> float:
 
 def measure_ceilings(seconds: float = 1.0, threads: int | None = None) -> Ceilings:
     """Measure this process's matmul and memory ceilings in about `seconds` (with `threads` torch threads;
-    None: the current setting). Each figure is the best of its repeats: a ceiling, not a typical speed."""
+    None: the current setting). Each figure is the best of its repeats and, for matmuls, of two sizes
+    (blocked kernels such as AMX's reach their peak only on large products): a ceiling, not a typical speed."""
     with _torch_threads(threads) as used:
-        fp32 = _matmul_gflops(torch.float32, 0.4 * seconds)
+        fp32 = max(_matmul_gflops(torch.float32, 0.2 * seconds, size) for size in _MATMUL_SIZES)
         try:
-            # A small probe first: without native bf16 kernels one full-size product takes seconds.
-            bf16 = _matmul_gflops(torch.bfloat16, 0.05 * seconds, size=_BF16_PROBE_SIZE)
-            if bf16 >= 0.5 * fp32:
-                bf16 = max(bf16, _matmul_gflops(torch.bfloat16, 0.15 * seconds))
+            # Small probes first: without native bf16 kernels one full-size product takes seconds.
+            probe = _matmul_gflops(torch.bfloat16, 0.05 * seconds, size=_BF16_PROBE_SIZE)
+            native = probe >= 0.5 * _matmul_gflops(torch.float32, 0.05 * seconds, size=_BF16_PROBE_SIZE)
+            bf16 = max(_matmul_gflops(torch.bfloat16, 0.2 * seconds, size) for size in _MATMUL_SIZES) \
+                if native else probe
         except RuntimeError:  # no bf16 matmul kernel at all
             bf16 = None
         memory = _memory_gbs(0.4 * seconds)

@@ -1,11 +1,14 @@
 """`megatron-rl bench rollout`: the native engine vs HF transformers `generate`, same process, same prompts.
 
-Both sample (temperature 1, no truncation) up to `max_new_tokens` per prompt for `batch` chat prompts
-and return the log-prob of every sampled token (ours: Completion.output_logprobs; HF: log_softmax of
+Both run in `dtype` and sample (temperature 1, no truncation) up to `max_new_tokens` per prompt for
+`batch` chat prompts, after one untimed run of the same workload with other seeds, and return the
+log-prob of every sampled token (ours: Completion.output_logprobs; HF: log_softmax of
 `output_logits`, computed inside the timed region). Throughput counts the tokens each actually
 generated (up to and including eos), prefill included. The roofline line compares ours with the decode
 roofline of this machine (observability/roofline.py: matmul and memory ceilings measured in this process,
-batch `batch` at the mean context of the run: prompt plus half the new tokens). Peak memory is the
+batch `batch` at the mean context of the run: prompt plus half the new tokens), and with the GEMM floor:
+the engine's own matrix products of one full decode step, timed alone (`decode_gemm_seconds`), which
+says how much of the gap to the roofline is the GEMM kernels' own and how much the rest of the step's. Peak memory is the
 process RSS high-water mark sampled during each phase (our engine first, so `peak_memory_mb` includes the
 loaded model but not HF's).
 
@@ -28,6 +31,7 @@ from megatron_rl.observability.roofline import decode_roofline, measure_ceilings
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.native.weights import LlamaWeights, packed_linear
 
 PROMPTS = [
     "What is 17 + 25?", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
@@ -88,28 +92,58 @@ def _prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
 
 
+def _requests(prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[GenerateRequest]:
+    return [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + i))
+            for i, p in enumerate(prompts)]
+
+
 def _run_native(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str) -> dict:
     config = NativeEngineConfig(max_batch_size=len(prompts), max_seq_len=max(len(p) for p in prompts) + max_new_tokens,
                                 dtype=dtype)
     with NativeEngine.from_pretrained(pretrained, config) as engine:
-        engine.generate([GenerateRequest("warmup", prompts[0], SamplingParams(max_new_tokens=2, seed=seed))])
-        requests = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
-                                                                seed=seed + i))
-                    for i, p in enumerate(prompts)]
+        # untimed: the same workload with other seeds, so one-time costs (oneDNN kernels built per GEMM
+        # shape, first touch of the KV cache) stay out of the timed run, as for HF below
+        engine.generate(_requests(prompts, max_new_tokens, seed + 500))
         start = time.perf_counter()
-        completions = engine.generate(requests)
+        completions = engine.generate(_requests(prompts, max_new_tokens, seed))
         seconds = time.perf_counter() - start
+        gemm_seconds = decode_gemm_seconds(engine.weights, len(prompts))
     tokens = sum(len(c.output_ids) for c in completions)
     assert all(len(c.output_logprobs) == len(c.output_ids) for c in completions)
-    return {"tokens": tokens, "seconds": seconds}
+    return {"tokens": tokens, "seconds": seconds, "gemm_seconds": gemm_seconds}
 
 
-def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int) -> dict:
+def decode_gemm_seconds(weights: LlamaWeights, rows: int, repeats: int = 5) -> float:
+    """The best time of the matrix products alone of one decode step of `rows` sequences: every layer's
+    qkv, o, gate_up and down GEMMs and the lm_head, with the engine's own (packed) weights, in layer
+    order, so the weights stream from memory as in a real step. What the step would take with no
+    attention, norms, sampling or Python at all: the floor the engine's kernels set on this machine."""
+    def inputs(matrix: torch.Tensor) -> torch.Tensor:
+        return torch.randn(rows, matrix.shape[1], dtype=matrix.dtype)
+
+    products = []
+    for li, layer in enumerate(weights.layers):
+        packed = (weights.packed[li] if weights.packed is not None else None) or (None,) * 4
+        matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
+        products += [(inputs(m), m, p) for m, p in zip(matrices, packed)]
+    products.append((inputs(weights.lm_head), weights.lm_head, weights.packed_lm_head))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass warms up
+            start = time.perf_counter()
+            for x, matrix, packed in products:
+                torch.nn.functional.linear(x, matrix) if packed is None else packed_linear(x, packed)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str) -> dict:
     import transformers  # the baseline only (dev extra), never the library's code path
 
     path = pretrained.source
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        os.path.dirname(path), gguf_file=os.path.basename(path),
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
     eos = pretrained.tokenizer.eos_token_id
     pad = pretrained.tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -118,8 +152,8 @@ def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                   output_logits=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)
     with torch.inference_mode():
-        model.generate(input_ids[:1, -len(prompts[0]):], max_new_tokens=2, **{k: v for k, v in kwargs.items()
-                                                                                 if k != "max_new_tokens"})
+        torch.manual_seed(seed + 500)
+        model.generate(input_ids, attention_mask=attention_mask, **kwargs)  # untimed warm-up, as ours
         torch.manual_seed(seed)
         start = time.perf_counter()
         out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
@@ -170,9 +204,16 @@ def bench_rollout(options: dict) -> dict:
                                weight_bytes_per_param=2 if dtype == "bf16" else 4)
     print(roofline_line("native engine", ours_tps, roofline, ceilings), flush=True)
     result.update(roofline_fields(ours_tps, roofline, ceilings))
+    gemm_floor = batch / ours["gemm_seconds"]
+    print(f"GEMM floor: the matrix products alone of one {batch}-row decode step take "
+          f"{1000 * ours['gemm_seconds']:.1f} ms with the engine's kernels = {gemm_floor:.1f} tokens/s "
+          f"({100 * gemm_floor / roofline:.1f}% of the roofline); the engine reaches "
+          f"{100 * ours_tps / gemm_floor:.1f}% of it", flush=True)
+    result.update({"gemm_floor_tokens_s": round(gemm_floor, 1), "gemm_floor_fraction": round(ours_tps / gemm_floor, 4),
+                   "gemm_floor_roofline_fraction": round(gemm_floor / roofline, 4)})
     if options.get("hf", True):
         with _PeakRSS() as hf_rss:
-            hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r) for r in range(repeats)]
+            hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r, dtype) for r in range(repeats)]
         hf = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
         hf_tps = hf["tokens"] / hf["seconds"]
         print(f"HF transformers generate: {hf['tokens']} tokens in {hf['seconds']:.2f} s = {hf_tps:.1f} tok/s, "

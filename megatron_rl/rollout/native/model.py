@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.moe import moe_mlp
-from megatron_rl.rollout.native.weights import LlamaWeights
+from megatron_rl.rollout.native.weights import LlamaWeights, packed_linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,20 +128,11 @@ class LlamaModel:
         tokens = batch.tokens
         n = tokens.numel()
         n_dec = batch.dec_slots.numel()
-        # MKL-packed weights serve steps of exactly pack_rows rows; pad steps that are nearly full
-        pad = w.pack_rows - n if w.pack_rows and w.pack_rows // 2 < n <= w.pack_rows else -1
-        mkl_linear = torch.ops.mkl._mkl_linear if pad >= 0 else None
 
         def matmul(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                   transposed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-            if packed is None:  # not a nearly full step, or this layer is not packed (yet)
-                if transposed is None:
-                    return F.linear(h, weight, bias)
-                return torch.mm(h, transposed) if bias is None else torch.addmm(bias, h, transposed)
-            if pad:
-                h = F.pad(h, (0, 0, 0, pad))
-            out = mkl_linear(h, packed, weight, bias, w.pack_rows)
-            return out[:n] if pad else out
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            # packed: the same matrix in oneDNN's layout (weights.py); None while it waits to be re-packed
+            return F.linear(h, weight, bias) if packed is None else packed_linear(h, packed, bias)
 
         x = F.embedding(tokens, w.embed)
         cos, sin = self.rope(batch.positions, batch.rope_lens)
@@ -164,10 +155,9 @@ class LlamaModel:
                 rows = torch.arange(length, device=tokens.device)[:, None] + start
                 causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
         for li, layer in enumerate(w.layers):
-            packed = (w.packed[li] if w.packed is not None and mkl_linear is not None else None) or (None,) * 4
-            transposed = (w.transposed[li] if w.transposed is not None else None) or (None,) * 4
+            packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
-            qkv = matmul(h, layer.qkv, packed[0], transposed[0], layer.qkv_bias)
+            qkv = matmul(h, layer.qkv, packed[0], layer.qkv_bias)
             qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
             if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
                 q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
@@ -206,18 +196,15 @@ class LlamaModel:
                 oc = torch.matmul(probs, vc[slot, :, :end])                     # [kv, g*len, d]
                 out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
                     length, n_heads * d)
-            x = x + matmul(out, layer.o, packed[1], transposed[1])
+            x = x + matmul(out, layer.o, packed[1])
             h = _rms_norm(x, layer.ln2, a.norm_eps)
             if layer.moe is not None:  # mixture of experts (moe.py)
                 x = x + moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
                 continue
-            gate_up = matmul(h, layer.gate_up, packed[2], transposed[2])
-            x = x + matmul(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down, packed[3], transposed[3])
+            gate_up = matmul(h, layer.gate_up, packed[2])
+            x = x + matmul(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down, packed[3])
         rows = batch.logit_rows.numel()
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
         h = _rms_norm(x, w.norm, a.norm_eps)
-        if w.packed_lm_head is not None and w.pack_rows // 2 < rows <= w.pack_rows:
-            h = F.pad(h, (0, 0, 0, w.pack_rows - rows))
-            return torch.ops.mkl._mkl_linear(h, w.packed_lm_head, w.lm_head, None, w.pack_rows)[:rows].float()
-        return F.linear(h, w.lm_head).float()
+        return matmul(h, w.lm_head, w.packed_lm_head).float()

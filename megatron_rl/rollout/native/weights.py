@@ -3,7 +3,7 @@
 `weight_arena_layout` places each HF-named tensor in the arena so that the tensors the model fuses
 (q/k/v projections; gate/up projections) are adjacent, and `LlamaWeights` exposes the arena as
 per-layer views (fused `qkv` and `gate_up` included), copies weight updates into it in place and, on
-CPU, optionally keeps MKL-packed copies of the matrices for the forward of model.py.
+CPU, optionally keeps oneDNN-packed copies of the matrices for the forward of model.py.
 """
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for W packed by `LlamaWeights.enable_packing` (oneDNN's linear: the reorder
+    happens once per weight update instead of inside every call, as torch.compile's CPU weight prepacking
+    does)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class _Layer:
@@ -127,25 +134,24 @@ class LlamaWeights:
         self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
                           for name in self._targets}
         self.packed: list[tuple[torch.Tensor, ...] | None] | None = None
-        self.transposed: list[tuple[torch.Tensor, ...] | None] | None = None
         self.packed_lm_head: torch.Tensor | None = None
         self.pack_rows = 0
         self._pending_pack: set[int] = set()
 
     def enable_packing(self, rows: int, *, lazily: bool = False) -> bool:
-        """Keep MKL-packed copies for `rows`-row matmuls (CPU, fp32). False when unsupported. `lazily`:
-        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with the
-        plain path meanwhile), so adopting new weights does not wait for the repack."""
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
+        """Keep copies of the weight matrices in oneDNN's blocked GEMM layout, chosen for `rows`-row
+        steps (CPU, fp32 or bf16; the copies serve steps of any size). False where unsupported. `lazily`:
+        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with F.linear
+        meanwhile), so adopting new weights does not wait for the repack."""
+        if self.embed.device.type != "cpu" or self.embed.dtype not in (torch.float32, torch.bfloat16):
             return False
         try:
-            probe = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(8, 8), rows)
-            torch.ops.mkl._mkl_linear(torch.zeros(rows, 8), probe, torch.zeros(8, 8), None, rows)
-        except (AttributeError, RuntimeError):
+            probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=self.embed.dtype), batch_size=rows)
+            packed_linear(torch.zeros(rows, 8, dtype=self.embed.dtype), probe)
+        except (AttributeError, RuntimeError):  # a torch build without oneDNN (or without its bf16 GEMMs)
             return False
         self.pack_rows = rows
         self.packed = [None] * len(self.layers)  # type: ignore[list-item]
-        self.transposed = [None] * len(self.layers)
         self.packed_lm_head = None
         self._pending_pack = set(range(-1, len(self.layers)))
         if not lazily:
@@ -167,7 +173,7 @@ class LlamaWeights:
     def repack(self, layers: set[int]) -> None:
         if not self.pack_rows:
             return
-        pack = lambda w_out_in: torch.ops.mkl._mkl_reorder_linear_weight(w_out_in, self.pack_rows)  # noqa: E731
+        pack = lambda w_out_in: torch.ops.mkldnn._reorder_linear_weight(w_out_in, batch_size=self.pack_rows)  # noqa: E731
         for i in sorted(layers):
             if i < 0:
                 self.packed_lm_head = pack(self.lm_head)
@@ -175,9 +181,6 @@ class LlamaWeights:
                 layer = self.layers[i]
                 matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
                 self.packed[i] = tuple(pack(m) for m in matrices)
-                # [in, out] copies for the steps that are not nearly full (a batch's long tail): x @ W
-                # on them is up to 2x faster than F.linear on [out, in] at a few rows
-                self.transposed[i] = tuple(m.t().contiguous() for m in matrices)
 
     def required_names(self) -> set[str]:
         return {e.name for e in self.layout.entries}
