@@ -56,7 +56,7 @@ def test_plain_rows_sample_the_same_beside_greedy_and_truncated_rows():
 @pytest.mark.parametrize("kind", ["smollm2", "qwen3"])
 def test_sampled_decode_logprobs_match_transformers_forward(kind):
     """Sequences of different lengths decode together (the additive mask of the batched attention), with
-    answers of different lengths (decode batches of 4, 3, 2 rows: packed and transposed GEMMs)."""
+    answers of different lengths (decode batches of 4, 3, 2 rows through GEMMs packed for 4)."""
     config = _hf_config(kind)
     model, state = random_model(config, seed=3)
     arch = arch_of(config, FAMILY_OF[kind])
@@ -72,3 +72,46 @@ def test_sampled_decode_logprobs_match_transformers_forward(kind):
             logits = model(torch.tensor([p + out.output_ids])).logits[0]
         ref = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
         assert (ref - torch.tensor(out.output_logprobs, dtype=torch.float64)).abs().max().item() < 1e-5, kind
+
+
+def test_bf16_packed_gemms_decode_as_the_unpacked_bf16_path():
+    """bf16 weights packed for oneDNN (the fast path on CPUs with bf16 matrix units) against the same
+    engine computing with plain F.linear on the arena: the same greedy tokens and log-probs; the packed
+    copies serve the 4-row decode steps, the shrinking tail and the prefill alike."""
+    config = _hf_config("qwen2")
+    model, state = random_model(config, seed=5)
+    arch = arch_of(config, FAMILY_OF["qwen2"])
+    prompts = default_prompts(arch, lengths=(3, 8, 13, 21), seed=6)
+    requests = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n))
+                for i, (p, n) in enumerate(zip(prompts, (12, 9, 5, 2)))]
+    outputs = {}
+    for prepack in (True, False):
+        config_ = NativeEngineConfig(max_batch_size=4, max_seq_len=64, dtype="bf16", prepack_weights=prepack)
+        with NativeEngine(arch, state, config=config_, eos_token_ids=[]) as engine:
+            assert (engine.weights.packed is not None) == (prepack and torch.backends.mkldnn.is_available())
+            outputs[prepack] = engine.generate(requests)
+    for packed, plain in zip(outputs[True], outputs[False]):
+        assert packed.output_ids == plain.output_ids
+        assert torch.allclose(torch.tensor(packed.output_logprobs), torch.tensor(plain.output_logprobs), atol=1e-6)
+
+
+def test_gemm_floor_times_every_product_of_a_decode_step(monkeypatch):
+    """`bench rollout`'s GEMM floor multiplies `rows` rows by every layer's qkv, o, gate_up and down
+    matrices and by the lm_head, through the engine's own packed weights, in layer order."""
+    from megatron_rl.rollout import bench_generate
+
+    config = _hf_config("smollm2")
+    _, state = random_model(config, seed=7)
+    arch = arch_of(config, FAMILY_OF["smollm2"])
+    shapes = []
+    real = bench_generate.packed_linear
+    monkeypatch.setattr(bench_generate, "packed_linear",
+                        lambda x, packed: shapes.append((tuple(x.shape), tuple(packed.shape))) or real(x, packed))
+    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64), eos_token_ids=[]) as engine:
+        if engine.weights.packed is None:
+            pytest.skip("torch without oneDNN")
+        seconds = bench_generate.decode_gemm_seconds(engine.weights, rows=3, repeats=1)
+    h, q, kv, f = arch.hidden_size, arch.q_size, arch.kv_size, arch.ffn_hidden_size
+    step = [((3, h), (q + 2 * kv, h)), ((3, q), (h, q)), ((3, h), (2 * f, h)), ((3, f), (h, f))] * arch.num_layers
+    step.append(((3, h), (arch.vocab_size, h)))
+    assert shapes == step * 2 and seconds > 0  # a warm-up pass and one timed pass
