@@ -101,8 +101,8 @@ def test_greedy_and_logprobs_match_transformers(kind):
 
 def test_logprobs_match_a_full_forward_and_packed_paths_agree():
     """Qwen2 (biases fused into the qkv GEMM) and Qwen3: log-probs against transformers' full forward over
-    prompt + answer. Answers of 16, 12, 6 and 3 tokens shrink the decode batch from 4 rows to 2 and 1, all
-    through the oneDNN-packed GEMMs (packed for 4 rows), as the prefill steps."""
+    prompt + answer. Answers of 16, 12, 6 and 3 tokens shrink the decode batch from 4 rows (the MKL-packed
+    GEMMs) to 2 and 1 (the transposed [in, out] copies); prefill steps take the transposed copies too."""
     for kind in ("qwen2", "qwen3"):
         config = _hf_config(kind)
         model, state = random_model(config, seed=1)
@@ -110,7 +110,7 @@ def test_logprobs_match_a_full_forward_and_packed_paths_agree():
         prompts = default_prompts(arch, lengths=(3, 7, 11, 19), seed=2)
         with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64),
                           eos_token_ids=[]) as engine:
-            assert engine.weights.packed is not None or not torch.backends.mkldnn.is_available()
+            assert engine.weights.packed is not None or not torch.backends.mkl.is_available()
             outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n))
                                     for i, (p, n) in enumerate(zip(prompts, (16, 12, 6, 3)))])
         for p, out in zip(prompts, outs):

@@ -11,6 +11,7 @@ from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.parity import default_prompts
 from megatron_rl.rollout.native.sampling import inverse_cdf, sample_tokens
+from megatron_rl.rollout.native.weights import PackedMatrix
 from tests.test_engine_families import FAMILY_OF, _hf_config, arch_of, random_model
 
 
@@ -56,7 +57,7 @@ def test_plain_rows_sample_the_same_beside_greedy_and_truncated_rows():
 @pytest.mark.parametrize("kind", ["smollm2", "qwen3"])
 def test_sampled_decode_logprobs_match_transformers_forward(kind):
     """Sequences of different lengths decode together (the additive mask of the batched attention), with
-    answers of different lengths (decode batches of 4, 3, 2 rows through GEMMs packed for 4)."""
+    answers of different lengths (decode batches of 4, 3, 2 rows: packed and transposed GEMMs)."""
     config = _hf_config(kind)
     model, state = random_model(config, seed=3)
     arch = arch_of(config, FAMILY_OF[kind])
@@ -104,12 +105,12 @@ def test_gemm_floor_times_every_product_of_a_decode_step(monkeypatch):
     _, state = random_model(config, seed=7)
     arch = arch_of(config, FAMILY_OF["smollm2"])
     shapes = []
-    real = bench_generate.packed_linear
-    monkeypatch.setattr(bench_generate, "packed_linear",
-                        lambda x, packed: shapes.append((tuple(x.shape), tuple(packed.shape))) or real(x, packed))
+    real = PackedMatrix.__call__
     with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64), eos_token_ids=[]) as engine:
         if engine.weights.packed is None:
-            pytest.skip("torch without oneDNN")
+            pytest.skip("torch without MKL or oneDNN")
+        monkeypatch.setattr(PackedMatrix, "__call__", lambda self, x, bias=None: shapes.append(
+            (tuple(x.shape), tuple(self.shape))) or real(self, x, bias))
         seconds = bench_generate.decode_gemm_seconds(engine.weights, rows=3, repeats=1)
     h, q, kv, f = arch.hidden_size, arch.q_size, arch.kv_size, arch.ffn_hidden_size
     step = [((3, h), (q + 2 * kv, h)), ((3, q), (h, q)), ((3, h), (2 * f, h)), ((3, f), (h, f))] * arch.num_layers

@@ -131,7 +131,7 @@ def test_update_weights_equals_fresh_engine(tiny_arch):
 
 def test_adopted_weight_arena_equals_fresh_engine_packed_or_not(tiny_arch):
     """An engine switching to a buffer that already holds new weights (the double-buffered shared
-    memory path) generates exactly what a fresh engine does, before and after its lazy oneDNN re-pack."""
+    memory path) generates exactly what a fresh engine does, before and after its lazy GEMM re-pack."""
     from megatron_rl.rollout.native.weights import weight_arena_layout
     from megatron_rl.weight_sync.reshard import Bucket
 

@@ -60,7 +60,7 @@ def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
 def bench_sync(options: dict) -> dict:
     tp = int(options.get("tp", 3))
     repeats = int(options.get("repeats", 5))
-    # The engine as the RL loop runs it (batch 64); prepack=false skips oneDNN weight re-packing on load.
+    # The engine as the RL loop runs it (batch 64); prepack=false skips GEMM weight re-packing on load.
     engine_config = NativeEngineConfig(max_batch_size=int(options.get("engine_batch", 64)), max_seq_len=256,
                                        prepack_weights=bool(options.get("prepack", True)))
     with tempfile.TemporaryDirectory() as root:

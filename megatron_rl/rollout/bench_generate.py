@@ -31,7 +31,7 @@ from megatron_rl.observability.roofline import decode_roofline, measure_ceilings
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.native.weights import LlamaWeights, packed_linear
+from megatron_rl.rollout.native.weights import LlamaWeights
 
 PROMPTS = [
     "What is 17 + 25?", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
@@ -132,7 +132,7 @@ def decode_gemm_seconds(weights: LlamaWeights, rows: int, repeats: int = 5) -> f
         for _ in range(repeats + 1):  # the first pass warms up
             start = time.perf_counter()
             for x, matrix, packed in products:
-                torch.nn.functional.linear(x, matrix) if packed is None else packed_linear(x, packed)
+                torch.nn.functional.linear(x, matrix) if packed is None else packed(x)
             best = min(best, time.perf_counter() - start)
     return best
 

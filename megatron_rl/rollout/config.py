@@ -111,11 +111,12 @@ class NativeEngineConfig:
     that prefix's K/V instead of recomputing it (n samples of one prompt, a common system prompt);
     only prefixes computed with the current weights are shared. 0 disables sharing."""
     prepack_weights: bool = True
-    """On CPU (fp32 or bf16, torch built with oneDNN), also keep the weight matrices in oneDNN's blocked
-    GEMM layout, chosen for max_batch_size-row steps and used by steps of every size: one more copy of the
-    weights in memory (rebuilt lazily between steps after a weight update) for faster steps, bf16 above
-    all (its unpacked F.linear re-lays out the weights on every call). Results equal the unpacked F.linear
-    path up to float rounding (~1e-7 in fp32)."""
+    """On CPU, also keep the weight matrices laid out for the GEMM kernel that is fastest for them
+    (rollout/native/weights.py `PackedMatrix`): fp32, MKL's packed GEMM for nearly full decode batches
+    (max_batch_size rows) and transposed [in, out] copies for smaller steps (two more copies of the layer
+    weights); bf16, oneDNN's blocked layout for every step (one more copy; its unpacked F.linear re-lays
+    out the weights on every call). Rebuilt lazily between steps after a weight update. Results equal the
+    unpacked F.linear path up to float rounding (~1e-7 in fp32)."""
     record_routing: bool = False
     """MoE models: record each position's expert ids into `Completion.routed_experts` (int16 [P + R - 1,
     layers, top_k]; rollout/native/moe.py). Off by default: it costs layers * top_k * 2 bytes per token."""

@@ -7,7 +7,7 @@ seeded sampling and in-place weight updates, on CPU or one GPU.
 - scheduler.py: the step scheduler mixed into it (admission, chunked prefill, prefix sharing, decode),
   the per-slot KV cache, and the in-flight sample `_Seq`.
 - model.py: `LlamaModel`, the forward pass over the KV cache.
-- weights.py: `weight_arena_layout` and `LlamaWeights`, the flat weight arena and its oneDNN packing.
+- weights.py: `weight_arena_layout` and `LlamaWeights`, the flat weight arena and its GEMM packing.
 - sampling.py: `sample_tokens`, `filtered_logits`, `inverse_cdf` and per-sample seeds.
 - parity.py: `engine_parity`, the engine's column of `megatron-rl parity` (greedy tokens and log-probs
   against transformers' `generate`).

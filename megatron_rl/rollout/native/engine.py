@@ -278,7 +278,7 @@ class NativeEngine(_Scheduler):
 
     def adopt_weight_arena(self, arena: torch.Tensor, version: int | None = None) -> None:
         """Switch to weights that already sit in `arena` (laid out by `weight_arena_layout`): no copy,
-        only oneDNN re-packing where enabled. The caller must not write `arena` while the engine uses it
+        only GEMM re-packing where enabled. The caller must not write `arena` while the engine uses it
         (double-buffer: write the other arena, then adopt it)."""
         weights = LlamaWeights(self.arch, self.device, self.dtype, arena)
         if self.config.prepack_weights:

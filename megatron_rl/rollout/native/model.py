@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.moe import moe_mlp
-from megatron_rl.rollout.native.weights import LlamaWeights, packed_linear
+from megatron_rl.rollout.native.weights import LlamaWeights, PackedMatrix
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,10 +129,10 @@ class LlamaModel:
         n = tokens.numel()
         n_dec = batch.dec_slots.numel()
 
-        def matmul(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+        def matmul(h: torch.Tensor, weight: torch.Tensor, packed: PackedMatrix | None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-            # packed: the same matrix in oneDNN's layout (weights.py); None while it waits to be re-packed
-            return F.linear(h, weight, bias) if packed is None else packed_linear(h, packed, bias)
+            # packed: the same matrix laid out for the CPU's GEMM kernel; None while it waits to be re-packed
+            return F.linear(h, weight, bias) if packed is None else packed(h, bias)
 
         x = F.embedding(tokens, w.embed)
         cos, sin = self.rope(batch.positions, batch.rope_lens)

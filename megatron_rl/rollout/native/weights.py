@@ -3,7 +3,8 @@
 `weight_arena_layout` places each HF-named tensor in the arena so that the tensors the model fuses
 (q/k/v projections; gate/up projections) are adjacent, and `LlamaWeights` exposes the arena as
 per-layer views (fused `qkv` and `gate_up` included), copies weight updates into it in place and, on
-CPU, optionally keeps oneDNN-packed copies of the matrices for the forward of model.py.
+CPU, optionally keeps copies of the matrices packed for the GEMM kernels (`PackedMatrix`) for the
+forward of model.py.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
@@ -19,11 +21,38 @@ from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_na
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) for W packed by `LlamaWeights.enable_packing` (oneDNN's linear: the reorder
-    happens once per weight update instead of inside every call, as torch.compile's CPU weight prepacking
-    does)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+class PackedMatrix:
+    """One weight matrix [out, in] in the layout of the CPU GEMM kernel that is fastest for it (measured
+    with `bench rollout` on 2-core AVX-512/AMX machines), built once per weight update instead of inside
+    every call. `packed(x, bias)` == F.linear(x, weight, bias) up to float rounding.
+
+    - fp32 with MKL: MKL's packed GEMM, whose packing fixes the row count, serves the steps of `rows` /
+      2 < n <= `rows` rows (zero-padded to `rows`); smaller steps (a batch's long tail) take x @ W on an
+      [in, out] copy, up to 2x faster than F.linear on [out, in] at a few rows.
+    - bf16 (or fp32 without MKL): oneDNN's blocked layout, chosen for `rows`-row steps and valid for any
+      row count. bf16 gains most: an unpacked bf16 F.linear re-lays out the weight on every call."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.weight, self.rows = weight, rows
+        self.shape = weight.shape
+        if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            self.transposed = weight.t().contiguous()
+            self.onednn = None
+        else:
+            self.mkl = self.transposed = None
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        n = x.shape[0]
+        if self.rows // 2 < n <= self.rows:
+            pad = self.rows - n
+            out = torch.ops.mkl._mkl_linear(F.pad(x, (0, 0, 0, pad)) if pad else x, self.mkl, self.weight, bias,
+                                            self.rows)
+            return out[:n] if pad else out
+        return torch.mm(x, self.transposed) if bias is None else torch.addmm(bias, x, self.transposed)
 
 
 class _Layer:
@@ -133,22 +162,21 @@ class LlamaWeights:
             self.layers.append(layer)
         self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
                           for name in self._targets}
-        self.packed: list[tuple[torch.Tensor, ...] | None] | None = None
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed: list[tuple[PackedMatrix, ...] | None] | None = None
+        self.packed_lm_head: PackedMatrix | None = None
         self.pack_rows = 0
         self._pending_pack: set[int] = set()
 
     def enable_packing(self, rows: int, *, lazily: bool = False) -> bool:
-        """Keep copies of the weight matrices in oneDNN's blocked GEMM layout, chosen for `rows`-row
-        steps (CPU, fp32 or bf16; the copies serve steps of any size). False where unsupported. `lazily`:
-        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with F.linear
-        meanwhile), so adopting new weights does not wait for the repack."""
+        """Keep a `PackedMatrix` of every weight matrix for steps of about `rows` rows (CPU, fp32 or bf16).
+        False where unsupported. `lazily`: pack nothing now; `pack_pending` packs a few layers at a time
+        (unpacked ones compute with F.linear meanwhile), so adopting new weights does not wait for the
+        repack."""
         if self.embed.device.type != "cpu" or self.embed.dtype not in (torch.float32, torch.bfloat16):
             return False
         try:
-            probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=self.embed.dtype), batch_size=rows)
-            packed_linear(torch.zeros(rows, 8, dtype=self.embed.dtype), probe)
-        except (AttributeError, RuntimeError):  # a torch build without oneDNN (or without its bf16 GEMMs)
+            PackedMatrix(torch.zeros(8, 8, dtype=self.embed.dtype), rows)(torch.zeros(rows, 8, dtype=self.embed.dtype))
+        except (AttributeError, RuntimeError):  # a torch build without MKL or oneDNN (or its bf16 GEMMs)
             return False
         self.pack_rows = rows
         self.packed = [None] * len(self.layers)  # type: ignore[list-item]
@@ -173,14 +201,13 @@ class LlamaWeights:
     def repack(self, layers: set[int]) -> None:
         if not self.pack_rows:
             return
-        pack = lambda w_out_in: torch.ops.mkldnn._reorder_linear_weight(w_out_in, batch_size=self.pack_rows)  # noqa: E731
         for i in sorted(layers):
             if i < 0:
-                self.packed_lm_head = pack(self.lm_head)
+                self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows)
             else:
                 layer = self.layers[i]
                 matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
-                self.packed[i] = tuple(pack(m) for m in matrices)
+                self.packed[i] = tuple(PackedMatrix(m, self.pack_rows) for m in matrices)
 
     def required_names(self) -> set[str]:
         return {e.name for e in self.layout.entries}
