@@ -223,3 +223,21 @@ def test_loop_with_a_kl_penalty_reports_its_divergence_from_the_start(tmp_path, 
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     kl = [r["train/kl_ref"] for r in steps if "train/kl_ref" in r]
     assert len(kl) == 2 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 1e-7
+
+
+def test_a_bf16_engine_samples_for_an_fp32_trainer(tmp_path, tiny_chat_model):
+    """`engine.dtype=bf16` (the fast CPU path where bf16 matrix units exist, and the usual GPU setup): each
+    step's weight sync rounds the fp32 policy into the engine's bf16 arena, so the recomputed log-probs
+    differ from the behaviour log-probs by bf16 rounding only, every step, however far training moves the
+    weights; a stale or partial sync would leave the engine on the old policy."""
+    run_dir = str(tmp_path / "bf16")
+    train(_config(tiny_chat_model, run_dir, "engine.dtype=bf16", "checkpoint.every_steps=0", "steps=4"))
+    steps = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward_mean" in r]
+    mismatch = [r["train/logprob_mismatch"] for r in steps]
+    assert len(mismatch) == 4 and all(1e-4 < m < 2e-2 for m in mismatch), mismatch
+    stale = str(tmp_path / "stale")  # the control: the same run with a generator one version behind
+    train(_config(tiny_chat_model, stale, "engine.dtype=bf16", "checkpoint.every_steps=0", "steps=4",
+                  "rollout.max_staleness=1", "rollout.placement=disaggregated"))
+    behind = [r["train/logprob_mismatch"] for r in map(json.loads, open(os.path.join(stale, "metrics.jsonl")))
+              if "rollout/reward_mean" in r and r["rollout/staleness_max"] == 1]
+    assert behind and min(behind) > 2e-2, behind
