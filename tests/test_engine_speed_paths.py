@@ -75,10 +75,14 @@ def test_sampled_decode_logprobs_match_transformers_forward(kind):
         assert (ref - torch.tensor(out.output_logprobs, dtype=torch.float64)).abs().max().item() < 1e-5, kind
 
 
-def test_bf16_packed_gemms_decode_as_the_unpacked_bf16_path():
-    """bf16 weights packed for oneDNN (the fast path on CPUs with bf16 matrix units) against the same
-    engine computing with plain F.linear on the arena: the same greedy tokens and log-probs; the packed
-    copies serve the 4-row decode steps, the shrinking tail and the prefill alike."""
+@pytest.mark.parametrize("dtype,mkl", [("bf16", True), ("fp32", False)])
+def test_onednn_packed_gemms_decode_as_the_unpacked_path(dtype, mkl, monkeypatch):
+    """Weights packed for oneDNN (bf16, the fast path on CPUs with bf16 matrix units; fp32 on torch builds
+    without MKL, e.g. ARM) against the same engine computing with plain F.linear on the arena: the same
+    greedy tokens and log-probs; the packed copies serve the 4-row decode steps, the shrinking tail and
+    the prefill alike."""
+    has_mkl = torch.backends.mkl.is_available()
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl and has_mkl)
     config = _hf_config("qwen2")
     model, state = random_model(config, seed=5)
     arch = arch_of(config, FAMILY_OF["qwen2"])
@@ -87,9 +91,11 @@ def test_bf16_packed_gemms_decode_as_the_unpacked_bf16_path():
                 for i, (p, n) in enumerate(zip(prompts, (12, 9, 5, 2)))]
     outputs = {}
     for prepack in (True, False):
-        config_ = NativeEngineConfig(max_batch_size=4, max_seq_len=64, dtype="bf16", prepack_weights=prepack)
+        config_ = NativeEngineConfig(max_batch_size=4, max_seq_len=64, dtype=dtype, prepack_weights=prepack)
         with NativeEngine(arch, state, config=config_, eos_token_ids=[]) as engine:
             assert (engine.weights.packed is not None) == (prepack and torch.backends.mkldnn.is_available())
+            if prepack and engine.weights.packed is not None:
+                assert all(m.onednn is not None for m in engine.weights.packed[0])
             outputs[prepack] = engine.generate(requests)
     for packed, plain in zip(outputs[True], outputs[False]):
         assert packed.output_ids == plain.output_ids
