@@ -27,17 +27,18 @@ class PackedMatrix:
     every call. `packed(x, bias)` == F.linear(x, weight, bias) up to float rounding.
 
     - fp32 with MKL: MKL's packed GEMM, whose packing fixes the row count, serves the steps of `rows` /
-      2 < n <= `rows` rows (zero-padded to `rows`); smaller steps (a batch's long tail) take x @ W on an
-      [in, out] copy, up to 2x faster than F.linear on [out, in] at a few rows.
+      2 < n <= `rows` rows (zero-padded to `rows`); other steps (a batch's long tail, prefill) take x @ W
+      on an [in, out] copy, up to 2x faster than F.linear on [out, in] at a few rows, or F.linear where
+      `transposed_copy` is False (the lm_head: a vocabulary-sized copy costs more memory than it saves).
     - bf16 (or fp32 without MKL): oneDNN's blocked layout, chosen for `rows`-row steps and valid for any
       row count. bf16 gains most: an unpacked bf16 F.linear re-lays out the weight on every call."""
 
-    def __init__(self, weight: torch.Tensor, rows: int):
+    def __init__(self, weight: torch.Tensor, rows: int, transposed_copy: bool = True):
         self.weight, self.rows = weight, rows
         self.shape = weight.shape
         if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
             self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-            self.transposed = weight.t().contiguous()
+            self.transposed = weight.t().contiguous() if transposed_copy else None
             self.onednn = None
         else:
             self.mkl = self.transposed = None
@@ -52,6 +53,8 @@ class PackedMatrix:
             out = torch.ops.mkl._mkl_linear(F.pad(x, (0, 0, 0, pad)) if pad else x, self.mkl, self.weight, bias,
                                             self.rows)
             return out[:n] if pad else out
+        if self.transposed is None:
+            return F.linear(x, self.weight, bias)
         return torch.mm(x, self.transposed) if bias is None else torch.addmm(bias, x, self.transposed)
 
 
@@ -203,7 +206,7 @@ class LlamaWeights:
             return
         for i in sorted(layers):
             if i < 0:
-                self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows)
+                self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows, transposed_copy=False)
             else:
                 layer = self.layers[i]
                 matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
