@@ -76,6 +76,22 @@ def test_continuous_batching_equals_running_alone(tiny_arch):
         assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < 1e-5
 
 
+def test_health_counts_the_pure_decode_steps(tiny_arch):
+    """`decode_*` in health() (what `bench rollout` compares with the decode roofline) counts the steps
+    without a prompt chunk and the tokens they sampled: here one prefill step samples every first token,
+    then decode steps shrink as the answers end."""
+    lengths = (3, 6, 9)
+    requests = [GenerateRequest(f"r{i}", prompt(i, 4 + i), SamplingParams(temperature=0, max_new_tokens=n))
+                for i, n in enumerate(lengths)]
+    with make_engine(tiny_arch, max_batch_size=4) as engine:
+        outs = engine.generate(requests)
+        health = engine.health()
+    assert [len(o.output_ids) for o in outs] == list(lengths)
+    assert health["steps"] == max(lengths) and health["decode_steps"] == max(lengths) - 1
+    assert health["decode_tokens"] == sum(lengths) - len(lengths) == health["generated_tokens"] - len(lengths)
+    assert health["decode_seconds"] > 0
+
+
 def test_caller_driven_batches_do_not_depend_on_timing(tiny_arch):
     """Under caller_driven the background thread starts nothing: two requests submitted 0.2 s apart
     share their batches as if submitted together, bit for bit (WaltzRL's sync resume relies on it)."""

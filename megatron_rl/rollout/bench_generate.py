@@ -4,7 +4,8 @@ Both run in `dtype` and sample (temperature 1, no truncation) up to `max_new_tok
 `batch` chat prompts, after one untimed run of the same workload with other seeds, and return the
 log-prob of every sampled token (ours: Completion.output_logprobs; HF: log_softmax of
 `output_logits`, computed inside the timed region). Throughput counts the tokens each actually
-generated (up to and including eos), prefill included. The roofline line compares ours with the decode
+generated (up to and including eos), prefill included; the decode line counts the engine's pure decode
+steps alone (`decode_*` in its health(): steps without a prompt chunk). The roofline line compares ours with the decode
 roofline of this machine (observability/roofline.py: matmul and memory ceilings measured in this process,
 batch `batch` at the mean context of the run: prompt plus half the new tokens), and with the GEMM floor:
 the engine's own matrix products of one full decode step, timed alone (`decode_gemm_seconds`), which
@@ -104,13 +105,16 @@ def _run_native(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, 
         # untimed: the same workload with other seeds, so one-time costs (oneDNN kernels built per GEMM
         # shape, first touch of the KV cache) stay out of the timed run, as for HF below
         engine.generate(_requests(prompts, max_new_tokens, seed + 500))
+        before = engine.health()
         start = time.perf_counter()
         completions = engine.generate(_requests(prompts, max_new_tokens, seed))
         seconds = time.perf_counter() - start
+        after = engine.health()
         gemm_seconds = decode_gemm_seconds(engine.weights, len(prompts))
     tokens = sum(len(c.output_ids) for c in completions)
     assert all(len(c.output_logprobs) == len(c.output_ids) for c in completions)
-    return {"tokens": tokens, "seconds": seconds, "gemm_seconds": gemm_seconds}
+    decode = {key: after.get(key, 0) - before.get(key, 0) for key in ("decode_steps", "decode_tokens", "decode_seconds")}
+    return {"tokens": tokens, "seconds": seconds, "gemm_seconds": gemm_seconds, **decode}
 
 
 def decode_gemm_seconds(weights: LlamaWeights, rows: int, repeats: int = 5) -> float:
@@ -204,6 +208,14 @@ def bench_rollout(options: dict) -> dict:
                                weight_bytes_per_param=2 if dtype == "bf16" else 4)
     print(roofline_line("native engine", ours_tps, roofline, ceilings), flush=True)
     result.update(roofline_fields(ours_tps, roofline, ceilings))
+    if ours["decode_steps"]:
+        # the pure decode steps alone (no prompt chunk in them): the phase the decode roofline describes
+        decode_tps = ours["decode_tokens"] / ours["decode_seconds"]
+        print(f"native engine, decode steps only: {ours['decode_tokens']} tokens in {ours['decode_steps']} steps, "
+              f"{ours['decode_seconds']:.2f} s = {decode_tps:.1f} tokens/s = {100 * decode_tps / roofline:.1f}% of the "
+              f"roofline ({ours['seconds'] - ours['decode_seconds']:.2f} s of the run went to prefill steps)", flush=True)
+        result.update({"decode_tokens_per_s": round(decode_tps, 1), "decode_steps": ours["decode_steps"],
+                       "decode_roofline_fraction": round(decode_tps / roofline, 4)})
     gemm_floor = batch / ours["gemm_seconds"]
     print(f"GEMM floor: the matrix products alone of one {batch}-row decode step take "
           f"{1000 * ours['gemm_seconds']:.1f} ms with the engine's kernels = {gemm_floor:.1f} tokens/s "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future
 
 import torch
@@ -106,6 +107,7 @@ class _Scheduler:
                     else:
                         weights.pack_pending(limit=4)
                 return True
+        started = time.perf_counter()
         finished: list[_Seq] = []
         with self._cv:
             finished += self._reap_aborted()
@@ -140,6 +142,11 @@ class _Scheduler:
             else:
                 finished = self._apply(plan, tokens, logprobs, version)
         self._resolve(finished)
+        if error is None and not plan.chunks and not plan.copies:
+            # pure decode steps, planning to delivery: the phase a decode roofline describes
+            self._stats["decode_steps"] += 1
+            self._stats["decode_tokens"] += len(plan.decode)
+            self._stats["decode_seconds"] += time.perf_counter() - started
         return True
 
     def _resolve(self, seqs: list[_Seq]) -> None:
