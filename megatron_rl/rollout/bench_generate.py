@@ -128,8 +128,7 @@ def decode_gemm_seconds(weights: LlamaWeights, rows: int, repeats: int = 5) -> f
     products = []
     for li, layer in enumerate(weights.layers):
         packed = (weights.packed[li] if weights.packed is not None else None) or (None,) * 4
-        matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
-        products += [(inputs(m), m, p) for m, p in zip(matrices, packed)]
+        products += [(inputs(m), m, p) for m, p in zip(layer.matrices(), packed)]
     products.append((inputs(weights.lm_head), weights.lm_head, weights.packed_lm_head))
     best = float("inf")
     with torch.inference_mode():

@@ -61,6 +61,10 @@ class PackedMatrix:
 class _Layer:
     __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "moe")
 
+    def matrices(self) -> tuple[torch.Tensor, ...]:
+        """The layer's dense GEMM weights in forward order (qkv, o, then gate_up, down unless MoE)."""
+        return (self.qkv, self.o) + ((self.gate_up, self.down) if self.moe is None else ())
+
 
 def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
     """Where every HF-named tensor lives in the engine's flat weight buffer (its "arena").
@@ -208,9 +212,7 @@ class LlamaWeights:
             if i < 0:
                 self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows, transposed_copy=False)
             else:
-                layer = self.layers[i]
-                matrices = (layer.qkv, layer.o) + ((layer.gate_up, layer.down) if layer.moe is None else ())
-                self.packed[i] = tuple(PackedMatrix(m, self.pack_rows) for m in matrices)
+                self.packed[i] = tuple(PackedMatrix(m, self.pack_rows) for m in self.layers[i].matrices())
 
     def required_names(self) -> set[str]:
         return {e.name for e in self.layout.entries}
