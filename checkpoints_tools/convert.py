@@ -25,9 +25,7 @@ from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
 from megatron_rl.models.pretrained import (
     SAFE_WEIGHTS_INDEX,
     load_pretrained,
-    shard_dir_name,
-    shard_file,
-    write_megatron_meta,
+    write_megatron_shards,
 )
 
 
@@ -149,13 +147,7 @@ def save_megatron(path: str, layout: MegatronLayout, shards: list[list[dict[str,
                   tokenizer: ChatTokenizer | None) -> None:
     tmp = _atomic_dir(path)
     try:
-        for pp_rank, row in enumerate(shards):
-            for index, shard in enumerate(row):
-                ep_rank, tp_rank = divmod(index, layout.tp)  # MegatronLayout.shard_index
-                ep = ep_rank if layout.ep > 1 else None
-                os.makedirs(os.path.join(tmp, shard_dir_name(tp_rank, pp_rank, ep)))
-                save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(tmp, tp_rank, pp_rank, ep))
-        write_megatron_meta(tmp, layout, tokenizer)
+        write_megatron_shards(tmp, layout, shards, tokenizer)
         _publish(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
@@ -165,6 +165,20 @@ def write_megatron_meta(path: str, layout: MegatronLayout, tokenizer: ChatTokeni
 
 def shard_file(path: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
     return os.path.join(path, shard_dir_name(tp_rank, pp_rank, ep_rank), "model.safetensors")
+
+
+def write_megatron_shards(path: str, layout: MegatronLayout, shards: list[list[dict[str, torch.Tensor]]],
+                          tokenizer: ChatTokenizer | None) -> None:
+    """A Megatron checkpoint in the existing empty directory `path`: the safetensors shard of every rank of
+    `layout` (`shards[pp_rank][MegatronLayout.shard_index]`, as `hf_to_megatron` returns them) and the
+    metadata. `megatron-rl convert` writes through it into a temporary sibling it then renames."""
+    for pp_rank, row in enumerate(shards):
+        for index, shard in enumerate(row):
+            ep_rank, tp_rank = divmod(index, layout.tp)  # MegatronLayout.shard_index
+            ep = ep_rank if layout.ep > 1 else None
+            os.makedirs(os.path.join(path, shard_dir_name(tp_rank, pp_rank, ep)))
+            save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(path, tp_rank, pp_rank, ep))
+    write_megatron_meta(path, layout, tokenizer)
 
 
 def read_megatron_layout(path: str) -> MegatronLayout:

@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rl.checkpoints_tools.convert import convert
-from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.models.pretrained import load_pretrained, write_megatron_shards
 from megatron_rl.placement.generator_process import GeneratorProcess
 from megatron_rl.placement.launch import run_distributed
 from megatron_rl.rollout.config import NativeEngineConfig
@@ -57,6 +57,15 @@ def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
             generator.close()
 
 
+def _megatron_checkpoint(source: str, directory: str, tp: int) -> str:
+    """`source` as a Megatron checkpoint at TP=`tp` in the empty `directory`, as `megatron-rl convert --to
+    megatron --tp` writes it: each trainer rank then reads only its own shard, as in a run."""
+    model = load_pretrained(source)
+    layout = MegatronLayout(model.arch, tp=tp)
+    write_megatron_shards(directory, layout, hf_to_megatron(model.state, layout), model.tokenizer)
+    return directory
+
+
 def bench_sync(options: dict) -> dict:
     tp = int(options.get("tp", 3))
     repeats = int(options.get("repeats", 5))
@@ -64,7 +73,7 @@ def bench_sync(options: dict) -> dict:
     engine_config = NativeEngineConfig(max_batch_size=int(options.get("engine_batch", 64)), max_seq_len=256,
                                        prepack_weights=bool(options.get("prepack", True)))
     with tempfile.TemporaryDirectory() as root:
-        checkpoint = convert(str(options.get("model", "smollm2-135m")), f"{root}/megatron", to="megatron", tp=tp)
+        checkpoint = _megatron_checkpoint(str(options.get("model", "smollm2-135m")), root, tp)
         result = run_distributed(_bench_worker, tp, checkpoint, repeats, engine_config)[0]
     sync, memcpy = statistics.median(result["sync"]), statistics.median(result["memcpy"])
     gib = result["bytes"] / 2**30
