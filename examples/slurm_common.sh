@@ -16,7 +16,7 @@
 #   MODEL_DIR   HF or Megatron checkpoint directory of the policy     RUN_DIR   metrics, checkpoints, logs
 #   ENGINE_MODEL_DIR  block-fp8 copy for fp8 engines (default RUN_DIR/engine-model-fp8, written if missing)
 #   DATA_FILE   training prompts (JSONL)                              WANDB_PROJECT / WANDB_MODE / WANDB_DIR
-#   PYTHON      interpreter with megatron_rl installed (default: the repo's .venv, else python3)
+#   PYTHON      interpreter that runs megatron_rl (default: the repo's .venv, else python3; checked first)
 #   CONTAINER_IMAGE / CONTAINER_MOUNTS   run every step in this container (pyxis/enroot flags on each srun)
 #   SRUN_EXTRA_ARGS   more flags for every srun step (e.g. "--mpi=pmix --network=...")
 #   CPUS_PER_GPU      CPU cores requested per GPU on each step (default 8)
@@ -27,6 +27,8 @@ cd "$REPO"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
+# Never a silent fallback: one line and exit 2 unless this interpreter can run the package.
+source "$REPO/scripts/check_python.sh" "$PYTHON"
 SCRIPT=${LAUNCH_SCRIPT:-$0}
 
 DRY_RUN=0

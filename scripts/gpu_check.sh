@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+source scripts/check_python.sh "$PY"  # one line and exit 2 unless it can run megatron_rl
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 if command -v nvidia-smi >/dev/null; then
