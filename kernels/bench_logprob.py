@@ -13,6 +13,7 @@ Time: median of `iters` timed iterations after one warm-up, `threads` intra-op t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -20,6 +21,8 @@ import sys
 import time
 
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
+
+log = logging.getLogger(__name__)
 
 _CHILD = "from megatron_rl.kernels.bench_logprob import _child; _child()"
 
@@ -72,8 +75,9 @@ def _child() -> None:
             times.append(dt)
         checksum = float(logp.double().sum() + hidden.grad.double().sum() + weight.grad.double().sum())
     peak = _status()["VmHWM"] - base
-    print(json.dumps({"time_s": statistics.median(times), "times_s": times, "peak_bytes": peak,
-                      "checksum": checksum}))
+    # The child's one output, read by _run in the parent (not a log line: it must stay unprefixed)
+    sys.stdout.write(json.dumps({"time_s": statistics.median(times), "times_s": times, "peak_bytes": peak,
+                                 "checksum": checksum}) + "\n")
 
 
 def _run(spec: dict) -> dict:
@@ -90,20 +94,20 @@ def bench_logprob(options: dict) -> dict:
     base = {"n": int(options.get("n", 8192)), "v": int(options.get("v", 49152)), "h": int(options.get("h", 576)),
             "iters": int(options.get("iters", 3)), "threads": int(options.get("threads", 2)),
             "chunk": int(options.get("chunk", 512)), "vchunk": int(options.get("vchunk", 4096))}
-    print(f"logprob bench: N={base['n']} V={base['v']} H={base['h']} fp32, forward+backward, "
-          f"{base['threads']} threads, median of {base['iters']} after 1 warm-up, each variant in a fresh process")
-    print("fused computes log-probs and entropy (entropy not differentiated here); naive computes log-probs only")
-    print("peak memory = peak RSS above the RSS with inputs allocated (kernel VmHWM reset via /proc/self/clear_refs)")
+    log.info(f"logprob bench: N={base['n']} V={base['v']} H={base['h']} fp32, forward+backward, "
+             f"{base['threads']} threads, median of {base['iters']} after 1 warm-up, each variant in a fresh process")
+    log.info("fused computes log-probs and entropy (entropy not differentiated here); naive computes log-probs only")
+    log.info("peak memory = peak RSS above the RSS with inputs allocated (kernel VmHWM reset via /proc/self/clear_refs)")
     res = {}
     for variant in ("naive", "fused"):
         res[variant] = _run({**base, "variant": variant})
         r = res[variant]
-        print(f"  {variant:5s}: {r['time_s']:.3f} s  (runs {', '.join(f'{t:.2f}' for t in r['times_s'])})  "
-              f"peak +{r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+        log.info(f"  {variant:5s}: {r['time_s']:.3f} s  (runs {', '.join(f'{t:.2f}' for t in r['times_s'])})  "
+                 f"peak +{r['peak_bytes'] / 2**20:.0f} MiB")
     naive, fused = res["naive"], res["fused"]
     rel = abs(naive["checksum"] - fused["checksum"]) / max(abs(naive["checksum"]), 1e-30)
     logits_mib = base["n"] * base["v"] * 4 / 2**20
-    print(f"  full fp32 logits would be {logits_mib:.0f} MiB; checksum rel diff {rel:.1e}")
+    log.info(f"  full fp32 logits would be {logits_mib:.0f} MiB; checksum rel diff {rel:.1e}")
     return {
         "memory_ratio": round(fused["peak_bytes"] / naive["peak_bytes"], 4),
         "time_ratio": round(fused["time_s"] / naive["time_s"], 4),

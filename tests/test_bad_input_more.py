@@ -349,7 +349,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_stale_shared_memory_of_dead_runs_is_reclaimed_by_owner_pid(tmp_path, capfd):
+def test_stale_shared_memory_of_dead_runs_is_reclaimed_by_owner_pid(tmp_path, caplog):
     dead, alive = _dead_pid(), os.getppid()
     names = {f"megatron_rl_weights_{dead}_abc_0": 4096, f"sem.mp-megatron_rl-{dead}-x1y2z3": 32,
              f"megatron_rl_weights_{alive}_abc_0": 4096, f"sem.mp-megatron_rl-{alive}-q": 32,
@@ -359,7 +359,7 @@ def test_stale_shared_memory_of_dead_runs_is_reclaimed_by_owner_pid(tmp_path, ca
     removed = reclaim_stale(str(tmp_path))
     assert sorted(os.path.basename(p) for p in removed) == sorted(n for n in names if str(dead) in n)
     assert sorted(os.listdir(tmp_path)) == sorted(n for n in names if str(dead) not in n)
-    err = capfd.readouterr().err
+    err = caplog.text  # a warning: on stderr under the CLI (observability/logs.py)
     assert f"reclaimed 2 shared-memory files (0.0 MiB) in {tmp_path} left by dead runs (pids {dead})" in err
     # Creating buckets reclaims too, and unlink frees what it created.
     (tmp_path / f"megatron_rl_weights_{dead}_def_0").write_bytes(b"\0" * 64)
@@ -370,7 +370,7 @@ def test_stale_shared_memory_of_dead_runs_is_reclaimed_by_owner_pid(tmp_path, ca
     assert not any(os.path.exists(p) for p in buckets.descriptor.paths)
 
 
-def test_generator_restart_is_logged_and_counted(tmp_path, tiny_chat_model, capfd):
+def test_generator_restart_is_logged_and_counted(tmp_path, tiny_chat_model, caplog):
     config = _config(tiny_chat_model, str(tmp_path / "run"), "rollout.max_staleness=1",
                      "rollout.placement=disaggregated")
     controller = build_controller(config)
@@ -384,7 +384,7 @@ def test_generator_restart_is_logged_and_counted(tmp_path, tiny_chat_model, capf
     finally:
         controller.close()
     assert f"generator process {pid} died (exit code -9); restarting it from the latest weights (restart 1)" \
-        in capfd.readouterr().err
+        in caplog.text
 
 
 def _owner(name: str) -> int | None:

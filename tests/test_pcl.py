@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import logging
 import os
 import random
 
@@ -372,7 +373,7 @@ def test_baseline_selectors_generate_what_they_promise(tmp_path, tiny_chat_model
         assert steps[0]["curriculum/prefilter_pool"] == 6
 
 
-def test_resumed_prefilter_run_keeps_its_filtered_prompts_and_position(tmp_path, tiny_chat_model, capsys):
+def test_resumed_prefilter_run_keeps_its_filtered_prompts_and_position(tmp_path, tiny_chat_model, caplog):
     from megatron_rl.controller.loop import train
 
     prefilter = ("curriculum.kind=prefilter", "curriculum.prefilter_pool=6", "checkpoint.every_steps=1",
@@ -380,9 +381,10 @@ def test_resumed_prefilter_run_keeps_its_filtered_prompts_and_position(tmp_path,
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
     train(_config(tiny_chat_model, straight, "steps=3", *prefilter))
     train(_config(tiny_chat_model, interrupted, "steps=1", *prefilter))
-    capsys.readouterr()
-    train(_config(tiny_chat_model, interrupted, "steps=3", *prefilter), resume=True)
-    assert "prefilter: restored" in capsys.readouterr().out  # no second filtering rollout
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_rl"):
+        train(_config(tiny_chat_model, interrupted, "steps=3", *prefilter), resume=True)
+    assert "prefilter: restored" in caplog.text  # no second filtering rollout
     prompts = lambda run: [json.loads(line)["prompts"] for line in open(os.path.join(run, "prompts.jsonl"))]  # noqa: E731
     # The resumed run continues the filtered stream where it was: the same prompts as without the stop.
     assert prompts(interrupted) == prompts(straight)

@@ -445,7 +445,7 @@ def _copy(run_dir, tmp_path):
     ("bad_state_json", r"state.json"),
     ("flip_rollouts", r"rollouts.safetensors does not match its checksum"),
 ])
-def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(checkpointed_run, tmp_path, capfd, damage, message):
+def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(checkpointed_run, tmp_path, caplog, damage, message):
     _, manager, root = _copy(checkpointed_run, tmp_path)
     newest = os.path.join(root, "step_00000002")
     if damage == "truncate_model":
@@ -463,7 +463,7 @@ def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(checkpointed_r
     else:
         open(os.path.join(newest, "state.json"), "w").write('{"step": 2, "vers')
     assert manager.latest().endswith("step_00000001")
-    assert f"checkpoint step_00000002 is unusable" in capfd.readouterr().err
+    assert f"checkpoint step_00000002 is unusable" in caplog.text
     import re
 
     assert re.search(message, manager.validate(newest)), manager.validate(newest)
@@ -523,7 +523,7 @@ def test_checkpoint_with_pickled_objects_is_refused(checkpointed_run, tmp_path):
     assert manager.latest().endswith("step_00000001")
 
 
-def test_checkpoint_without_manifest_is_unusable(checkpointed_run, tmp_path, capfd):
+def test_checkpoint_without_manifest_is_unusable(checkpointed_run, tmp_path, caplog):
     """Delete the manifest and flip a byte inside a weight: the file still parses, so only the manifest
     could tell. The checkpoint is refused (one line on stderr) and the previous one used."""
     _, manager, root = _copy(checkpointed_run, tmp_path)
@@ -535,7 +535,7 @@ def test_checkpoint_without_manifest_is_unusable(checkpointed_run, tmp_path, cap
     open(weights, "wb").write(bytes(data))
     load_file(weights)
     assert manager.latest().endswith("step_00000001")
-    err = capfd.readouterr().err
+    err = caplog.text  # a warning: on stderr under the CLI (observability/logs.py)
     assert "checkpoint step_00000002 is unusable (MANIFEST.json is missing (its files cannot be checked)); " \
            "falling back to the previous one" in err
 

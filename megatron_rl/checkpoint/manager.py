@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pickle
 import random
 import re
 import shutil
-import sys
 import zlib
 from typing import Any
 
@@ -69,6 +69,8 @@ from megatron_rl.models.pretrained import (
 )
 from megatron_rl.ranks import all_ranks_agree, barrier
 from megatron_rl.ranks import rank as global_rank
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -271,7 +273,7 @@ class CheckpointManager:
             if problem is None:
                 return os.path.join(self.root, name)
             problems.append(f"{name}: {problem}")
-            print(f"checkpoint {name} is unusable ({problem}); falling back to the previous one", file=sys.stderr)
+            log.warning(f"checkpoint {name} is unusable ({problem}); falling back to the previous one")
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
         return None

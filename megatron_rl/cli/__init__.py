@@ -10,8 +10,10 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 from megatron_rl.config import ConfigError
+from megatron_rl.observability.logs import configure_logging
 
 # OSErrors about the user's files, directories and disks (a path that is not there, not writable, a
 # directory where a file was expected, a full disk), as opposed to a bug of ours.
@@ -35,6 +37,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "a WaltzRL run's held-out safety before vs after, prompt by prompt, with McNemar p-values"),
 }
 
+# What megatron-core says on import where the optional Transformer Engine / Apex are not installed (our
+# trainer does not use them): half a dozen lines in front of every command's output, a one-line
+# error's included. Only these messages: other warnings still show.
+IMPORT_WARNINGS = (r"Transformer Engine and Apex are not installed",
+                   r"Apex is not installed")
+
+
+def quiet_import_warnings() -> None:
+    for message in IMPORT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `megatron-rl` parser. Only `command`'s module is imported, for its arguments; the others are
@@ -50,6 +63,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_import_warnings()  # before build_parser imports the command's module (and megatron-core)
+    configure_logging()
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -30,6 +31,8 @@ import tempfile
 from megatron_rl.config import load_yaml
 from megatron_rl.controller.loop import train
 from megatron_rl.run_config import RunConfig
+
+log = logging.getLogger(__name__)
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "quickstart.yaml")
 
@@ -93,6 +96,6 @@ def bench_async(options: dict) -> dict:
     if fixed:
         result["async_fixed_split_step_s"] = round(mean(fixed, "perf/step_time"), 2)
         result["ratio_fixed_split"] = round(sync_step / result["async_fixed_split_step_s"], 3)
-    print(f"sync {sync_step:.1f} s/step (generate {result['sync_generate_s']} + train {result['sync_train_s']}), "
-          f"async {async_step:.1f} s/step; alone at 1 core each: generate {gen_alone:.1f} s, train {train_alone:.1f} s")
+    log.info(f"sync {sync_step:.1f} s/step (generate {result['sync_generate_s']} + train {result['sync_train_s']}), "
+             f"async {async_step:.1f} s/step; alone at 1 core each: generate {gen_alone:.1f} s, train {train_alone:.1f} s")
     return result

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import logging
 import math
 import os
 import random
-import sys
 import time
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from megatron_rl import ranks
 from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
@@ -29,12 +27,12 @@ from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.curriculum import load_executors, save_executors
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.controller.recipe import PolicyExecutor, RunParts, build_run_parts
+from megatron_rl.controller.reporter import RunReporter
 from megatron_rl.controller.run_state import RunState, RunSummary
 from megatron_rl.controller.stop import StopRequest
 from megatron_rl.data.sources import PromptStream
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.observability.metrics import Progress, status, write_plots
-from megatron_rl.observability.run_log import RunDirLock, RunLog, prepare_run_dir, write_config
+from megatron_rl.observability.run_log import RunDirLock, prepare_run_dir
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.placement.generator_ranks import (
     current_launch,
@@ -47,6 +45,8 @@ from megatron_rl.placement.generators import engine_context
 
 if TYPE_CHECKING:
     from megatron_rl.run_config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -119,7 +119,7 @@ class Controller:
                 self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
         remote_generators = bool(config.cluster.generator.launch_ranks or config.cluster.generator.urls)
-        self.offload = (rollout.offload_idle and rollout.placement == "colocated" and rollout.max_staleness == 0
+        self.offload = (rollout.offload_idle and rollout.placement == "colocated" and not rollout.is_async
                         and len(self.policies) == 1 and not remote_generators)
         self._host = "cpu"
         self._device = self.policy._device()
@@ -154,8 +154,8 @@ class Controller:
                 p.weights.push(p.version)
                 if pause:
                     if not p.engine.flush_cache():
-                        print(f"weight sync {p.version}: the engine refused to flush its prefix cache; cached "
-                              "prefixes keep keys and values of the previous weights", file=sys.stderr)
+                        log.warning(f"weight sync {p.version}: the engine refused to flush its prefix cache; "
+                                    "cached prefixes keep keys and values of the previous weights")
                     p.engine.resume()
         return time.perf_counter() - start
 
@@ -350,60 +350,46 @@ def train(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> Ru
 
 
 def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> RunSummary:
-    driver = ranks.is_driver()
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
+    report = RunReporter.of_this_rank(config, checkpoints)
     if not resume and not fresh and ranks.broadcast_records(_on_driver(checkpoints.resumable)):
         # A relaunch (a requeued job, a crashed run started again) continues where the run stopped.
         resume = True
-        if driver:
-            status(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
+        report.say(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
     latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
     _on_driver(lambda: prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest,
                                        config=to_dict(config)))
     os.makedirs(config.run_dir, exist_ok=True)
-    if driver:
-        write_config(config)
-    if driver:
-        status(f"loading {config.model.path} and building the run's executors")
+    report.write_config()
+    report.say(f"loading {config.model.path} and building the run's executors")
     tick = time.perf_counter()
     controller = build_controller(config, prepare_selection=latest is None)
-    if driver:
-        status(f"ready in {time.perf_counter() - tick:.1f}s")
+    report.say(f"ready in {time.perf_counter() - tick:.1f}s")
     state, start_step, step_metrics = RunState(), 0, None
     if latest is not None:
         start_step, state, step_metrics = controller.restore(checkpoints, latest)
-        if driver:
-            status(f"resumed from {latest} at step {start_step} (version {controller.version})")
-    elif resume and driver:
-        status(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
-    log = RunLog(config, start_step, resume=resume, step_metrics=step_metrics) if driver else None
-    if driver:
-        log.metrics.progress = Progress(config.steps, start_step)
+        report.say(f"resumed from {latest} at step {start_step} (version {controller.version})")
+    elif resume:
+        report.say(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
+    report.open(start_step, resume=resume, step_metrics=step_metrics)
     evaluation = controller.evaluation
     metrics: dict[str, float] = {}
     stop = StopRequest(config.run_dir)
     stopped_at: int | None = None
     try:
         if evaluation.before_training(start_step):
-            if driver:
-                status(f"evaluating on {len(controller.heldout)} held-out prompts")
+            report.evaluating(len(controller.heldout))
             before = controller.evaluate()
-            if driver:
+            if before:  # the driver's held-out metrics ({} on the other ranks)
                 state.accuracy_before, state.eval_before = before["eval/accuracy"], before
-                log.log(0, before)
-                print(f"held-out accuracy before training: {before['eval/accuracy']:.3f} "
-                      f"({len(controller.heldout)} prompts)")
-        progress = tqdm(range(start_step, config.steps), desc="train", initial=start_step, total=config.steps,
-                        disable=config.logging.console_every > 0 or not driver)
-        for step in progress:
+            report.evaluated_before(before, len(controller.heldout))
+        for step in report.steps(start_step):
             metrics = controller.train_step()
             done = step + 1
             state.record_step(metrics)
-            if driver:
-                log.ledger(done, controller.last_prompt_ids, controller.rollouts.last_skipped)
+            report.trained(done, controller.last_prompt_ids, controller.rollouts)
             if state.nonfinite_in_a_row >= config.trainer.max_nonfinite_steps_in_a_row:
-                if driver:
-                    log.log(done, metrics)
+                report.log(done, metrics)
                 raise TrainingDivergedError(
                     f"step {done}: the loss or gradients were NaN/Inf in {state.nonfinite_in_a_row} steps in a "
                     f"row (trainer.max_nonfinite_steps_in_a_row={config.trainer.max_nonfinite_steps_in_a_row}); "
@@ -414,59 +400,31 @@ def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> R
             stopping = done < config.steps and stop.agreed()
             if checkpoints.due(done, config.steps) or stopping:
                 _checkpoint(controller, checkpoints, done, done if stopping else config.steps, state, metrics,
-                            elapsed=time.perf_counter() - started)
-            if driver:
-                log.log(done, metrics)
+                            report, elapsed=time.perf_counter() - started)
+            report.log(done, metrics)
             if stopping:
                 stopped_at = done
-                if driver:
-                    status(f"stopping at step {done} of {config.steps} ({stop.reason() or 'another rank was asked'}): "
-                           f"checkpoint written; launch the same command again to resume")
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(stop.path)  # the request is served: the relaunch must not stop at once
+                report.stopped(done, stop)
                 break
         run_after = evaluation.after_training and stopped_at is None
-        if run_after and driver:
-            status(f"evaluating on {len(controller.heldout)} held-out prompts")
+        if run_after:
+            report.evaluating(len(controller.heldout))
         after = controller.evaluate() if run_after else {}
-        if run_after and driver:
-            log.log(config.steps, after)
-            print(f"held-out accuracy after training: {after['eval/accuracy']:.3f}"
-                  + (f" (before: {state.accuracy_before:.3f})" if state.accuracy_before is not None else ""))
+        if run_after:
+            report.evaluated_after(after, state.accuracy_before)
     finally:
         stop.close()
-        wandb_dir = log.metrics.wandb_dir if driver else None
-        if driver:
-            log.close()
+        report.close()
         controller.close()
     summary = RunSummary.of_run(state, wall_time_s=state.wall_time_s + time.perf_counter() - started,
                                 steps=stopped_at or config.steps, heldout_size=len(controller.heldout),
                                 final_metrics=metrics, after=after or {"eval/accuracy": None})
-    if driver:
-        plots = write_plots(config.run_dir) if config.logging.plots else []
-        with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(summary), f, indent=2)
-        _say_where_outputs_are(config, checkpoints, plots, wandb_dir)
+    report.finish(summary)
     return summary
 
 
-def _say_where_outputs_are(config: RunConfig, checkpoints: CheckpointManager, plots: list[str],
-                           wandb_dir: str | None) -> None:
-    run_dir = config.run_dir
-    latest = checkpoints.complete_checkpoints()
-    lines = [f"outputs in {run_dir}:",
-             f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')} (and summary.json, prompts.jsonl)",
-             f"  checkpoints  {checkpoints.root}" + (f" (latest: {latest[-1]})" if latest else " (none written)"),
-             f"  timeline     {os.path.join(run_dir, 'timeline_rank0.json')} (ui.perfetto.dev)"]
-    if plots:
-        lines.append(f"  plots        {', '.join(plots)}")
-    if wandb_dir:
-        lines.append(f"  W&B          {wandb_dir}")
-    status("\n".join(lines))
-
-
 def _checkpoint(controller: Controller, checkpoints: CheckpointManager, step: int, last_step: int,
-                state: RunState, metrics: dict[str, float], *, elapsed: float) -> None:
+                state: RunState, metrics: dict[str, float], report: RunReporter, *, elapsed: float) -> None:
     """Write step `step`'s checkpoint. The previous checkpoint stays intact if it fails: a transient
     failure (disk full, flaky mount) does not end a long run, but the run's last checkpoint must exist.
     (Every rank gets the same outcome from the collective save.)"""
@@ -479,11 +437,10 @@ def _checkpoint(controller: Controller, checkpoints: CheckpointManager, step: in
             raise
         state.checkpoint_failures += 1
         metrics["perf/checkpoint_failed"] = 1.0
-        print(f"step {step}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
-              f"checkpoint remains the latest, training continues", file=sys.stderr)
+        log.warning(f"step {step}: checkpoint write failed ({type(exc).__name__}: {exc}); the previous "
+                    f"checkpoint remains the latest, training continues")
     else:
-        if ranks.is_driver():
-            status(f"checkpoint of step {step} written to {checkpoints.root} in {time.perf_counter() - tick:.1f}s")
+        report.checkpoint_written(step, time.perf_counter() - tick)
     metrics["perf/checkpoint_time"] = time.perf_counter() - tick
 
 

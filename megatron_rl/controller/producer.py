@@ -161,7 +161,7 @@ class RolloutProducer:
         collected, so their batches (and the log-probs' last bits) do not depend on thread timing (see
         rollout.engine.caller_driven). Asynchronous runs leave the background threads generating the
         next steps' groups while the trainer trains."""
-        if self.config.max_staleness > 0:
+        if self.config.is_async:
             return contextlib.ExitStack()
         return caller_driven(*self.episodes.engines)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import secrets
@@ -15,6 +16,8 @@ import time
 from typing import Any, Literal
 
 from megatron_rl.config import require
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,7 +71,7 @@ class MetricsLogger:
                                          # redirecting file descriptors the engines' processes share
                                          settings=wandb.Settings(silent=True, console="wrap"))
             except Exception as exc:  # a broken W&B set-up must not stop training; the JSONL has everything
-                print(f"W&B disabled ({type(exc).__name__}: {exc}); metrics still go to {self.path}")
+                log.warning("W&B disabled (%s: %s); metrics still go to %s", type(exc).__name__, exc, self.path)
 
     @property
     def wandb_dir(self) -> str | None:
@@ -85,7 +88,7 @@ class MetricsLogger:
             self.progress.update(step)
         every = self.config.console_every
         if every and step % every == 0:
-            print(console_line(step, metrics, self.progress), flush=True)
+            log.info(console_line(step, metrics, self.progress, stamp=False))
 
     def close(self) -> None:
         self._file.close()
@@ -113,9 +116,9 @@ def wandb_run_id(run_dir: str, resume: bool) -> str:
 
 
 def status(message: str) -> None:
-    """A progress line of the run (loading, evaluating, checkpointing, where outputs are), time-stamped
-    in UTC like the step lines."""
-    print(f"{time.strftime('%H:%M:%S', time.gmtime())} {message}", flush=True)
+    """A progress line of the run (loading, evaluating, checkpointing, where outputs are); the CLI's
+    logging stamps it with the UTC time like the step lines (observability/logs.py)."""
+    log.info(message)
 
 
 class Progress:
@@ -144,14 +147,15 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def console_line(step: int, m: dict[str, float], progress: Progress | None = None) -> str:
-    """One step's line: UTC time, step N/total, ETA, then the headline metrics."""
-    stamp = time.strftime("%H:%M:%S", time.gmtime())
+def console_line(step: int, m: dict[str, float], progress: Progress | None = None, *, stamp: bool = True) -> str:
+    """One step's line: UTC time (unless `stamp=False`, for a logger that stamps it), step N/total, ETA,
+    then the headline metrics."""
+    head = f"{time.strftime('%H:%M:%S', time.gmtime())} step {step}" if stamp else f"step {step}"
     if progress is None:
-        parts = [f"{stamp} step {step}"]
+        parts = [head]
     else:
         eta = progress.eta_s()
-        parts = [f"{stamp} step {step}/{progress.total}" + ("" if eta is None else f" (ETA {_duration(eta)})")]
+        parts = [f"{head}/{progress.total}" + ("" if eta is None else f" (ETA {_duration(eta)})")]
     for key, label, fmt in [("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/accuracy", "acc", "{:.2f}"),
                             ("eval/accuracy", "eval", "{:.2f}"), ("train/pg_loss", "pg", "{:+.4f}"),
                             ("train/logprob_mismatch", "mismatch", "{:.1e}"), ("rollout/staleness_mean", "stale", "{:.1f}"),

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
-import sys
 import time
 from typing import Any
 
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl
+
+log = logging.getLogger(__name__)
 
 # Records cut back to the resumed step: the ledger, the metrics, and the episode records of
 # multi-agent runs (training and evaluation).
@@ -121,8 +123,8 @@ def prepare_run_dir(run_dir: str, *, resume: bool, fresh: bool, checkpoint: str 
     found = previous_results(run_dir)
     if found and checkpoint is None and config is not None and _same_config(run_dir, config):
         if move:
-            print(f"{run_dir}: an earlier attempt of this run stopped before its first checkpoint; starting over",
-                  file=sys.stderr)
+            log.warning("%s: an earlier attempt of this run stopped before its first checkpoint; starting over",
+                        run_dir)
             _move_aside(run_dir)
         return
     if found:
@@ -151,7 +153,7 @@ def _move_aside(run_dir: str) -> None:
     os.makedirs(target)
     for name in entries:
         os.rename(os.path.join(run_dir, name), os.path.join(target, name))
-    print(f"--fresh: moved the previous run's {len(entries)} entries of {run_dir} to {target}", file=sys.stderr)
+    log.warning("--fresh: moved the previous run's %d entries of %s to %s", len(entries), run_dir, target)
 
 
 def write_config(config) -> None:

@@ -5,6 +5,7 @@ then the generator loads the buffer; a final sync runs in checksum mode (every t
 sides)."""
 from __future__ import annotations
 
+import logging
 import statistics
 import tempfile
 import time
@@ -20,6 +21,8 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
 from megatron_rl.trainer.trainer import load_policy
 from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
+
+log = logging.getLogger(__name__)
 
 
 def _bench_worker(rank, world_size, checkpoint, repeats, engine_config):
@@ -77,9 +80,9 @@ def bench_sync(options: dict) -> dict:
         result = run_distributed(_bench_worker, tp, checkpoint, repeats, engine_config)[0]
     sync, memcpy = statistics.median(result["sync"]), statistics.median(result["memcpy"])
     gib = result["bytes"] / 2**30
-    print(f"weight sync TP={tp} -> engine process: {sync:.3f} s (trainer writes {statistics.median(result['write']):.3f} s, "
-          f"engine load {statistics.median(result['commit']):.3f} s) for {gib:.2f} GiB; one memcpy {memcpy:.3f} s; "
-          f"checksum-verified sync {result['verified_sync_s']:.2f} s")
+    log.info(f"weight sync TP={tp} -> engine process: {sync:.3f} s (trainer writes {statistics.median(result['write']):.3f} s, "
+             f"engine load {statistics.median(result['commit']):.3f} s) for {gib:.2f} GiB; one memcpy {memcpy:.3f} s; "
+             f"checksum-verified sync {result['verified_sync_s']:.2f} s")
     return {"ratio": round(sync / memcpy, 3), "sync_s": round(sync, 4), "memcpy_s": round(memcpy, 4),
             "write_s": round(statistics.median(result["write"]), 4),
             "engine_load_s": round(statistics.median(result["commit"]), 4), "gib": round(gib, 3),

@@ -20,11 +20,11 @@ no prompt is lost.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing.process
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -48,6 +48,8 @@ from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.weights import weight_arena_layout
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor, reclaim_stale
+
+log = logging.getLogger(__name__)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:
@@ -383,8 +385,8 @@ class GeneratorProcess(RemoteEngine):
     def _restart(self) -> None:
         """Replace a dead generator and resubmit every unfinished request."""
         self.restarts += 1
-        print(f"generator process {getattr(self, 'pid', '?')} died (exit code {self._process.exitcode}); "
-              f"restarting it from the latest weights (restart {self.restarts})", file=sys.stderr)
+        log.warning(f"generator process {getattr(self, 'pid', '?')} died (exit code {self._process.exitcode}); "
+                    f"restarting it from the latest weights (restart {self.restarts})")
         try:
             self._process.join(timeout=1.0)
         except Exception:

@@ -18,6 +18,7 @@ dtype=fp32 repeats=1.
 """
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import threading
@@ -33,6 +34,8 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.weights import LlamaWeights
+
+log = logging.getLogger(__name__)
 
 PROMPTS = [
     "What is 17 + 25?", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
@@ -189,15 +192,15 @@ def bench_rollout(options: dict) -> dict:
     torch.set_num_threads(threads)
     pretrained = load_pretrained(str(options.get("model", "smollm2-135m")))
     prompts = _prompt_ids(pretrained.tokenizer, batch)
-    print(f"rollout bench: {len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), sampling T=1, "
-          f"max_new_tokens={max_new_tokens}, {threads} threads, dtype={dtype}", flush=True)
+    log.info(f"rollout bench: {len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), sampling T=1, "
+             f"max_new_tokens={max_new_tokens}, {threads} threads, dtype={dtype}")
 
     with _PeakRSS() as ours_rss:
         runs = [_run_native(pretrained, prompts, max_new_tokens, seed + 1000 * r, dtype) for r in range(repeats)]
     ours = max(runs, key=lambda r: r["tokens"] / r["seconds"])
     ours_tps = ours["tokens"] / ours["seconds"]
-    print(f"native engine: {ours['tokens']} tokens in {ours['seconds']:.2f} s = {ours_tps:.1f} tok/s, "
-          f"peak RSS {ours_rss.peak_kb / 1024:.0f} MB", flush=True)
+    log.info(f"native engine: {ours['tokens']} tokens in {ours['seconds']:.2f} s = {ours_tps:.1f} tok/s, "
+             f"peak RSS {ours_rss.peak_kb / 1024:.0f} MB")
     result: dict[str, Any] = {"tokens_per_s": round(ours_tps, 1), "tokens": ours["tokens"],
                               "seconds": round(ours["seconds"], 3), "peak_memory_mb": round(ours_rss.peak_kb / 1024),
                               "batch": batch, "max_new_tokens": max_new_tokens, "threads": threads, "dtype": dtype}
@@ -205,21 +208,21 @@ def bench_rollout(options: dict) -> dict:
     context = round(sum(map(len, prompts)) / len(prompts) + ours["tokens"] / len(prompts) / 2)
     roofline = decode_roofline(pretrained.arch, batch, context, ceilings,
                                weight_bytes_per_param=2 if dtype == "bf16" else 4)
-    print(roofline_line("native engine", ours_tps, roofline, ceilings), flush=True)
+    log.info(roofline_line("native engine", ours_tps, roofline, ceilings))
     result.update(roofline_fields(ours_tps, roofline, ceilings))
     if ours["decode_steps"]:
         # the pure decode steps alone (no prompt chunk in them): the phase the decode roofline describes
         decode_tps = ours["decode_tokens"] / ours["decode_seconds"]
-        print(f"native engine, decode steps only: {ours['decode_tokens']} tokens in {ours['decode_steps']} steps, "
-              f"{ours['decode_seconds']:.2f} s = {decode_tps:.1f} tokens/s = {100 * decode_tps / roofline:.1f}% of the "
-              f"roofline ({ours['seconds'] - ours['decode_seconds']:.2f} s of the run went to prefill steps)", flush=True)
+        log.info(f"native engine, decode steps only: {ours['decode_tokens']} tokens in {ours['decode_steps']} steps, "
+                 f"{ours['decode_seconds']:.2f} s = {decode_tps:.1f} tokens/s = {100 * decode_tps / roofline:.1f}% of the "
+                 f"roofline ({ours['seconds'] - ours['decode_seconds']:.2f} s of the run went to prefill steps)")
         result.update({"decode_tokens_per_s": round(decode_tps, 1), "decode_steps": ours["decode_steps"],
                        "decode_roofline_fraction": round(decode_tps / roofline, 4)})
     gemm_floor = batch / ours["gemm_seconds"]
-    print(f"GEMM floor: the matrix products alone of one {batch}-row decode step take "
-          f"{1000 * ours['gemm_seconds']:.1f} ms with the engine's kernels = {gemm_floor:.1f} tokens/s "
-          f"({100 * gemm_floor / roofline:.1f}% of the roofline); the engine reaches "
-          f"{100 * ours_tps / gemm_floor:.1f}% of it", flush=True)
+    log.info(f"GEMM floor: the matrix products alone of one {batch}-row decode step take "
+             f"{1000 * ours['gemm_seconds']:.1f} ms with the engine's kernels = {gemm_floor:.1f} tokens/s "
+             f"({100 * gemm_floor / roofline:.1f}% of the roofline); the engine reaches "
+             f"{100 * ours_tps / gemm_floor:.1f}% of it")
     result.update({"gemm_floor_tokens_s": round(gemm_floor, 1), "gemm_floor_fraction": round(ours_tps / gemm_floor, 4),
                    "gemm_floor_roofline_fraction": round(gemm_floor / roofline, 4)})
     if options.get("hf", True):
@@ -227,8 +230,8 @@ def bench_rollout(options: dict) -> dict:
             hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r, dtype) for r in range(repeats)]
         hf = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
         hf_tps = hf["tokens"] / hf["seconds"]
-        print(f"HF transformers generate: {hf['tokens']} tokens in {hf['seconds']:.2f} s = {hf_tps:.1f} tok/s, "
-              f"peak RSS {hf_rss.peak_kb / 1024:.0f} MB (process, includes the native phase's model)", flush=True)
+        log.info(f"HF transformers generate: {hf['tokens']} tokens in {hf['seconds']:.2f} s = {hf_tps:.1f} tok/s, "
+                 f"peak RSS {hf_rss.peak_kb / 1024:.0f} MB (process, includes the native phase's model)")
         result.update({"ratio": round(ours_tps / hf_tps, 2), "hf_tokens_per_s": round(hf_tps, 1),
                        "hf_tokens": hf["tokens"], "hf_seconds": round(hf["seconds"], 3),
                        "hf_peak_memory_mb": round(hf_rss.peak_kb / 1024)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from megatron_rl.rollout.bench_generate import PROMPTS
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
+
+log = logging.getLogger(__name__)
 
 _OPTIONS = {"model", "batch", "requests", "max_new_tokens", "threads", "max_seq_len"}
 
@@ -60,8 +63,8 @@ def bench_serve(options: dict[str, Any]) -> dict[str, Any]:
     direct_s = time.perf_counter() - start
     engine.close()
     del engine, pretrained
-    print(f"direct: {count} requests x {new_tokens} tokens in {direct_s:.2f} s "
-          f"({total_tokens / direct_s:.1f} tok/s)", flush=True)
+    log.info(f"direct: {count} requests x {new_tokens} tokens in {direct_s:.2f} s "
+             f"({total_tokens / direct_s:.1f} tok/s)")
 
     # --- the same requests over HTTP -----------------------------------------------------------------
     with socket.socket() as probe:
@@ -99,11 +102,10 @@ def bench_serve(options: dict[str, Any]) -> dict[str, Any]:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    print(f"http:   {count} requests x {new_tokens} tokens in {http_s:.2f} s ({total_tokens / http_s:.1f} tok/s), "
-          f"latency p50 {latencies[len(latencies) // 2]:.2f} s p95 {latencies[int(0.95 * (len(latencies) - 1))]:.2f} s",
-          flush=True)
-    print(f"server memory: idle {idle_rss / 1024:.0f} MB, peak {peak_rss / 1024:.0f} MB; 20 MB body -> "
-          f"{refused} in {refuse_s * 1000:.0f} ms; same tokens as direct: {same}/{count}", flush=True)
+    log.info(f"http:   {count} requests x {new_tokens} tokens in {http_s:.2f} s ({total_tokens / http_s:.1f} tok/s), "
+             f"latency p50 {latencies[len(latencies) // 2]:.2f} s p95 {latencies[int(0.95 * (len(latencies) - 1))]:.2f} s")
+    log.info(f"server memory: idle {idle_rss / 1024:.0f} MB, peak {peak_rss / 1024:.0f} MB; 20 MB body -> "
+             f"{refused} in {refuse_s * 1000:.0f} ms; same tokens as direct: {same}/{count}")
     return {"ratio": round(direct_s / http_s, 4), "http_tok_s": round(total_tokens / http_s, 1),
             "direct_tok_s": round(total_tokens / direct_s, 1), "batch": batch, "requests": count,
             "max_new_tokens": new_tokens, "latency_p50_s": round(latencies[len(latencies) // 2], 3),

@@ -89,6 +89,11 @@ class RolloutConfig:
         require(self.generator_threads >= 1, "generator_threads", "must be >= 1")
         require(self.trainer_threads >= 1, "trainer_threads", "must be >= 1")
 
+    @property
+    def is_async(self) -> bool:
+        """Whether generation may run ahead of training (off-policy), as opposed to taking turns with it."""
+        return self.max_staleness > 0
+
 
 @dataclasses.dataclass(kw_only=True)
 class NativeEngineConfig:

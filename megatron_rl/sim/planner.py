@@ -209,7 +209,7 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
             cuda_graphs=gen.cuda_graphs, hw=hw, assumptions=a)
         sync_s = cost.sync_seconds(arch, engines=num_engines, engine_tp=engine_tp, precision=precision,
                                    trainer_gpus=trainer_gpus, hw=hw, assumptions=a)
-        overlapped = config.rollout.max_staleness >= 1
+        overlapped = config.rollout.is_async
         step = (max(generation.seconds, train_s) if overlapped else generation.seconds + train_s) + sync_s
     else:
         replica_tp = tp * (ep if arch.is_moe else 1)  # an MoE replica's EP ranks split its weights like TP

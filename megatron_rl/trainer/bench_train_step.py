@@ -7,6 +7,7 @@ side reports its median step: load from other processes on a shared machine then
 instead of on whichever ran during it."""
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -24,6 +25,8 @@ from megatron_rl.observability.roofline import (
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 OPTIONS = ("batch", "seq", "steps", "threads", "model")
 
@@ -90,12 +93,12 @@ def bench_trainer(options: dict) -> dict:
 
     tokens_per_step = rows * length
     ours, theirs = tokens_per_step / megatron_step_s, tokens_per_step / hf_step_s
-    print(f"megatron trainer: {megatron_step_s:.2f} s/step = {ours:.0f} tok/s; "
-          f"HF transformers: {hf_step_s:.2f} s/step = {theirs:.0f} tok/s "
-          f"({rows} x {length} tokens, fwd+bwd+Adam, fp32, {threads} threads, median of {steps} alternating steps)")
+    log.info(f"megatron trainer: {megatron_step_s:.2f} s/step = {ours:.0f} tok/s; "
+             f"HF transformers: {hf_step_s:.2f} s/step = {theirs:.0f} tok/s "
+             f"({rows} x {length} tokens, fwd+bwd+Adam, fp32, {threads} threads, median of {steps} alternating steps)")
     ceilings = measure_ceilings(threads=threads)
     roofline = train_roofline(model.arch, tokens_per_step, ceilings, sequence_length=length)
-    print(roofline_line("megatron trainer", ours, roofline, ceilings))
+    log.info(roofline_line("megatron trainer", ours, roofline, ceilings))
     return {"ratio": round(ours / theirs, 3), "tokens_per_s": round(ours, 1), "hf_tokens_per_s": round(theirs, 1),
             "batch": rows, "seq": length, "threads": threads, "steps": steps,
             "megatron_step_s": round(megatron_step_s, 3), "hf_step_s": round(hf_step_s, 3),

@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--block", type=int, default=128)
     args = parser.parse_args(argv)
-    print(write_fp8_checkpoint(args.src, args.out, args.block))
+    # This module's command-line output (a script's stdout, not a log line): the directory written
+    sys.stdout.write(write_fp8_checkpoint(args.src, args.out, args.block) + "\n")
     return 0
 
 

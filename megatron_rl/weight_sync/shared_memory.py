@@ -10,9 +10,9 @@ CUDA IPC or NCCL transports.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
-import sys
 import uuid
 from typing import Iterable, Mapping
 
@@ -24,6 +24,8 @@ from megatron_rl.weight_sync.reshard import (
     ReshardPlan,
     plan_buckets,
 )
+
+log = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 # Every file this module creates is named for its owner's pid, so that a later run can tell the files of
@@ -70,8 +72,8 @@ def reclaim_stale(directory: str | None = None) -> list[str]:
         freed += size
         owners.add(int(match.group(1)))
     if removed:
-        print(f"reclaimed {len(removed)} shared-memory files ({freed / 2**20:.1f} MiB) in {directory} left by "
-              f"dead runs (pids {', '.join(map(str, sorted(owners)))})", file=sys.stderr)
+        log.warning(f"reclaimed {len(removed)} shared-memory files ({freed / 2**20:.1f} MiB) in {directory} left by "
+                    f"dead runs (pids {', '.join(map(str, sorted(owners)))})")
     return removed
 
 

@@ -13,6 +13,8 @@ is an error naming the prompt and its source row, or (on_bad_reference: skip) dr
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from megatron_rl.algorithms.advantages import compute_advantages
@@ -27,6 +29,8 @@ from megatron_rl.controller.objectives import frozen_reference, reference_logpro
 from megatron_rl.data.prompts import DataError, PromptDataset
 from megatron_rl.recipes.jepo.likelihood import cut_at_marker, reference_ids
 from megatron_rl.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 def _where(prompt) -> str:
@@ -84,8 +88,8 @@ class _ReferenceObjective:
                 skipped += 1
         self.skipped[split] = skipped
         if skipped:
-            print(f"{split}: skipped {skipped} of {len(dataset)} prompts without a usable reference "
-                  f"(algorithm.jepo.on_bad_reference: skip)")
+            log.warning(f"{split}: skipped {skipped} of {len(dataset)} prompts without a usable reference "
+                        f"(algorithm.jepo.on_bad_reference: skip)")
         if not kept and split == "train":
             raise DataError(f"training source {dataset.name}: no prompt has a usable reference "
                             f"({skipped} skipped)")
