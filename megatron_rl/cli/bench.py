@@ -1,8 +1,10 @@
 """`megatron-rl bench NAME`: time our code and its baseline in the same run.
 
-Every benchmark prints what it measures as it goes and, as its very last line, one JSON object
-`{"bench": NAME, "ratio": ..., ...}`. A benchmark is a function `run(options: dict) -> dict` named in
-BENCHMARKS; `key=value` options after the name are passed to it (values read as YAML).
+Every benchmark logs what it measures as it goes (INFO lines on stdout, observability/logs.py) and
+returns its result; this command prints that result, as the very last line, as one JSON object
+`{"bench": NAME, "ratio": ..., ...}` (the only stdout writer of a bench: nothing is logged after it). A
+benchmark is a function `run(options: dict) -> dict` named in BENCHMARKS; `key=value` options after the
+name are passed to it (values read as YAML).
 
 `--repeat N` runs the benchmark N times in one process, prints each run's result as it ends, and makes the
 last line the median run's result with `ratio` = the median ratio, `ratio_min`, `ratio_max` and `runs` (every
