@@ -171,7 +171,10 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = _type_hints(cls)
     kwargs = {}
-    for key, value in data.items():
+    # A field marked IMPORTS_FIELD lists modules that register extension parts by name: they are
+    # imported before the other fields are built, whose validation must know those names.
+    importing = {name for name, f in fields.items() if f.metadata.get(IMPORTS_FIELD)}
+    for key, value in sorted(data.items(), key=lambda item: item[0] not in importing):
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
@@ -180,6 +183,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -
             raise ConfigError(f"{source.where(path)}: unknown key '{path}' in {section}{hint} "
                               f"(valid keys: {', '.join(sorted(fields))})")
         kwargs[key] = _convert(value, hints[key], path, source)
+        if key in importing:
+            import_modules(kwargs[key], path, source)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
@@ -327,16 +332,123 @@ def require(condition: bool, field: str, message: str) -> None:
         raise ConfigError(f"field '{field}': {message}", field=field, reason=message)
 
 
+def _import_failure(module_name: str, exc: BaseException) -> str:
+    if isinstance(exc, ImportError):
+        return f"cannot import module {module_name!r}: {exc}"
+    return f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+
+
+def _import_module(module_name: str):
+    """importlib.import_module, with any failure of the user's module (a syntax error, an exception or a
+    SystemExit at import) as a ValueError saying what failed."""
+    try:
+        return importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise ValueError(_import_failure(module_name, exc)) from None
+
+
 def import_object(spec: str, what: str):
     """The object a 'package.module:attr' path names (a user's reward, objective, ...); ValueError naming
-    `what` and the path when the module does not import or lacks the attribute."""
+    `what` and the path when the module does not import or lacks the attribute. The one place a spec
+    is imported: every `Registry` resolves through it."""
     module_name, _, attr = spec.partition(":")
     try:
-        obj = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {exc}") from None
+        obj = _import_module(module_name)
+    except ValueError as exc:
+        raise ValueError(f"{what} {spec!r}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+# Metadata key of a config field listing modules to import before the rest of its section is built.
+IMPORTS_FIELD = "megatron_rl.imports"
+
+
+def import_modules(modules: Sequence[str], path: str = "imports", source: Source | None = None) -> None:
+    """Import each module of a config's `imports:` list (their decorators register extension parts); a
+    ConfigError naming where the list was set and what failed to import."""
+    for module in modules:
+        try:
+            _import_module(module)
+        except ValueError as exc:
+            where = (source or Source()).where(path)
+            raise ConfigError(f"{where}: field '{path}': {exc}") from None
+
+
+class Registry:
+    """The names one extension point answers to (a policy loss, an advantage estimator, a reward, ...).
+
+    Built-ins are 'package.module:attr' specs imported on first `resolve`, so validating a config that
+    names one imports nothing (no torch). A user part is registered under a name with the `register`
+    decorator (in a module the run's `imports:` lists), or named directly as 'package.module:attr'."""
+
+    def __init__(self, what: str, builtins: Mapping[str, str] | None = None):
+        self.what = what
+        self._specs: dict[str, str] = dict(builtins or {})
+        self._objects: dict[str, Any] = {}
+
+    def register(self, name: str):
+        """Decorator: register the decorated object under `name`; a name already taken is refused."""
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"{self.what} name {name!r}: must be a non-empty string without ':'")
+
+        def wrap(obj):
+            if name in self:
+                raise ValueError(f"{self.what} {name!r} is already registered")
+            self._objects[name] = obj
+            return obj
+
+        return wrap
+
+    def unregister(self, name: str) -> None:
+        """Drop a registered (not built-in) name, e.g. after a test."""
+        if name in self._specs:
+            raise ValueError(f"{self.what} {name!r} is built in")
+        self._objects.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(set(self._specs) | set(self._objects))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs or name in self._objects
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def _unknown(self, name: str, also: Sequence[str] = ()) -> str:
+        known = sorted([*also, *self.names()])
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown {self.what} {name!r}{hint}; registered: {known}, or a user {self.what} as 'package.module:name'"
+
+    def _load(self, spec: str):
+        obj = import_object(spec, self.what)
+        if not callable(obj):
+            raise ValueError(f"{self.what} {spec!r}: {spec.partition(':')[2]!r} is not callable")
+        return obj
+
+    def check(self, name: str, field: str, *, also: Sequence[str] = ()) -> None:
+        """`__post_init__` validation of a field naming a part: a registered or built-in name (or one of
+        `also`, names the caller handles itself), or a 'package.module:attr' that imports now, so a typo
+        is named before the run starts. A ConfigError naming `field` otherwise."""
+        if name in also or name in self:
+            return
+        require(":" in name, field, self._unknown(name, also))
+        try:
+            self._load(name)
+        except ValueError as exc:
+            require(False, field, str(exc))
+
+    def resolve(self, name: str):
+        """The object `name` names: registered, built in (imported now, once), or 'package.module:attr'."""
+        if name in self._objects:
+            return self._objects[name]
+        if name in self._specs:
+            obj = self._objects[name] = import_object(self._specs[name], self.what)
+            return obj
+        if ":" not in name:
+            raise ValueError(self._unknown(name))
+        return self._load(name)

@@ -9,8 +9,8 @@ import dataclasses
 
 from megatron_rl.algorithms.config import AdvantageConfig, JepoConfig, LossConfig
 from megatron_rl.checkpoint.config import CheckpointConfig
-from megatron_rl.config import load_yaml, require, split_config_and_overrides
-from megatron_rl.controller.config import OBJECTIVES, CurriculumConfig
+from megatron_rl.config import IMPORTS_FIELD, import_modules, load_yaml, require, split_config_and_overrides
+from megatron_rl.controller.config import BUILTIN_RECIPES, EVAL_METRICS, OBJECTIVES, RECIPES, CurriculumConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.observability.metrics import LoggingConfig
@@ -34,13 +34,13 @@ class AlgorithmConfig:
     objective: str = "policy_gradient"
     """How scored groups become the trainer's batch and loss (controller/objectives.py): policy_gradient
     (rewards -> advantages -> policy loss), jepo (likelihood bound of reference answers, optionally
-    combined with a verifier), sft (NLL of the reference answers), or a user 'module:Class'."""
+    combined with a verifier), sft (NLL of the reference answers), or a user objective: a name registered
+    with `OBJECTIVES.register` or 'package.module:Class' (docs/extending.md)."""
     jepo: JepoConfig = dataclasses.field(default_factory=JepoConfig)
     """JEPO's bound, advantages, answer marker and reference budget (objective jepo / sft)."""
 
     def __post_init__(self) -> None:
-        require(self.objective in OBJECTIVES or ":" in self.objective, "objective",
-                f"unknown objective {self.objective!r}; registered: {sorted(OBJECTIVES)}, or 'module:Class'")
+        OBJECTIVES.check(self.objective, "objective")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,21 +57,29 @@ class EvalConfig:
     """Measure the trained policy's held-out accuracy (reported as accuracy_after)."""
     metrics: list[str] = dataclasses.field(default_factory=lambda: ["accuracy"])
     """Held-out metrics: accuracy (greedy, with the reward) and optionally likelihood (the n-sample
-    bound of the reference answers' log-likelihood, a proxy NLL; needs references)."""
+    bound of the reference answers' log-likelihood, a proxy NLL; needs references), or user metrics
+    (registered with `EVAL_METRICS.register` or 'package.module:function'; docs/extending.md)."""
     likelihood: LikelihoodEvalConfig = dataclasses.field(default_factory=LikelihoodEvalConfig)
     """How the likelihood metric samples chains of thought and scores the references."""
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", "must be >= 0")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        unknown = sorted(set(self.metrics) - {"accuracy", "likelihood"})
-        require(not unknown, "metrics", f"unknown metrics {unknown}; known: accuracy, likelihood")
+        for name in self.metrics:  # accuracy is the evaluation's own greedy pass, not a registered metric
+            EVAL_METRICS.check(name, "metrics", also=("accuracy",))
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Everything one run needs."""
 
+    imports: list[str] = dataclasses.field(default_factory=list, metadata={IMPORTS_FIELD: True})
+    """Modules imported before the rest of the config is validated, on every rank: their decorators
+    register user parts (losses, estimators, rewards, ...) that the sections then name (docs/extending.md)."""
+    recipe: str | None = None
+    """What the run builds (controller/recipe.py): single_policy, waltz, agent, or a user recipe
+    'package.module:function' (config, model) -> RunParts. None: waltz with a `waltz:` section, agent
+    with an `agent:` section, else single_policy."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The initial policy weights."""
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
@@ -117,6 +125,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
         require(self.agent is None or self.waltz is None, "agent", "an agent run cannot also be a waltz run")
+        if self.recipe is not None:
+            RECIPES.check(self.recipe, "recipe")
+            for name, section in (("waltz", self.waltz), ("agent", self.agent)):
+                require(self.recipe != name or section is not None, "recipe",
+                        f"recipe {name} needs a `{name}:` section")
+                require(section is None or self.recipe == name or self.recipe not in BUILTIN_RECIPES, "recipe",
+                        f"recipe {self.recipe} does not use the `{name}:` section (recipe {name} does)")
         advantage = self.algorithm.advantage
         group_relative = advantage.estimator in ("grpo", "rloo") or (
             advantage.estimator == "reinforce_pp" and advantage.group_baseline)
@@ -128,6 +143,14 @@ class RunConfig:
                 f"got {self.rollout.samples_per_prompt}; use reinforce_pp without group_baseline for one sample per prompt")
 
 
-def load_run_config(path: str, overrides: list[str]) -> RunConfig:
-    """A recipe with dotted overrides, as the CLI commands take them (see `split_config_and_overrides`)."""
-    return load_yaml(RunConfig, *split_config_and_overrides(path, overrides))
+    def __setstate__(self, state: dict) -> None:
+        # A config pickled to another process (a spawned rank) may name parts that only its `imports`
+        # register: import them there too before the parts are resolved.
+        import_modules(state.get("imports", ()))
+        self.__dict__.update(state)
+
+
+def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A recipe with dotted overrides, as the CLI commands take them (see `split_config_and_overrides`);
+    the modules its `imports:` lists are imported before any section is validated."""
+    return load_yaml(RunConfig, *split_config_and_overrides(path, list(overrides)))

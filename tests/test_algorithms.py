@@ -323,9 +323,11 @@ def test_normalizer_sums_over_data_parallel_ranks():
 
 def test_config_names_match_the_registries():
     """The torch-free config validates names against lists that must equal the registries themselves."""
-    from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_rl.algorithms.config import ADVANTAGE_ESTIMATOR_NAMES, LOSS_NAMES
-    from megatron_rl.algorithms.losses import LOSSES
+    from megatron_rl.algorithms import advantages, losses
+    from megatron_rl.algorithms.config import ADVANTAGE_ESTIMATORS, LOSSES
 
-    assert set(ADVANTAGE_ESTIMATOR_NAMES) == set(ADVANTAGE_ESTIMATORS)
-    assert LOSS_NAMES == set(LOSSES)
+    assert {name: ADVANTAGE_ESTIMATORS.resolve(name) for name in ADVANTAGE_ESTIMATORS} == {
+        "grpo": advantages.grpo_estimator, "rloo": advantages.rloo_estimator,
+        "reinforce_pp": advantages.reinforce_pp_estimator}
+    assert {name: losses.get_loss(name) for name in LOSSES} == {
+        "pg": losses.pg_loss, "ppo_clip": losses.ppo_clip_loss, "aipo": losses.aipo_loss, "tis": losses.tis_loss}

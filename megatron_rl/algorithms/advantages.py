@@ -6,14 +6,18 @@ The output has the shape of `rewards`. A group of one sample has no baseline to 
 gets advantage 0 from the group-relative estimators (it carries no learning signal).
 
 `token_advantages` broadcasts sequence advantages onto the response tokens of a token-aligned batch.
+
+`compute_advantages` dispatches by `AdvantageConfig.estimator` through algorithms/config.py's
+ADVANTAGE_ESTIMATORS registry; a user estimator is `fn(rewards, group_ids, config) -> advantages` with
+the inputs above, `config` the AdvantageConfig, and returns a tensor of rewards' shape (checked).
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
-from megatron_rl.algorithms.config import AdvantageConfig
+from megatron_rl.algorithms.config import ADVANTAGE_ESTIMATORS, AdvantageConfig
 
 
 def group_index(group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
@@ -117,15 +121,27 @@ def token_advantages(sequence_advantages: torch.Tensor, loss_mask: torch.Tensor)
     return adv[:, None] * (loss_mask != 0).to(adv.dtype)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": lambda r, g, c: grpo_advantages(r, g, scale_by_std=c.scale_by_std, eps=c.eps),
-    "rloo": lambda r, g, c: rloo_advantages(r, g),
-    "reinforce_pp": lambda r, g, c: reinforce_pp_advantages(r, g, group_baseline=c.group_baseline, eps=c.eps),
-}
+# The estimators as algorithms/config.py's ADVANTAGE_ESTIMATORS calls them: (rewards, group_ids, config).
+
+def grpo_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig) -> torch.Tensor:
+    return grpo_advantages(rewards, group_ids, scale_by_std=config.scale_by_std, eps=config.eps)
+
+
+def rloo_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig) -> torch.Tensor:
+    return rloo_advantages(rewards, group_ids)
+
+
+def reinforce_pp_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig) -> torch.Tensor:
+    return reinforce_pp_advantages(rewards, group_ids, group_baseline=config.group_baseline, eps=config.eps)
 
 
 def compute_advantages(rewards: torch.Tensor, group_ids=None,
                        config: AdvantageConfig | None = None) -> torch.Tensor:
     """Sequence advantages with the estimator `config` names (default GRPO); same shape as `rewards`."""
     config = config or AdvantageConfig()
-    return ADVANTAGE_ESTIMATORS[config.estimator](rewards, group_ids, config)
+    advantages = ADVANTAGE_ESTIMATORS.resolve(config.estimator)(rewards, group_ids, config)
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantage estimator {config.estimator!r} returned {got}, "
+                         f"not a tensor of the rewards' shape {tuple(rewards.shape)}")
+    return advantages

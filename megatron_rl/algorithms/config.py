@@ -5,12 +5,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config import require
+from megatron_rl.config import Registry, require
 
-# The names the registries of advantages.py and losses.py answer to, known without importing torch:
-# `register_loss` adds a user loss's name here too.
-ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "rloo", "reinforce_pp")
-LOSS_NAMES: set[str] = {"pg", "ppo_clip", "aipo", "tis"}
+# The registries of advantages.py and losses.py, here so that a config names their parts without
+# importing torch; the built-ins are imported on first use (docs/extending.md).
+
+# fn(rewards [N] or [P, G], group_ids, config: AdvantageConfig) -> advantages, rewards' shape.
+ADVANTAGE_ESTIMATORS = Registry("estimator", {
+    "grpo": "megatron_rl.algorithms.advantages:grpo_estimator",
+    "rloo": "megatron_rl.algorithms.advantages:rloo_estimator",
+    "reinforce_pp": "megatron_rl.algorithms.advantages:reinforce_pp_estimator",
+})
+# The `PolicyLoss` signature of losses.py; `losses.register_loss` is LOSSES.register.
+LOSSES = Registry("loss", {
+    "pg": "megatron_rl.algorithms.losses:pg_loss",
+    "ppo_clip": "megatron_rl.algorithms.losses:ppo_clip_loss",
+    "aipo": "megatron_rl.algorithms.losses:aipo_loss",
+    "tis": "megatron_rl.algorithms.losses:tis_loss",
+})
 
 
 # Bounds past which a value is a typo rather than a setting: an importance ratio (clip range, cap) of
@@ -23,9 +35,10 @@ MAX_COEF = 1000.0
 class AdvantageConfig:
     """How sequence rewards become advantages."""
 
-    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    estimator: str = "grpo"
     """grpo: (r - group mean) / group std; rloo: r - mean of the other samples of the group;
-    reinforce_pp: batch-normalised (r - batch mean) / batch std."""
+    reinforce_pp: batch-normalised (r - batch mean) / batch std; or a user estimator registered with
+    `ADVANTAGE_ESTIMATORS.register` or 'package.module:function' (docs/extending.md)."""
     scale_by_std: bool = True
     """grpo only: divide by the group std. False gives r - group mean (Dr.GRPO, AIPO, PCL)."""
     group_baseline: bool = False
@@ -34,8 +47,7 @@ class AdvantageConfig:
     """Added to the std in the denominators."""
 
     def __post_init__(self) -> None:
-        require(self.estimator in ADVANTAGE_ESTIMATOR_NAMES, "estimator",
-                f"unknown estimator {self.estimator!r}; known: {sorted(ADVANTAGE_ESTIMATOR_NAMES)}")
+        ADVANTAGE_ESTIMATORS.check(self.estimator, "estimator")
         require(0 <= self.eps <= 1, "eps", f"must be in [0, 1], got {self.eps!r}")
 
 
@@ -44,7 +56,8 @@ class LossConfig:
     """The policy loss: which surrogate, its clipping, the KL / entropy terms and the normalisation."""
 
     name: str = "aipo"
-    """Registered loss: pg (on-policy REINFORCE), ppo_clip, aipo (LlamaRL), tis (truncated IS)."""
+    """Registered loss: pg (on-policy REINFORCE), ppo_clip, aipo (LlamaRL), tis (truncated IS), or a user
+    loss registered with `register_loss` or 'package.module:function' (docs/extending.md)."""
     aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
     """How per-token terms are summed and normalised over the global batch (see module docstring)."""
     max_response_tokens: int = 0
@@ -73,7 +86,7 @@ class LossConfig:
     """Clamp of log pi - log mu before exp, for numerical safety."""
 
     def __post_init__(self) -> None:
-        require(self.name in LOSS_NAMES, "name", f"unknown loss {self.name!r}; registered: {sorted(LOSS_NAMES)}")
+        LOSSES.check(self.name, "name")
         require(self.aggregation != "seq_sum_norm" or self.max_response_tokens > 0, "max_response_tokens",
                 "must be > 0 with aggregation seq_sum_norm")
         require(self.max_response_tokens >= 0, "max_response_tokens", "must be >= 0")

@@ -1,6 +1,6 @@
 """Policy-gradient losses: pure functions of token-aligned log-probs, one signature, chosen by name.
 
-Every loss in `LOSSES` has the signature
+Every loss in `LOSSES` (algorithms/config.py's registry) has the signature
 
     loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
          reference_logprobs=None, entropy=None, proximal_logprobs=None) -> (loss, metrics)
@@ -38,7 +38,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms.config import LOSS_NAMES, LossConfig
+from megatron_rl.algorithms.config import LOSSES, LossConfig
 
 
 class PolicyLoss(Protocol):
@@ -193,29 +193,17 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, config: LossConfi
 
 # --- the losses ---------------------------------------------------------------------------------------
 
-LOSSES: dict[str, PolicyLoss] = {}
-
-
 def register_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: register a policy loss under `name` (selectable as `LossConfig.name`)."""
-
-    def wrap(fn: PolicyLoss) -> PolicyLoss:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
-        LOSS_NAMES.add(name)
-        return fn
-
-    return wrap
+    """Decorator: register a policy loss under `name` (selectable as `LossConfig.name`; a name taken
+    is refused). The built-ins below are listed in `LOSSES` by path, so configs name them without torch."""
+    return LOSSES.register(name)
 
 
 def get_loss(name: str) -> PolicyLoss:
-    if name not in LOSSES:
-        raise KeyError(f"unknown loss {name!r}; registered: {sorted(LOSSES)}")
-    return LOSSES[name]
+    """A registered loss, a built-in, or a user loss 'package.module:function'."""
+    return LOSSES.resolve(name)
 
 
-@register_loss("pg")
 def pg_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
             reference_logprobs=None, entropy=None, proximal_logprobs=None):
     """Vanilla on-policy policy gradient (REINFORCE, Williams 1992): l_t = -A_t log pi(y_t).
@@ -227,7 +215,6 @@ def pg_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, 
     return _finish(-adv * logp, {}, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
 
 
-@register_loss("ppo_clip")
 def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
                   reference_logprobs=None, entropy=None, proximal_logprobs=None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), old policy = behaviour policy mu:
@@ -244,7 +231,6 @@ def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normal
     return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
 
 
-@register_loss("aipo")
 def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
               reference_logprobs=None, entropy=None, proximal_logprobs=None):
     """AIPO, LlamaRL's asynchronous importance-weighted policy optimisation (Wu et al. 2025,
@@ -264,7 +250,6 @@ def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer
     return _finish(-weight * adv * logp, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
 
 
-@register_loss("tis")
 def tis_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
              reference_logprobs=None, entropy=None, proximal_logprobs=None):
     """Truncated importance sampling for the rollout/training mismatch (Yao, Liu et al. 2025, "Your

@@ -6,15 +6,15 @@ from __future__ import annotations
 import shlex
 import sys
 
-from megatron_rl.config import ConfigError, load_yaml
-from megatron_rl.run_config import RunConfig
+from megatron_rl.config import ConfigError
+from megatron_rl.run_config import load_run_config
 from megatron_rl.sim.planner import make_plan
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = load_yaml(RunConfig, argv[0], argv[1:])
+        config = load_run_config(argv[0], argv[1:])
         plan = make_plan(config)
     except ConfigError as exc:
         print(f"echo {shlex.quote(f'launch_env: {exc}')} >&2; exit 2")

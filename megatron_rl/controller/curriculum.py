@@ -30,17 +30,19 @@ value model and optimizer state it had.
 """
 from __future__ import annotations
 
-import importlib
+import logging
 import os
 import time
 from typing import Any
 
 from megatron_rl.algorithms.pcl import has_mixed_rewards
 from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
-from megatron_rl.controller.config import CurriculumConfig
+from megatron_rl.controller.config import SELECTORS, CurriculumConfig
 from megatron_rl.controller.episodes import Group
 from megatron_rl.data.prompts import Prompt, PromptDataset
 from megatron_rl.data.sources import PromptStream
+
+log = logging.getLogger(__name__)
 
 
 def scored_rewards(group: Group) -> list[float]:
@@ -91,7 +93,7 @@ class Prefilter(PromptSelector):
         if self._restored is not None:  # a resumed run: the filtered subset and its cursor, no new rollouts
             self._keep(producer.stream.dataset, [int(i) for i in self._restored["kept_indices"]])
             self.stream.load_state_dict(self._restored["stream"])
-            print(f"prefilter: restored {len(self.kept_indices)} prompts from the checkpoint")
+            log.info(f"prefilter: restored {len(self.kept_indices)} prompts from the checkpoint")
             return {}
         start = time.perf_counter()
         pool = producer.stream.next_indexed(self.config.prefilter_pool)
@@ -101,7 +103,7 @@ class Prefilter(PromptSelector):
             raise RuntimeError(f"curriculum.kind=prefilter: none of the {len(pool)} pool prompts had mixed rewards "
                                "under the initial policy; raise curriculum.prefilter_pool")
         self._keep(producer.stream.dataset, kept)
-        print(f"prefilter: kept {len(kept)} of {len(pool)} prompts ({time.perf_counter() - start:.1f} s)")
+        log.info(f"prefilter: kept {len(kept)} of {len(pool)} prompts ({time.perf_counter() - start:.1f} s)")
         return {"curriculum/prefilter_kept": float(len(kept)), "curriculum/prefilter_pool": float(len(pool)),
                 "curriculum/prefilter_time": time.perf_counter() - start}
 
@@ -173,10 +175,6 @@ def load_executors(selector: PromptSelector, run_dir: str, config, checkpoint: s
         manager.load(path, trainer)
 
 
-# Curricula that bring their own executors live with their recipe; named here, imported when chosen.
-SELECTORS: dict[str, str] = {"pcl": "megatron_rl.recipes.pcl.selector:build_pcl_selector"}
-
-
 def build_selector(config: CurriculumConfig, *, data_config, tokenizer, policy_arch=None, policy_state=None,
                    pg_collection=None) -> PromptSelector:
     if config.kind == "none":
@@ -185,6 +183,6 @@ def build_selector(config: CurriculumConfig, *, data_config, tokenizer, policy_a
         return Prefilter(config, data_config)
     if config.kind == "dynamic_sampling":
         return DynamicSampling(config)
-    module, _, name = SELECTORS[config.kind].partition(":")
-    return getattr(importlib.import_module(module), name)(config, tokenizer=tokenizer, policy_arch=policy_arch,
-                                                         policy_state=policy_state, pg_collection=pg_collection)
+    # Curricula that bring their own executors (PCL's value model, a user's) live with their recipe.
+    return SELECTORS.resolve(config.kind)(config, tokenizer=tokenizer, policy_arch=policy_arch,
+                                          policy_state=policy_state, pg_collection=pg_collection)

@@ -7,21 +7,21 @@ score on the trainer ranks (JEPO's likelihood); the driver's result is the one l
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Sequence
 
 from tqdm import tqdm
 
+from megatron_rl.controller.config import EVAL_METRICS
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.rewards.registry import Reward
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.types import Completion
 
-# Held-out metrics beside accuracy (`eval.metrics`), name -> "module:function(engine, policy, tokenizer,
-# prompts, config) -> dict": each lives with its recipe and is imported when a run asks for it. On the
-# trainer ranks other than the driver it is called with engine None and no prompts (it joins collectives).
-EVAL_METRICS: dict[str, str] = {"likelihood": "megatron_rl.recipes.jepo.likelihood:likelihood_metric"}
+# Held-out metrics beside accuracy (`eval.metrics`, controller/config.py's EVAL_METRICS):
+# fn(engine, policy, tokenizer, prompts, config) -> dict; each lives with its recipe and is imported when
+# a run asks for it. On the trainer ranks other than the driver it is called with engine None and no
+# prompts (it joins collectives).
 
 
 class HeldoutEvaluation:
@@ -55,9 +55,8 @@ def heldout_metrics(run_config, *, engine, policy, tokenizer: ChatTokenizer, pro
     metric `eval.metrics` names (EVAL_METRICS), on every rank."""
     extra = []
     for name in run_config.eval.metrics:
-        if name in EVAL_METRICS:
-            module, _, function = EVAL_METRICS[name].partition(":")
-            extra.append(getattr(importlib.import_module(module), function))
+        if name != "accuracy":  # the greedy pass below
+            extra.append(EVAL_METRICS.resolve(name))
 
     def measure(step: int) -> dict[str, float]:
         if not driver:

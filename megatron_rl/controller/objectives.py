@@ -5,14 +5,13 @@ The loop is the same for every algorithm (controller/loop.py); an objective deci
     batch_and_loss = objective.prepare_step(groups, trainer_version)   # (StepBatch, loss_fn)
     train, heldout = objective.prepare_data(train, heldout)            # e.g. drop unusable prompts
 
-`AlgorithmConfig.objective` names one: a registered name below or 'package.module:Class' for a user
-objective. Each is constructed as `Class(config: RunConfig, tokenizer, model, policy=None)` (model: the
+`AlgorithmConfig.objective` names one: a name of controller/config.py's OBJECTIVES registry (built in, or
+registered by a module of the run's `imports:`) or 'package.module:Class' for a user objective. Each is constructed as `Class(config: RunConfig, tokenizer, model, policy=None)` (model: the
 loaded pretrained model, for objectives that need its architecture or a frozen reference copy; policy:
 the trainer, whose process groups such a copy shares).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Protocol
 
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
@@ -28,14 +27,7 @@ class Objective(Protocol):
 
 
 def resolve_objective(name: str) -> type:
-    spec = OBJECTIVES.get(name, name)
-    if ":" not in spec:
-        raise ValueError(f"unknown objective {name!r}: registered {sorted(OBJECTIVES)}, or 'module:Class'")
-    module, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"objective {name!r}: cannot load {spec}: {exc}") from None
+    return OBJECTIVES.resolve(name)
 
 
 def make_objective(config, tokenizer, model, policy=None) -> Objective:

@@ -13,10 +13,10 @@ REINFORCE++ with AIPO, PPO or TIS, JEPO and SFT (`algorithm.objective`), under a
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable
 
 from megatron_rl import ranks
+from megatron_rl.controller.config import RECIPES
 from megatron_rl.controller.curriculum import PromptSelector, build_selector
 from megatron_rl.controller.episodes import EpisodeProducer, SingleTurnSampling
 from megatron_rl.controller.evaluate import HeldoutEvaluation, heldout_metrics
@@ -94,7 +94,8 @@ def build_policy(config, model, *, single_policy: bool = True) -> tuple[PolicyEx
     cores = getattr(engine, "trainer_cores", None)
     if cores is not None:
         trainer.between_layers = cores.apply
-    value_from_policy = config.curriculum.kind == "pcl"  # PCL's value model starts from the policy's weights
+    # PCL's value model starts from the policy's weights; so may a user curriculum's executors.
+    value_from_policy = config.curriculum.kind not in ("none", "prefilter", "dynamic_sampling")
     selector = build_selector(config.curriculum, data_config=config.data, tokenizer=model.tokenizer,
                               policy_arch=model.arch, policy_state=model.state if value_from_policy else None,
                               pg_collection=trainer.pg) if driver else None
@@ -119,22 +120,16 @@ def build_single_policy(config, model) -> RunParts:
                     HeldoutEvaluation(config.eval, measure))
 
 
-# name -> "module:function(config, model) -> RunParts"; a recipe is imported when a run asks for it.
-RECIPES: dict[str, str] = {
-    "single_policy": "megatron_rl.controller.recipe:build_single_policy",
-    "waltz": "megatron_rl.recipes.waltz.recipe:build_waltz",
-    "agent": "megatron_rl.recipes.agent.recipe:build_agent",
-}
-
-
 def recipe_name(config) -> str:
-    """The recipe a config asks for: WaltzRL when it has a `waltz:` section, the multi-turn agent recipe
+    """The recipe a config asks for: its `recipe` (a name of controller/config.py's RECIPES or
+    'package.module:function'), else WaltzRL when it has a `waltz:` section, the multi-turn agent recipe
     when it has an `agent:` section, else one policy."""
+    if config.recipe is not None:
+        return config.recipe
     if config.waltz is not None:
         return "waltz"
     return "agent" if config.agent is not None else "single_policy"
 
 
 def build_run_parts(config, model) -> RunParts:
-    module, _, function = RECIPES[recipe_name(config)].partition(":")
-    return getattr(importlib.import_module(module), function)(config, model)
+    return RECIPES.resolve(recipe_name(config))(config, model)

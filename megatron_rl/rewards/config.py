@@ -4,11 +4,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_rl.config import import_object, require
+from megatron_rl.config import Registry
 from megatron_rl.rewards.extract import ExtractMode
 
-# The registered rewards' names (rewards/registry.py); `register_reward` adds a user reward's name here.
-REWARD_NAMES: set[str] = {"reasoning_gym", "math", "exact_match", "soft_match"}
+# The rewards registry (rewards/registry.py's signature), here so that a config names a reward without
+# importing its dependencies; `registry.register_reward` is REWARDS.register (docs/extending.md).
+REWARDS = Registry("reward", {
+    "reasoning_gym": "megatron_rl.rewards.registry:reasoning_gym_reward",
+    "math": "megatron_rl.rewards.registry:math_reward",
+    "exact_match": "megatron_rl.rewards.registry:exact_match_reward",
+    "soft_match": "megatron_rl.rewards.registry:soft_match_reward",
+})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -16,7 +22,8 @@ class RewardConfig:
     """Which reward function scores the responses."""
 
     name: str = "reasoning_gym"
-    """A registered reward (reasoning_gym, math, exact_match) or a user function 'module:function'."""
+    """A registered reward (reasoning_gym, math, exact_match, soft_match, or one a module of `imports:`
+    registers with `register_reward`) or a user function 'package.module:function'."""
     extract: ExtractMode = "auto"
     """How the final answer is found in the response (auto: answer tag, boxed, last number when the
     reference is a number, else last line); passed to functions that take an `extract` argument."""
@@ -26,12 +33,4 @@ class RewardConfig:
     """Extra keyword arguments for the reward function."""
 
     def __post_init__(self) -> None:
-        if ":" not in self.name:
-            require(self.name in REWARD_NAMES, "name", f"unknown reward {self.name!r}: registered "
-                    f"{sorted(REWARD_NAMES)}, or give a user function as 'module:function'")
-            return
-        try:  # a user function: importing its module now names a typo before the run starts
-            fn = import_object(self.name, "reward")
-        except ValueError as exc:
-            require(False, "name", str(exc))
-        require(callable(fn), "name", f"reward {self.name!r}: {self.name.partition(':')[2]!r} is not callable")
+        REWARDS.check(self.name, "name")

@@ -24,8 +24,7 @@ import math
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from megatron_rl.config import import_object
-from megatron_rl.rewards.config import REWARD_NAMES, RewardConfig
+from megatron_rl.rewards.config import REWARDS, RewardConfig
 from megatron_rl.data.reasoning_gym_tasks import score_answer
 from megatron_rl.rewards.extract import (
     ExtractMode,
@@ -60,33 +59,17 @@ class RewardResult:
 
 
 RewardFn = Callable[..., "float | RewardResult"]
-REWARDS: dict[str, RewardFn] = {}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register a reward function under `name` (selectable as `RewardConfig.name`)."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        REWARD_NAMES.add(name)
-        return fn
-
-    return wrap
+    """Decorator: register a reward function under `name` (selectable as `RewardConfig.name`; a name
+    taken is refused). The built-ins below are listed in `REWARDS` by path."""
+    return REWARDS.register(name)
 
 
 def resolve_reward(name: str) -> RewardFn:
     """A registered reward by name, or a callable by import path `package.module:function`."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}: registered {sorted(REWARDS)}, "
-                         f"or give a user function as 'module:function'")
-    fn = import_object(name, "reward")
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: {name.partition(':')[2]!r} is not callable")
-    return fn
+    return REWARDS.resolve(name)
 
 
 def _describe_sample(prompt: Any, response: str) -> str:
@@ -142,7 +125,6 @@ class Reward:
 
 # --- built-in rewards -------------------------------------------------------------------------------------
 
-@register_reward("reasoning_gym")
 def reasoning_gym_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
     """reasoning-gym's own `score_answer(extracted answer, entry)` for the prompt's task."""
     meta = (getattr(prompt, "metadata", None) or {}).get("reasoning_gym")
@@ -155,7 +137,6 @@ def reasoning_gym_reward(response: str, prompt: Any, *, extract: ExtractMode = "
     return RewardResult(reward=score, extracted=answer)
 
 
-@register_reward("math")
 def math_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
     """1.0 when the extracted final answer is equivalent to `prompt.answer` (math-verify), else 0.0.
 
@@ -180,7 +161,6 @@ def math_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") ->
     return RewardResult(reward=1.0 if ok else 0.0, correct=ok, extracted=answer)
 
 
-@register_reward("exact_match")
 def exact_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto") -> RewardResult:
     """1.0 when the extracted answer equals `prompt.answer` up to case, surrounding space and a final period."""
     gold = getattr(prompt, "answer", None)
@@ -195,7 +175,6 @@ def exact_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "au
     return RewardResult(reward=1.0 if ok else 0.0, correct=ok, extracted=answer)
 
 
-@register_reward("soft_match")
 def soft_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "auto", judge: str | None = None,
                       **judge_kwargs: Any) -> RewardResult:
     """JEPO's soft match (arXiv 2503.19618): the math verifier against the prompt's short answer when it

@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config import require
+from megatron_rl.config import Registry, require
 
 TOOLS = ("calculator", "python")
+
+# `agent.environment`: fn(agent config, tokenizer) -> a factory of fresh `Environment`s.
+ENVIRONMENTS = Registry("agent environment", {"tools": "megatron_rl.recipes.agent.recipe:tool_environment_factory"})
+# `agent.openai_agent`: fn(agent config, tokenizer) -> agent(client, model, prompt); none built in.
+OPENAI_AGENTS = Registry("OpenAI agent")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,10 +60,12 @@ class AgentConfig:
     task: CalculatorTaskConfig = dataclasses.field(default_factory=CalculatorTaskConfig)
     """The problems and their grading (replaces the `data` section)."""
     environment: str = "tools"
-    """tools: the task with the tools below (ToolEnvironment); or 'module:function', called with (this
-    config, the tokenizer), returning a factory of fresh `Environment`s (a custom environment)."""
+    """tools: the task with the tools below (ToolEnvironment); or a custom environment: a name registered
+    with `ENVIRONMENTS.register` or 'package.module:function', called with (this config, the tokenizer),
+    returning a factory of fresh `Environment`s (docs/extending.md)."""
     openai_agent: str = ""
-    """'module:function': train an agent written against the OpenAI API instead of running `environment`
+    """'package.module:function' (or a name registered with `OPENAI_AGENTS.register`): train an agent
+    written against the OpenAI API instead of running `environment`
     here. The function is called with (this config, the tokenizer) and returns agent(client, model,
     prompt) -> its reward, or its final answer (graded by the task); the recipe serves the policy's engine
     on a loopback port and the agent's official `openai` client reaches it token-exact (openai_agent.py).
@@ -86,10 +93,9 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
-        require(self.environment == "tools" or ":" in self.environment, "environment",
-                f"must be 'tools' or 'module:function', got {self.environment!r}")
-        require(not self.openai_agent or ":" in self.openai_agent, "openai_agent",
-                f"must be 'module:function', got {self.openai_agent!r}")
+        ENVIRONMENTS.check(self.environment, "environment")
+        if self.openai_agent:
+            OPENAI_AGENTS.check(self.openai_agent, "openai_agent")
         require(self.openai_concurrency >= 1, "openai_concurrency", "must be >= 1")
         for name in self.tools:
             require(name in TOOLS, "tools", f"unknown tool {name!r}; known: {', '.join(TOOLS)}")

@@ -2,13 +2,12 @@
 calculator task (tasks.py), with held-out accuracy and tool-call metrics."""
 from __future__ import annotations
 
-import importlib
 import os
 
 from megatron_rl import ranks
 from megatron_rl.controller.evaluate import HeldoutEvaluation
 from megatron_rl.controller.recipe import RunParts, build_policy
-from megatron_rl.recipes.agent.config import AgentConfig
+from megatron_rl.recipes.agent.config import ENVIRONMENTS, OPENAI_AGENTS, AgentConfig
 from megatron_rl.recipes.agent.environment import ToolEnvironment
 from megatron_rl.recipes.agent.episodes import (
     AgentEpisodes,
@@ -35,9 +34,11 @@ TOOL_CLASSES = {"calculator": Calculator, "python": PythonTool}
 def environment_factory(agent: AgentConfig, tokenizer):
     """() -> a fresh environment for one episode: the configured task and tools, or the custom
     environment `agent.environment` names."""
-    if agent.environment != "tools":
-        module, _, function = agent.environment.partition(":")
-        return getattr(importlib.import_module(module), function)(agent, tokenizer)
+    return ENVIRONMENTS.resolve(agent.environment)(agent, tokenizer)
+
+
+def tool_environment_factory(agent: AgentConfig, tokenizer):
+    """`agent.environment: tools`: the configured task with the configured tools."""
     tools = [TOOL_CLASSES[name]() for name in agent.tools]
     template = tokenizer.chat_template
     if agent.tool_call_format == "auto":
@@ -77,7 +78,7 @@ def build_agent(config, model) -> RunParts:
                                  sampling=SamplingParams.for_rollouts(config.rollout, None),
                                  samples_per_prompt=config.rollout.samples_per_prompt, record_path=record,
                                  max_seq_len=context,
-                                 environment_threads=agent.environment_threads if config.rollout.max_staleness else 0)
+                                 environment_threads=agent.environment_threads if config.rollout.is_async else 0)
     else:  # trainer ranks receive scored groups from the driver
         train, heldout = [], []
 
@@ -102,8 +103,7 @@ def _openai_agent_parts(config, model, policy, selector, train, heldout) -> RunP
     agent: AgentConfig = config.agent
     episodes = None
     if ranks.is_driver():
-        module, _, function = agent.openai_agent.partition(":")
-        make_agent = getattr(importlib.import_module(module), function)
+        make_agent = OPENAI_AGENTS.resolve(agent.openai_agent)
         rollout = config.rollout
         record = os.path.join(config.run_dir, "agent_episodes.jsonl") if agent.record_episodes else None
         episodes = OpenAIAgentEpisodes(policy.engine, model.tokenizer, make_agent(agent, model.tokenizer),

@@ -22,6 +22,7 @@ Options: rounds (4), warmup (1), reference_layers (none), and any dotted config 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import statistics
 import tempfile
@@ -32,11 +33,12 @@ from megatron_rl.algorithms.pcl import (
     select_closest_to_target,
     value_targets,
 )
-from megatron_rl.config import load_yaml
 from megatron_rl.controller.loop import build_controller
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.recipes.pcl.selector import build_value_model
-from megatron_rl.run_config import RunConfig
+from megatron_rl.run_config import load_run_config
+
+log = logging.getLogger(__name__)
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs", "pcl_arith.yaml")
 
@@ -47,8 +49,8 @@ def bench_pcl(options: dict) -> dict:
     reference_layers = [int(n) for n in str(options.get("reference_layers", "")).split(",") if n.strip()]
     overrides = [f"{k}={v}" for k, v in options.items() if "." in k]
     with tempfile.TemporaryDirectory() as root:
-        config = load_yaml(RunConfig, RECIPE, [f"run_dir={root}", "curriculum.kind=pcl", "logging.wandb=disabled",
-                                               *overrides])
+        config = load_run_config(RECIPE, [f"run_dir={root}", "curriculum.kind=pcl", "logging.wandb=disabled",
+                                         *overrides])
         controller = build_controller(config)
         try:
             selector, tokenizer = controller.selector, controller.tokenizer
@@ -91,11 +93,11 @@ def bench_pcl(options: dict) -> dict:
                     row[f"{name}_mixed"] = len(set(picks[name]) & set(mixed)) / len(picks[name])
                 row["mixed_fraction_pcl_selected"] = row["value_mixed"]
                 rows.append(row)
-                print(f"round {round_index}: PCL {times['value']:.2f} s, dynamic sampling {dynamic_time:.2f} s "
-                      f"({len(candidates)} candidates x {config.rollout.samples_per_prompt}); mixed: "
-                      f"{row['mixed_fraction_candidates']:.2f} of candidates, "
-                      + ", ".join(f"{row[name + '_mixed']:.2f} of {name}'s picks ({times[name]:.2f} s)"
-                                  for name in models), flush=True)
+                log.info(f"round {round_index}: PCL {times['value']:.2f} s, dynamic sampling {dynamic_time:.2f} s "
+                         f"({len(candidates)} candidates x {config.rollout.samples_per_prompt}); mixed: "
+                         f"{row['mixed_fraction_candidates']:.2f} of candidates, "
+                         + ", ".join(f"{row[name + '_mixed']:.2f} of {name}'s picks ({times[name]:.2f} s)"
+                                     for name in models))
                 for model in models.values():
                     model.update([tokenizer.encode_chat(p.messages) for p in candidates], pass_rates,
                                  pad_token_id=tokenizer.pad_token_id)
