@@ -4,8 +4,9 @@ seeded sampling and in-place weight updates, on CPU or one GPU.
 
 - engine.py: `NativeEngine` (implements rollout.engine.RolloutEngine): public API, driver threads,
   weight updates and memory release.
-- scheduler.py: the step scheduler mixed into it (admission, chunked prefill, prefix sharing, decode),
-  the per-slot KV cache, and the in-flight sample `_Seq`.
+- scheduler.py: the step scheduler mixed into it (admission, chunked prefill, prefix sharing, decode)
+  and the in-flight sample `_Seq`.
+- kv_cache.py: `KVCache`, the per-slot KV cache (allocation, written lengths, freeing).
 - model.py: `LlamaModel`, the forward pass over the KV cache.
 - weights.py: `weight_arena_layout` and `LlamaWeights`, the flat weight arena and its GEMM packing.
 - sampling.py: `sample_tokens`, `filtered_logits`, `inverse_cdf` and per-sample seeds.

@@ -3,8 +3,8 @@ per-slot KV cache, continuous batching, exact seeded sampling and in-place weigh
 or one GPU.
 
 This module holds `NativeEngine`: its public API, the threads that drive it and its weight updates.
-The model is in model.py (weights in weights.py), sampling in sampling.py, and the KV cache and the
-scheduling of one step in scheduler.py (mixed into NativeEngine).
+The model is in model.py (weights in weights.py), sampling in sampling.py, the KV cache in
+kv_cache.py and the scheduling of one step in scheduler.py (mixed into NativeEngine).
 
 Threads. One thread at a time runs steps (the "driver"). A blocking `generate()` drives in the
 calling thread; `run_forever()` makes the calling thread the permanent driver (a dedicated engine
@@ -44,6 +44,7 @@ from megatron_rl.rollout.engine import (
     iter_named_tensors,
     validate_request,
 )
+from megatron_rl.rollout.native.kv_cache import KVCache
 from megatron_rl.rollout.native.model import LlamaModel, _Batch, dynamic_rope_base
 from megatron_rl.rollout.native.sampling import _sample_seed
 from megatron_rl.rollout.native.scheduler import _Scheduler, _Seq
@@ -98,18 +99,15 @@ class NativeEngine(_Scheduler):
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         if (state is None) == (weight_arena is None):
             raise ValueError("NativeEngine needs exactly one of `state` (weights to copy) and `weight_arena`")
-        self._slots = config.max_batch_size
+        self.kv_cache = KVCache(arch, config.max_batch_size, self.max_seq_len, self.device, self.dtype)
         self.weights = LlamaWeights(arch, self.device, self.dtype, weight_arena)
         if state is not None:
             self.weights.load(iter_named_tensors(state), strict=True)
         if config.prepack_weights:
-            self.weights.enable_packing(self._slots)
+            self.weights.enable_packing(self.kv_cache.slots)
         self.model = LlamaModel(self.weights, self.max_seq_len)
         self._version = int(version)
         self._epoch = 0                                  # bumped by every weight load
-        self._k_cache: torch.Tensor | None = None
-        self._v_cache: torch.Tensor | None = None
-        self._written: list[int] = [0] * self._slots     # per slot: positions [0, w) hold finite values
         # shared state (guarded by _cv)
         self._cv = threading.Condition(threading.Lock())
         self._model_lock = threading.Lock()
@@ -282,7 +280,7 @@ class NativeEngine(_Scheduler):
         (double-buffer: write the other arena, then adopt it)."""
         weights = LlamaWeights(self.arch, self.device, self.dtype, arena)
         if self.config.prepack_weights:
-            weights.enable_packing(self._slots, lazily=True)  # packed between the next steps
+            weights.enable_packing(self.kv_cache.slots, lazily=True)  # packed between the next steps
 
         def switch() -> None:
             self.weights = self.model.w = weights
@@ -315,9 +313,7 @@ class NativeEngine(_Scheduler):
                 raise RuntimeError("release_memory_occupation: requests are still running or waiting")
             self._hold += 1
         with self._model_lock:
-            kv_bytes = 0 if self._k_cache is None else 2 * self._k_cache.numel() * self._k_cache.element_size()
-            self._k_cache = self._v_cache = None
-            self._written = [0] * self._slots
+            kv_bytes = self.kv_cache.free()
             weight_bytes = self.weights.arena.numel() * self.weights.arena.element_size()
             if self.device.type == "cuda":
                 self._host_arena = self.weights.arena.to("cpu")
@@ -341,8 +337,7 @@ class NativeEngine(_Scheduler):
             if self._running or self._waiting:
                 return False
             with self._model_lock:
-                self._k_cache = self._v_cache = None
-                self._written = [0] * self._slots
+                self.kv_cache.free()
             return True
 
     def named_weights(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -355,7 +350,7 @@ class NativeEngine(_Scheduler):
             return {"ok": self._thread.is_alive() and not self._closing, "version": self._version,
                     "running": len(self._running), "waiting": len(self._waiting), "paused": self._paused,
                     "last_error": self._last_error, "engine": "native", "device": str(self.device),
-                    "max_batch_size": self._slots, "max_seq_len": self.max_seq_len,
+                    "max_batch_size": self.kv_cache.slots, "max_seq_len": self.max_seq_len,
                     **{k: v for k, v in self._stats.items()}}
 
     def close(self) -> None:
@@ -381,10 +376,7 @@ class NativeEngine(_Scheduler):
         ids = list(map(int, token_ids))
         if not 0 < len(ids) <= self.max_seq_len:
             raise RequestError(f"token_ids has {len(ids)} tokens; need 1..{self.max_seq_len}", field="token_ids")
-        a = self.arch
-        shape = (a.num_layers, 1, a.num_query_groups, len(ids), a.head_dim)
-        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        v = torch.zeros_like(k)
+        cache = KVCache.scratch(self.arch, len(ids), self.device, self.dtype)
         dev = self.device
         batch = _Batch(tokens=torch.tensor(ids, device=dev), positions=torch.arange(len(ids), device=dev),
                        dec_slots=torch.empty(0, dtype=torch.long, device=dev),
@@ -392,7 +384,7 @@ class NativeEngine(_Scheduler):
                        chunks=[(0, 0, 0, len(ids))], logit_rows=torch.arange(len(ids), device=dev),
                        rope_lens=torch.full((len(ids),), len(ids), device=dev))
         with self._model_lock:
-            return self.model.forward(batch, k, v)
+            return self.model.forward(batch, cache)
 
     # --- the step thread --------------------------------------------------------------------------
     def _can_step(self) -> bool:

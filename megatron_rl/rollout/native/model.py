@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
+from megatron_rl.rollout.native.kv_cache import KVCache
 from megatron_rl.rollout.native.moe import moe_mlp
 from megatron_rl.rollout.native.weights import LlamaWeights, PackedMatrix
 
@@ -118,10 +119,11 @@ class LlamaModel:
         self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
         self.scale = 1.0 / math.sqrt(a.head_dim)
 
-    def forward(self, batch: _Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Run one packed step, writing K/V of every input token into the cache. Returns fp32 logits
-        [R, vocab] for `batch.logit_rows`."""
+    def forward(self, batch: _Batch, cache: KVCache) -> torch.Tensor:
+        """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns fp32
+        logits [R, vocab] for `batch.logit_rows`."""
         a, w = self.arch, self.w
+        k_cache, v_cache = cache.k, cache.v
         n_heads, n_kv, d = a.num_attention_heads, a.num_query_groups, a.head_dim
         group = n_heads // n_kv
         q_size, kv_size, ffn = a.q_size, a.kv_size, a.ffn_hidden_size
@@ -144,7 +146,7 @@ class LlamaModel:
             dec_mask = torch.zeros(n_dec, 1, 1, t_max, device=tokens.device, dtype=x.dtype).masked_fill_(
                 (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max), float("-inf"))
             # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
-            t_alloc = k_cache.shape[3]
+            t_alloc = cache.max_len
             heads = torch.arange(n_kv, device=tokens.device)
             dec_rows = ((batch.dec_slots[:, None] * n_kv + heads[None, :]) * t_alloc
                         + batch.positions[:n_dec, None]).reshape(-1)

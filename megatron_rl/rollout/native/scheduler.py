@@ -1,9 +1,7 @@
-"""The scheduler of the native engine: what one step computes, and the per-slot KV cache it runs on.
+"""The scheduler of the native engine: what one step computes on the per-slot KV cache (kv_cache.py).
 
-KV cache. Two tensors [layers, slots, kv_heads, max_seq_len, head_dim] (allocated on first use with
-torch.empty: pages are committed only as sequences touch them). A running sequence owns one slot;
-slots in use are kept dense at [0, n_running) by moving the last sequence into a freed slot, so the
-decode rows' cache is a strided view, not a gather.
+Slots. A running sequence owns one slot; slots in use are kept dense at [0, n_running) by moving the
+last sequence into a freed slot, so the decode rows' cache is a strided view, not a gather.
 
 Scheduling (one step = one forward pass): every running sequence that has finished its prompt feeds
 its last sampled token (decode), and sequences still in their prompt contribute the next chunk of it
@@ -173,7 +171,7 @@ class _Scheduler:
 
     def _admit(self) -> None:
         min_share = self.config.prefix_sharing_min_tokens
-        while self._waiting and len(self._running) < self._slots:
+        while self._waiting and len(self._running) < self.kv_cache.slots:
             seq = self._waiting.popleft()
             if not seq.future.set_running_or_notify_cancel():
                 continue  # the caller cancelled the future while it waited
@@ -231,22 +229,12 @@ class _Scheduler:
             return None
         return _Plan(decode, chunks, copies, self._epoch)
 
-    def _ensure_cache(self) -> None:
-        if self._k_cache is None:
-            a = self.arch
-            shape = (a.num_layers, self._slots, a.num_query_groups, self.max_seq_len, a.head_dim)
-            # torch.empty: untouched pages of this (mostly unused) buffer are never committed.
-            self._k_cache = torch.empty(shape, device=self.device, dtype=self.dtype)
-            self._v_cache = torch.empty(shape, device=self.device, dtype=self.dtype)
-            self._written = [0] * self._slots
-
     def _execute(self, plan: "_Plan") -> tuple[list[int], list[float]]:
         decode, chunks = plan.decode, plan.chunks
-        self._ensure_cache()
+        kv = self.kv_cache
+        kv.ensure()
         for seq, donor, length in plan.copies:
-            self._k_cache[:, seq.slot, :, :length] = self._k_cache[:, donor.slot, :, :length]
-            self._v_cache[:, seq.slot, :, :length] = self._v_cache[:, donor.slot, :, :length]
-            self._written[seq.slot] = max(self._written[seq.slot], length)
+            kv.copy_prefix(seq.slot, donor.slot, length)
         self._stats["shared_prefix_tokens"] += sum(length for _, _, length in plan.copies)
         dev = self.device
         tokens: list[int] = [s.output[-1] for s in decode]
@@ -269,20 +257,9 @@ class _Scheduler:
                 logit_rows.append(offset + length - 1)
             offset += length
         if decode:
-            # Attention reads cache positions [0, t_max) of every decode slot: none may be
-            # uninitialised memory (stale values of earlier sequences are finite and masked out).
-            # Zero-fill in bulk up to the longest the sequence can get, so its pages are committed
-            # once here rather than faulted in one by one as decoding advances.
-            t_max = max(lens)
-            for seq in decode:
-                slot = seq.slot
-                if self._written[slot] < t_max:
-                    horizon = max(t_max, min(self.max_seq_len, len(seq.prompt) + seq.params.max_new_tokens))
-                    self._k_cache[:, slot, :, self._written[slot]:horizon] = 0
-                    self._v_cache[:, slot, :, self._written[slot]:horizon] = 0
-                    self._written[slot] = horizon
+            kv.cover_decode(decode, max(lens))  # no uninitialised memory where decode attention reads
         for seq, start, length in chunks:
-            self._written[seq.slot] = max(self._written[seq.slot], start + length)
+            kv.mark_written(seq.slot, start + length)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots))) if slots else False
         batch = _Batch(tokens=torch.tensor(tokens, device=dev), positions=torch.tensor(positions, device=dev),
                        dec_slots=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -293,7 +270,7 @@ class _Scheduler:
         record = self.config.record_routing and self.arch.is_moe
         if record:
             batch.routing = torch.empty((len(tokens), self.arch.num_layers, self.arch.moe_top_k), dtype=torch.int16)
-        logits = self.model.forward(batch, self._k_cache, self._v_cache)
+        logits = self.model.forward(batch, kv)
         if record:
             store_routing(batch.routing, self.arch, self.max_seq_len, decode, chunks, plan.copies)
         sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
@@ -352,10 +329,8 @@ class _Scheduler:
             if last is not seq:
                 # cache positions holding K/V: the prompt so far, plus every output token but the last
                 used = last.prefilled + max(len(last.output) - 1, 0)
-                if self._k_cache is not None and used:
-                    self._k_cache[:, hole, :, :used] = self._k_cache[:, last.slot, :, :used]
-                    self._v_cache[:, hole, :, :used] = self._v_cache[:, last.slot, :, :used]
-                    self._written[hole] = max(self._written[hole], used)
+                if self.kv_cache.allocated and used:
+                    self.kv_cache.copy_prefix(hole, last.slot, used)
                 self._running[hole] = last
                 last.slot = hole
             seq.slot = -1
