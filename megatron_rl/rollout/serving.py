@@ -1,4 +1,4 @@
-"""What the two HTTP APIs of `megatron-rl serve` share (rollout/server.py: SGLang's native API;
+"""What the two HTTP APIs of `megatron-rl serve` share (rollout/sglang_api.py: SGLang's native API;
 rollout/openai_api.py: OpenAI's /v1): OpenAI-shaped errors, request bodies read under a size cap
 before anything parses them, the bridge from asyncio handlers to the engine's continuous batch
 (a cap on queued tokens, abort when the client goes away, per-token streaming), prompt log-probs,
