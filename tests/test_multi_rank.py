@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.placement.launch import run_distributed
 from megatron_rl.trainer.parallel import free_port
+from tests.helpers import assert_close_after_adam
 from tests.test_loop import QUICKSTART, _config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,9 +63,9 @@ def test_data_parallel_run_matches_a_single_rank_run(tmp_path, tiny_chat_model):
     single, parallel = _checkpoint(one), _checkpoint(two)
     assert sorted(os.listdir(os.path.join(parallel, "optimizer"))) == ["rank_00000.pt", "rank_00001.pt"]
     assert metrics[0]["train/grad_norm"] > 0  # the runs trained: not two untouched copies compared
-    reference, trained = _shard(single), _shard(parallel)
-    for name, tensor in reference.items():
-        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=2e-5, msg=name)
+    # Two Adam steps at trainer.lr=1e-3 (tests/test_loop.py): the DP split rounds the gradient sums
+    # differently, which Adam turns into up to lr-sized updates on noise-gradient elements (tests/helpers.py).
+    assert_close_after_adam(_shard(parallel), _shard(single), [1e-3] * 2)
     assert json.load(open(os.path.join(parallel, "state.json")))["step"] == 2
 
 
@@ -232,8 +233,9 @@ def test_jepo_with_likelihood_evaluation_on_two_data_parallel_ranks(tmp_path, ti
     assert after["eval/nll_bound"] != pytest.approx(before["eval/nll_bound"], rel=1e-6)  # it trained
     assert rank1_after == {}  # only the driver reports
     assert metrics["train/grad_norm"] == pytest.approx(alone[2]["train/grad_norm"], rel=1e-4)
-    for name, tensor in _shard(_checkpoint(str(tmp_path / "one"))).items():
-        torch.testing.assert_close(_shard(_checkpoint(str(tmp_path / "two")))[name], tensor, rtol=0, atol=2e-5)
+    # two Adam steps at trainer.lr=1e-3: see test_data_parallel_run_matches_a_single_rank_run
+    assert_close_after_adam(_shard(_checkpoint(str(tmp_path / "two"))), _shard(_checkpoint(str(tmp_path / "one"))),
+                            [1e-3] * 2)
 
 
 def _save_with_failing_rank(rank, world_size, arch, root):
