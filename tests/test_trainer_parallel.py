@@ -61,7 +61,7 @@ def test_tp2_pp2_dp2_match_single_rank(tiny_arch):
     # leave a difference of that order
     assert (reference_logprobs - reference_start).abs().max() > 0.5
     mask = _data(tiny_arch).loss_mask
-    final_loss = lambda lp: float(-(lp * mask).sum() / mask.sum())  # the loss a 4th step would report
+    final_loss = lambda lp: float(-(lp * mask).sum() / mask.sum())  # noqa: E731  (what a 4th step reports)
     for tp, pp, world in [(2, 1, 2), (1, 2, 2), (1, 1, 2)]:
         losses, logprobs, start = _run(tiny_arch, tp, pp, world)
         # Float rounding that differs with the split (and with the CPU's kernels) goes through Adam, which
