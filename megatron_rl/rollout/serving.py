@@ -162,6 +162,9 @@ class ServedModel(Protocol):
     limits: ServerLimits
     bridge: "EngineBridge"
 
+    @property
+    def address(self) -> tuple[str, int]: ...
+
 
 class ClientGone(Exception):
     """The HTTP client disconnected; its requests were aborted."""

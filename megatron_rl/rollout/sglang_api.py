@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -39,6 +39,7 @@ from safetensors.torch import load as load_safetensors
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.serving import (
     APIError,
+    ServedModel,
     bad_request,
     check_finite,
     checked_bool,
@@ -48,11 +49,8 @@ from megatron_rl.rollout.serving import (
 )
 from megatron_rl.rollout.sglang_generate import GenerateAPI, only_fields, require_tokenizer
 
-if TYPE_CHECKING:
-    from megatron_rl.rollout.server import RolloutServer
 
-
-def add_sglang_routes(app: FastAPI, server: RolloutServer) -> None:
+def add_sglang_routes(app: FastAPI, server: ServedModel) -> None:
     api = _SGLang(server)
     app.api_route("/generate", methods=["POST", "PUT"])(GenerateAPI(server).generate)
     for path in ("/health", "/health_generate"):
@@ -79,7 +77,7 @@ def add_sglang_routes(app: FastAPI, server: RolloutServer) -> None:
 class _SGLang:
     """The native endpoints but /generate, on the server's engine."""
 
-    def __init__(self, server: RolloutServer):
+    def __init__(self, server: ServedModel):
         self.server = server
         self.engine = server.engine
         self.limits = server.limits
