@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, Registry
+from tests.test_bad_input_more import _one_line_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "examples", "configs", "quickstart.yaml")
@@ -81,14 +82,6 @@ def _subprocess(user_root, *argv):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([user_root, REPO]), OMP_NUM_THREADS="1",
                WANDB_MODE="disabled")
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-
-
-def _one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 # --- the user loss really is the loss -----------------------------------------------------------------------
