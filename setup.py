@@ -50,10 +50,13 @@ setup(
     ],
     extras_require={
         # Never list "apex": the PyPI package of that name is an unrelated web toolkit.
-        # Pinned to resolve together (docs/gpu.md): sglang 0.5.23 pins torch 2.14.1 (and transformers 5.19.0,
-        # tokenizers 0.23.2) and its CUDA 13 kernels; torch 2.14.1 pins triton ~3.8.0; Transformer Engine
-        # builds its torch extension against the installed torch, with its CUDA 13 core.
-        "gpu": ["sglang==0.5.23", "torch==2.14.1", "triton~=3.8.0", "transformer-engine[pytorch,core-cu13]==2.20.2"],
+        # Pinned to resolve together, wheels only (docs/gpu.md; scripts/setup_gpu.sh installs torch first):
+        # sglang 0.5.23 pins torch 2.14.1 (and transformers 5.19.0, tokenizers 0.23.2) and its CUDA 13 kernels;
+        # torch 2.14.1 pins triton ~3.8.0; Transformer Engine's CUDA 13 core is a wheel.
+        "gpu": ["sglang==0.5.23", "torch==2.14.1", "triton~=3.8.0", "transformer-engine[core-cu13]==2.20.2"],
+        # Transformer Engine's torch extension exists only as a source archive that compiles against the
+        # installed torch (nvcc, CUDA and cuDNN headers, minutes to build): opt-in, never in the GPU check's path.
+        "te-torch": ["transformer-engine[pytorch]==2.20.2"],
         # triton in dev: its kernels are tested on CPU through the interpreter (TRITON_INTERPRET=1).
         "dev": ["pytest>=8", "import-linter>=2.1", "accelerate>=0.30", "pyarrow>=14",
                 "triton>=3.0; platform_system == 'Linux'",

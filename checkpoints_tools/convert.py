@@ -7,6 +7,7 @@ into place, so a reader never sees a partial model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,15 +29,37 @@ from megatron_rl.models.pretrained import (
     write_megatron_shards,
 )
 
+log = logging.getLogger(__name__)
+
 
 def _atomic_dir(final: str):
-    """Write into a temporary sibling directory, then rename: readers never see a partial model."""
+    """Write into a temporary sibling directory, then rename: readers never see a partial model. The
+    temporary names carry this process's pid; those of a convert that died (SIGKILL) are removed here."""
     parent = os.path.dirname(os.path.abspath(final)) or "."
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
+    _remove_dead_attempts(parent, os.path.basename(final))
+    return tempfile.mkdtemp(prefix=_own_prefix(".tmp-", final), dir=parent)
 
 
-# Written into every output: the only kind of existing OUTPUT that convert replaces (with --overwrite).
+def _own_prefix(kind: str, final: str) -> str:
+    return f"{kind}{os.path.basename(final)}-{os.getpid()}-"
+
+
+def _remove_dead_attempts(parent: str, name: str) -> None:
+    """Remove `.tmp-NAME-PID-*` / `.old-NAME-PID-*` directories (exactly the names this module makes) whose
+    convert process no longer exists."""
+    pattern = re.compile(rf"\.(?:tmp|old)-{re.escape(name)}-(\d+)-[a-z0-9_]{{8}}")
+    for entry in os.listdir(parent):
+        match = pattern.fullmatch(entry)
+        path = os.path.join(parent, entry)
+        if match and not os.path.exists(f"/proc/{match.group(1)}") and os.path.isdir(path) \
+                and not os.path.islink(path):
+            log.warning("convert: removing %s, left by a convert (pid %s) that did not finish", path, match.group(1))
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# Written into every output: the only kind of existing OUTPUT that convert replaces (with --overwrite). It
+# lists the files convert wrote there, so that a file a user added later is never deleted with the rest.
 CONVERT_MARK = ".megatron-rl-convert"
 
 
@@ -44,16 +67,54 @@ def written_by_convert(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, CONVERT_MARK))
 
 
+def _written_files(path: str) -> set[str] | None:
+    """The files convert recorded writing into `path` (None: no record, e.g. an older convert's output)."""
+    try:
+        with open(os.path.join(path, CONVERT_MARK), encoding="utf-8") as f:
+            record = json.load(f)
+        return set(record["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _all_files(path: str) -> set[str]:
+    found = set()
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            found.add(os.path.relpath(os.path.join(root, name), path))
+    return found
+
+
+def foreign_files(path: str) -> list[str]:
+    """Files in a convert output that convert did not write there (sorted); all of them when it kept no
+    record of what it wrote."""
+    written = _written_files(path)
+    present = _all_files(path) - {CONVERT_MARK}
+    return sorted(present if written is None else present - written)
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse (ConfigError, one line) to replace `path` unless convert wrote it and everything in it."""
+    if not written_by_convert(path):  # never delete what we did not write
+        raise ConfigError(f"OUTPUT {path} exists and is not a directory megatron-rl convert wrote; --overwrite "
+                          "replaces only those (choose another OUTPUT)")
+    foreign = foreign_files(path)
+    if foreign:
+        raise ConfigError(f"OUTPUT {path} holds files convert did not write there ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}); --overwrite deletes nothing of yours: move "
+                          "them out or choose another OUTPUT")
+
+
 def _publish(tmp: str, final: str) -> None:
+    files = sorted(_all_files(tmp))
     with open(os.path.join(tmp, CONVERT_MARK), "w", encoding="utf-8") as f:
-        f.write("written by megatron-rl convert; `convert --overwrite` may replace this directory\n")
+        json.dump({"written_by": "megatron-rl convert; `convert --overwrite` may replace these files",
+                   "files": files}, f, indent=1)
     if os.path.lexists(final):
-        if not written_by_convert(final):  # never delete what we did not write
-            raise ConfigError(f"{final} exists and is not a directory megatron-rl convert wrote; refusing to "
-                              "replace it (choose another OUTPUT)")
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        check_replaceable(final)
+        parent = os.path.dirname(os.path.abspath(final))
+        old = tempfile.mkdtemp(prefix=_own_prefix(".old-", final), dir=parent)  # a name of our own
+        os.rename(final, old)  # replaces the empty directory just made
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:

@@ -14,7 +14,9 @@ import difflib
 import functools
 import inspect
 import math
+import errno
 import os
+import stat
 import textwrap
 import types
 import typing
@@ -211,10 +213,45 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+MAX_YAML_VALUES = 100_000
+"""Most values a YAML text may hold once its aliases are expanded: an alias bomb (a few lines whose aliases
+nest into billions of values) is refused before anything walks it."""
+
+
+def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+    """How many values `node` stands for with every alias expanded (linear time: shared nodes counted once
+    each, by memo; capped just past the bound)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_YAML_VALUES + 1  # a cycle counts as too large
+    if isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1
+    for child in children:
+        size += _expanded_size(child, memo)
+        if size > MAX_YAML_VALUES:
+            break
+    memo[id(node)] = size
+    return size
+
+
+def _bounded_yaml(text: str, where: str) -> Any:
+    """The YAML node of `text`, refused when its aliases expand past MAX_YAML_VALUES."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+        raise ConfigError(f"{where}: the YAML's aliases expand to more than {MAX_YAML_VALUES:,} values (an alias "
+                          "bomb?); write the values out")
+    return node
+
+
 def _yaml_with_lines(text: str, file: str) -> tuple[Any, dict[str, int]]:
     """Parse YAML, also returning the 1-based line of every mapping key by dotted path."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = _bounded_yaml(text, file)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -245,6 +282,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"command-line override {text!r} must look like section.field=value")
     try:
+        if raw.strip():
+            _bounded_yaml(raw, f"command-line override {key.strip()}")
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
@@ -324,6 +363,30 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             f.default_factory() if f.default_factory is not dataclasses.MISSING else "<required>")
         lines.append(f"{path}: {_type_name(tp)} = {default!r}  # {docs.get(f.name, '').splitlines()[0] if docs.get(f.name) else ''}")
     return lines
+
+
+def path_kind(path: str) -> str:
+    """What is at `path`, in words, for a message about a path that cannot be used as the file or directory
+    it should be: "missing", "a directory", "a regular file", "a symbolic link loop", "a symbolic link to
+    'X', which does not exist", "a named pipe (FIFO)", "a socket", "a device"."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISLNK(mode):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+        except OSError as exc:
+            return "a symbolic link loop" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a device"
 
 
 def require(condition: bool, field: str, message: str) -> None:

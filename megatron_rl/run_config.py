@@ -6,6 +6,7 @@ A recipe (`examples/configs/*.yaml`) fills some of these fields; dotted command-
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from megatron_rl.algorithms.config import AdvantageConfig, JepoConfig, LossConfig
 from megatron_rl.checkpoint.config import CheckpointConfig
@@ -123,6 +124,7 @@ class RunConfig:
         return self.engine.record_routing or self.rollout.record_routing or self.trainer.moe_routing_replay
 
     def __post_init__(self) -> None:
+        self.run_dir = os.path.expanduser(self.run_dir)  # as model.path: `~` is the home, never a folder `./~`
         require(self.steps >= 0, "steps", "must be >= 0")
         require(self.agent is None or self.waltz is None, "agent", "an agent run cannot also be a waltz run")
         if self.recipe is not None:

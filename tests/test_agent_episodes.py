@@ -259,7 +259,8 @@ def test_reasoning_gym_tasks_keep_its_questions_and_answers_and_the_calculator_s
         build_calculator_datasets(CalculatorTaskConfig(digits=[1, 1], train_size=200, heldout_size=8))
 
 def test_tool_environment_runs_calls_answers_errors_and_grades_the_final_answer():
-    from megatron_rl.recipes.agent.tools import Calculator, tool_call_format_for
+    from megatron_rl.data.tool_calls import tool_call_format_for
+    from megatron_rl.recipes.agent.tools import Calculator
 
     fmt = tool_call_format_for("")  # a template without a tool format: hermes
     prompt = Prompt(prompt_id="p", messages=[{"role": "user", "content": "What is 1234 * 5678?"}],

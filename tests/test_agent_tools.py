@@ -17,21 +17,23 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from megatron_rl.config import ConfigError
+from megatron_rl.data.tool_calls import (
+    FORMATS,
+    ToolCall,
+    template_renders_tools,
+    tool_call_format,
+    tool_call_format_for,
+)
 from megatron_rl.models.pretrained import smollm2_gguf_path
 from megatron_rl.recipes.agent.sandbox import Sandbox, SandboxLimits
 from megatron_rl.recipes.agent.tools import (
-    FORMATS,
     Calculator,
     ExpressionError,
     PythonTool,
-    ToolCall,
     echo_last_expression,
     evaluate_arithmetic,
     hermes_tools_prompt,
     run_tool_call,
-    template_renders_tools,
-    tool_call_format,
-    tool_call_format_for,
 )
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -201,6 +203,23 @@ def test_render_call_round_trips_in_every_format():
         parsed = fmt.parse(fmt.render_call(call))
         assert parsed.errors == [] and [(c.name, c.arguments) for c in parsed.calls] == [(call.name, call.arguments)]
 
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_call_openings_and_where_a_call_may_start(name):
+    """A call rendered after an opening parses to the call; streaming never lets out as content a character
+    of a call: at every prefix of a turn, `call_start` is at or before where the call begins."""
+    fmt = FORMATS[name]
+    call = ToolCall("python", {"code": "print(1)"})
+    rendered = fmt.render_call(call)
+    for opening in (fmt.call_opening(None), fmt.call_opening("python")):
+        assert rendered.startswith(opening.rstrip())
+        parsed = fmt.parse(opening + rendered[len(opening):])
+        assert [(c.name, c.arguments) for c in parsed.calls] == [(call.name, call.arguments)]
+    preamble = "" if name == "llama3_json" else "Let me run it: {x} <b>\n"
+    turn = preamble + rendered
+    for end in range(len(turn) + 1):
+        assert fmt.call_start(turn[:end]) <= min(end, len(preamble) if end > len(preamble) else end)
+    assert fmt.call_start("Plain answer.") == len("Plain answer.") and fmt.call_start("") == 0
 
 # --- running calls ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_unknown_architecture(tmp_path):
 
 def test_missing_config_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
-    with pytest.raises(ConfigError, match="config.json: missing field 'num_hidden_layers'"):
+    with pytest.raises(ConfigError, match="config.json: field 'num_hidden_layers': missing: it sets the shape of the weights"):
         load_pretrained(str(tmp_path))
 
 

@@ -264,6 +264,21 @@ def test_convert_refuses_to_overwrite_what_it_did_not_write(tmp_path, tiny_chat_
     assert _run(capsys, "convert", source, out, "--to", "hf", "--overwrite")[0] == 0
     assert os.path.isfile(os.path.join(out, "model.safetensors")) and not any(
         n.startswith("mp_rank_") for n in os.listdir(out))
+    # A file the user added to that conversion is never deleted by --overwrite, nor is a directory of theirs
+    # named like the writer's old backup name.
+    notes = os.path.join(out, "MY_NOTES.txt")
+    with open(notes, "w") as f:
+        f.write("mine")
+    backup_like = tmp_path / "out.old"
+    backup_like.mkdir()
+    (backup_like / "kept.txt").write_text("also mine")
+    _one_line_error(*_run(capsys, "convert", source, out, "--to", "hf", "--overwrite")[::2],
+                    "holds files convert did not write there (MY_NOTES.txt)")
+    assert open(notes).read() == "mine"
+    os.rename(notes, tmp_path / "MY_NOTES.txt")
+    assert _run(capsys, "convert", source, out, "--to", "hf", "--overwrite")[0] == 0
+    assert (backup_like / "kept.txt").read_text() == "also mine"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith((".old-", ".tmp-"))]
     # The writer refuses too (a program calling it directly): the output is not replaced.
     with pytest.raises(ConfigError, match="is not a directory megatron-rl convert wrote"):
         convert(source, str(unrelated), to="hf")
@@ -279,6 +294,10 @@ def test_convert_refuses_to_overwrite_what_it_did_not_write(tmp_path, tiny_chat_
     (PermissionError(errno.EACCES, "Permission denied", "/runs/ro/.lock"), "/runs/ro/.lock: Permission denied"),
     (IsADirectoryError(errno.EISDIR, "Is a directory", "/data/train.jsonl"), "/data/train.jsonl: Is a directory"),
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/x.jsonl"), "/data/x.jsonl: No such file"),
+    # what safetensors raises when the disk fills during `convert` (its own error types, ENOSPC in the text)
+    (type("SafetensorError", (Exception,), {})("Error while serializing: I/O error: No space left on device "
+                                                "(os error 28)"), "SafetensorError: no space left on device"),
+    (Exception("No space left on device"), "Exception: no space left on device (the disk is full"),
 ])
 def test_user_caused_os_errors_are_one_line(monkeypatch, capsys, raised, expected):
     def fail(args):
@@ -498,3 +517,29 @@ def test_a_full_disk_during_a_checkpoint_write_is_named(monkeypatch, tmp_path):
     assert manager._as_disk_full(safetensors_full, str(tmp_path)).errno == errno.ENOSPC
     unrelated = RuntimeError("a bug")
     assert manager._as_disk_full(unrelated, str(tmp_path)) is unrelated
+
+
+def test_generate_with_a_prompt_longer_than_the_context_is_one_line(tmp_path, tiny_chat_model, capsys):
+    code, out, err = _run(capsys, "generate", "--model", tiny_chat_model, "--max-seq-len", "32",
+                          "--max-new-tokens", "2", "word " * 100)
+    _one_line_error(code, err, "field 'prompt_ids': has")
+    assert "raise --max-seq-len" in err
+
+
+def test_a_refused_train_leaves_the_run_directory_as_it_found_it(tmp_path, capsys):
+    """A bad model config is refused after the run took its lock and wrote config.json: both go again, and
+    a directory the run made goes with them; a directory of the user's keeps exactly its own files."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    fresh = tmp_path / "new_run"
+    _one_line_error(*_run(capsys, "train", QUICKSTART, f"model.path={model}", f"run_dir={fresh}", "steps=1")[::2],
+                    "field 'vocab_size': missing")
+    assert not fresh.exists()
+    mine = tmp_path / "my_dir"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    before = _snapshot(str(mine))
+    _one_line_error(*_run(capsys, "train", QUICKSTART, f"model.path={model}", f"run_dir={mine}", "steps=1")[::2],
+                    "field 'vocab_size': missing")
+    assert _snapshot(str(mine)) == before

@@ -55,6 +55,20 @@ def test_invalid_yaml_reports_line(tmp_path):
         load_yaml(RunConfig, path)
 
 
+def test_a_yaml_alias_bomb_is_refused_before_it_is_walked(tmp_path):
+    """Nine levels of nine aliases stand for 9**9 values in a dozen lines; an ordinary anchor still works."""
+    levels = ["    l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"    l{k}: &l{k} [{', '.join([f'*l{k - 1}'] * 9)}]" for k in range(1, 9)]
+    path = _write(tmp_path, "reward:\n  kwargs:\n" + "\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match=r"recipe\.yaml: the YAML's aliases expand to more than 100,000 values"):
+        load_yaml(RunConfig, path)
+    with pytest.raises(ConfigError, match="command-line override reward.kwargs: the YAML's aliases expand"):
+        load_yaml(RunConfig, _write(tmp_path, "steps: 2\n"), ["reward.kwargs={" + ", ".join(
+            line.strip().replace(": ", ": ", 1) for line in levels) + "}"])
+    shared = _write(tmp_path, "reward:\n  kwargs:\n    a: &a {n: 1}\n    b: *a\n")
+    assert load_yaml(RunConfig, shared).reward.kwargs == {"a": {"n": 1}, "b": {"n": 1}}
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found: /nonexistent.yaml"):
         load_yaml(RunConfig, "/nonexistent.yaml")

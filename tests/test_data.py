@@ -70,6 +70,19 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
     assert ds.stats == {"rows_read": 3, "bad_rows_skipped": 1}
 
 
+def test_an_overlong_row_is_named_and_never_read_whole(tmp_path):
+    """A row past max_row_bytes is a bad row named by file and line; the reader holds at most the bound plus
+    a MiB of it (so a 1 GB line cannot exhaust memory), and the rows after it are read as usual."""
+    long_row = json.dumps({"prompt": "x" * (3 << 20), "answer": "1"})
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "a", "answer": "1"}, long_row,
+                                                  {"prompt": "c", "answer": "3"}])
+    with pytest.raises(DataError, match=r"long\.jsonl:2: row longer than 4,096 bytes \(raise data\.\*\.max_row_bytes"):
+        load_file_source(SourceConfig(kind="jsonl", path=path, max_row_bytes=4096))
+    ds = load_file_source(SourceConfig(kind="jsonl", path=path, max_row_bytes=4096, on_bad_row="skip"))
+    assert [p.question for p in ds] == ["a", "c"] and ds.stats["bad_rows_skipped"] == 1
+    assert len(load_file_source(SourceConfig(kind="jsonl", path=path))) == 3  # the default bound: 16 MiB
+
+
 def test_missing_field_names_the_field(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}])
     with pytest.raises(DataError, match=r"m\.jsonl:2: missing field 'prompt'.*fields present: \['answer', 'question'\]"):

@@ -81,8 +81,15 @@ def test_onednn_packed_gemms_decode_as_the_unpacked_path(dtype, mkl, monkeypatch
     without MKL, e.g. ARM) against the same engine computing with plain F.linear on the arena: the same
     greedy tokens and log-probs; the packed copies serve the 4-row decode steps, the shrinking tail and
     the prefill alike."""
+    from megatron_rl.rollout.native.weights import PackedMatrix
+
     has_mkl = torch.backends.mkl.is_available()
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl and has_mkl)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    try:  # oneDNN's bf16 GEMMs need bf16-capable vector units (AVX-512 BF16 / AMX); AVX2-only CPUs have none
+        PackedMatrix(torch.zeros(8, 8, dtype=torch_dtype), 4)(torch.zeros(4, 8, dtype=torch_dtype))
+    except (AttributeError, RuntimeError) as exc:
+        pytest.skip(f"no oneDNN {dtype} GEMMs on this CPU: {str(exc).splitlines()[0]}")
     config = _hf_config("qwen2")
     model, state = random_model(config, seed=5)
     arch = arch_of(config, FAMILY_OF["qwen2"])

@@ -311,3 +311,49 @@ def test_checkpoint_tensor_of_the_wrong_shape_is_refused(built):
     bad = {**state, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}
     with pytest.raises(ConfigError, match=r"'model.layers.0.self_attn.q_norm.weight' has shape \(16,\).*needs \(32,\)"):
         hf_to_megatron(bad, MegatronLayout(qwen3, vocab_divisible_by=1))
+
+
+def _expected_from_transformers(config_class: str, config: dict) -> dict:
+    """What transformers' own config class makes of `config`: the values its model runs with."""
+    conf = getattr(transformers, config_class).from_dict(dict(config))
+    heads = conf.num_attention_heads
+    expected = {"norm_eps": conf.rms_norm_eps, "rope_theta": conf.rope_parameters["rope_theta"],
+                "max_position_embeddings": conf.max_position_embeddings,
+                "head_dim": getattr(conf, "head_dim", None) or conf.hidden_size // heads,
+                "num_query_groups": conf.num_key_value_heads or heads,
+                "tie_word_embeddings": conf.tie_word_embeddings}
+    if getattr(conf, "num_experts_per_tok", None) is not None:
+        expected.update(moe_top_k=conf.num_experts_per_tok, router_aux_loss_coef=conf.router_aux_loss_coef)
+    return expected
+
+
+@pytest.mark.parametrize("case", [c for c in parity.CASES if not c.long], ids=lambda c: c.name)
+def test_every_missing_field_takes_transformers_default_for_the_family(case):
+    """Each numeric field of an exported config dropped in turn (rope_theta with rope_parameters): our
+    ModelArch holds what transformers' config class for the family makes of the same file, or the file is
+    refused naming the field (a default we cannot honour, e.g. Mistral's 4096-token window); the weight
+    shapes are never defaulted."""
+    _, arch, _ = parity.case_model(case)
+    full = families.to_hf_config(arch)
+    numeric = [k for k, v in full.items() if isinstance(v, (int, float)) and k not in families.REQUIRED_FIELDS]
+    assert {"rms_norm_eps", "max_position_embeddings", "num_key_value_heads"} <= set(numeric)
+    for dropped in [[k] for k in numeric] + [["rope_theta", "rope_parameters"]]:
+        config = {k: v for k, v in full.items() if k not in dropped}
+        try:
+            ours = families.from_hf_config(config)
+        except ConfigError as exc:
+            assert any(f"field '{k}'" in str(exc) for k in ("sliding_window", *dropped)), (dropped, exc)
+            continue
+        expected = _expected_from_transformers(case.config_class, config)
+        got = {k: getattr(ours, k) for k in expected}
+        assert got == pytest.approx(expected), (case.name, dropped)
+    for shape_field in families.REQUIRED_FIELDS:
+        with pytest.raises(ConfigError, match=f"field '{shape_field}': missing"):
+            families.from_hf_config({k: v for k, v in full.items() if k != shape_field})
+
+
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json: expected a JSON object \(an HF model config\), got a list"):
+        families.from_json(path)

@@ -99,24 +99,27 @@ def test_sigkilled_async_run_consumes_every_prompt_once_and_matches_uninterrupte
 
 
 @pytest.mark.slow
-def test_twelve_sigkills_then_a_plain_relaunch_match_the_uninterrupted_run(tmp_path, tiny_chat_model):
-    """Twelve kills, the first during start-up before any checkpoint exists (the relaunch moves that
-    attempt's records aside and starts over), several right after a resume or mid-checkpoint."""
+def test_twelve_sigkills_relaunched_with_and_without_resume_match_the_uninterrupted_run(tmp_path, tiny_chat_model):
+    """Twelve group kills, the first during start-up before any checkpoint exists (the relaunch moves that
+    attempt's records aside and starts over), several right after a resume or mid-checkpoint; relaunched
+    alternately as is and with --resume (both decide alike from what is on disk); nothing is left in
+    /dev/shm or the temporary directory."""
     _kill_and_relaunch(tmp_path, tiny_chat_model, advances=[0, 1, 0, 2, 1, 1, 0, 2, 1, 1, 0, 1], seed=20261201,
-                       steps=14, min_kills=10)
+                       steps=14, min_kills=10, alternate_resume=True)
 
 
-def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, min_kills=3):
+def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, min_kills=3, alternate_resume=False):
     extra = [f"steps={steps}", "rollout.max_staleness=2", "rollout.placement=disaggregated",
              "rollout.deterministic=true", "checkpoint.keep_last=2"]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
 
-    def launch(run_dir, log):
+    def launch(run_dir, log, resume=False):
         return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", QUICKSTART,
-                                 *_overrides(tiny_chat_model, run_dir, *extra)],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 *_overrides(tiny_chat_model, run_dir, *extra), *(["--resume"] if resume else [])],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     straight = str(tmp_path / "straight")
     with open(tmp_path / "straight.log", "w") as log:
         assert launch(straight, log).wait(timeout=300) == 0, open(tmp_path / "straight.log").read()[-3000:]
@@ -127,7 +130,7 @@ def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, m
     # Steps to let pass before each kill; 0 kills during start-up or right after a resume.
     for attempt, advance in enumerate(advances):
         with open(tmp_path / f"attempt{attempt}.log", "w") as log:
-            proc = launch(run_dir, log)
+            proc = launch(run_dir, log, resume=alternate_resume and attempt % 2 == 1)
             target = min(_last_step(run_dir) + advance, steps - 1)
             deadline = time.monotonic() + 240
             while _last_step(run_dir) < target and proc.poll() is None and time.monotonic() < deadline:
@@ -136,7 +139,10 @@ def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, m
             generators = _children(proc.pid)
             if proc.poll() is not None:
                 break  # it finished before the kill point
-            proc.send_signal(signal.SIGKILL)
+            if alternate_resume:  # the whole group, as a node failure or `scancel -s KILL` does
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:  # the controller alone: its generator process must notice and exit
+                proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills.append(_last_step(run_dir))
             # The generator process notices its controller is gone, exits and removes the shared weights.
@@ -147,7 +153,8 @@ def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, m
     print(f"SIGKILLed after steps {kills}")
     assert len(kills) >= min_kills, kills
     with open(tmp_path / "final.log", "w") as log:
-        assert launch(run_dir, log).wait(timeout=300) == 0, open(tmp_path / "final.log").read()[-3000:]
+        final = launch(run_dir, log, resume=alternate_resume and len(kills) % 2 == 1)
+        assert final.wait(timeout=300) == 0, open(tmp_path / "final.log").read()[-3000:]
     resumed = sum("resumed from" in open(tmp_path / f"attempt{i}.log").read() for i in range(1, len(kills)))
     resumed += "resumed from" in open(tmp_path / "final.log").read()
     assert resumed >= 3, f"kill points {kills}: too few resumes restored a checkpoint"
@@ -166,6 +173,12 @@ def _kill_and_relaunch(tmp_path, tiny_chat_model, *, advances, seed, steps=10, m
     previous = load_file(os.path.join(straight, "checkpoints", f"step_{steps - 1:08d}", "model", "mp_rank_00_000",
                                       "model.safetensors"))
     assert any(not torch.equal(actual[n], previous[n]) for n in actual)  # the last step really trained
+    if alternate_resume:  # whatever the kills left, the last relaunch reclaimed
+        from tests.test_bad_input_more import _shm_leaks  # (that module imports this one)
+
+        assert _shm_leaks(shm_before) == [], "shared memory of killed attempts left in /dev/shm"
+        leftovers = [n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n.endswith((".tmp", ".old"))]
+        assert leftovers == [], leftovers
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

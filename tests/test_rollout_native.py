@@ -2,6 +2,7 @@
 pause / abort, prefix sharing, bad input."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -244,3 +245,34 @@ def test_context_limit_ends_with_length(tiny_arch):
     with make_engine(tiny_arch, max_seq_len=20) as engine:
         out = engine.generate([GenerateRequest("c", prompt(0, 15), SamplingParams(max_new_tokens=50, seed=0))])[0]
     assert out.finish_reason == "length" and len(out.output_ids) == 5
+
+
+def test_kv_pages_are_committed_as_sequences_grow_and_given_back_when_slots_free(tiny_arch):
+    """A request that may use most of the context commits its cache a block of positions at a time, not the
+    whole slot; once it ends with nothing waiting, its slot's pages go back to the system (they read as
+    zeros), and the next request generates exactly what it did on a fresh cache."""
+    import os
+
+    from megatron_rl.rollout.native.kv_cache import ZERO_FILL_POSITIONS
+
+    request = GenerateRequest("r0", prompt(0, 5), SamplingParams(temperature=0, max_new_tokens=600))
+    with make_engine(tiny_arch, max_batch_size=2, max_seq_len=1024) as engine:
+        ahead = []
+
+        def on_token(sample_id, token, logprob, version):  # in the step's thread: the cache is still now
+            ahead.append(max(engine.kv_cache.written) - (5 + len(ahead)))
+
+        first = engine.wait(engine.submit([request], on_token=on_token))[0]
+        assert 0 < max(ahead) <= ZERO_FILL_POSITIONS + 1  # never the whole slot (600 positions ahead)
+        assert engine.kv_cache.written == [0, 0]  # given back: nothing was waiting
+        k = engine.kv_cache.k
+        with torch.inference_mode():  # the cache's tensors are the engine's inference tensors
+            k[:, 1] = 1.0
+        engine.kv_cache.written[1] = 1
+        engine.kv_cache.return_pages([1])
+        page = os.sysconf("SC_PAGE_SIZE") // k.element_size()
+        inner = k[0, 1].reshape(-1)[page:-page]  # the whole pages inside the block: gone, zeros on the next read
+        assert inner.numel() > 0 and bool((inner == 0).all())
+        assert not bool((k[:, 0] == 1.0).any())  # another slot untouched
+        again = engine.generate([dataclasses.replace(request, request_id="r0-again")])[0]
+        assert again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs

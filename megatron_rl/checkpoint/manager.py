@@ -89,6 +89,11 @@ def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_step(path: str) -> int:
+    """The training step a checkpoint directory (RUN_DIR/checkpoints/step_00000010) was taken after."""
+    return int(os.path.basename(os.path.normpath(path))[len("step_"):])
+
+
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -130,6 +130,9 @@ def user_error(exc: BaseException) -> str | None:
         return f"{where}: {exc.strerror}"
     if isinstance(exc, UnicodeDecodeError):
         return f"{_file_being_decoded(exc) or 'a file'}: not {exc.encoding} text (byte {exc.start}: {exc.reason})"
+    if "No space left on device" in str(exc):  # libraries that wrap ENOSPC in their own error (safetensors)
+        return (f"{type(exc).__name__}: no space left on device (the disk is full: free space; nothing half-written "
+                "is kept, and a run continues from its last checkpoint with --resume)")
     return None
 
 

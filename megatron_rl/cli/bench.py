@@ -28,11 +28,13 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench_train_step:bench_trainer",
     "rollout": "megatron_rl.rollout.bench_generate:bench_rollout",
     "serve": "megatron_rl.rollout.bench_serve:bench_serve",
+    "serve-memory": "megatron_rl.rollout.bench_serve_memory:bench_serve_memory",
     "logprob": "megatron_rl.kernels.bench_logprob:bench_logprob",
     "async": "megatron_rl.controller.bench_async:bench_async",
     "sync": "megatron_rl.placement.bench_weight_sync:bench_sync",
     "pcl": "megatron_rl.recipes.pcl.bench_selection:bench_pcl",
     "sim": "megatron_rl.sim.simulate:bench_sim",
+    "sandbox": "megatron_rl.recipes.agent.bench_sandbox:bench_sandbox",
 }
 
 

@@ -10,15 +10,16 @@ import torch
 from megatron_rl.checkpoints_tools.convert import (
     DEFAULT_MAX_SHARD_SIZE,
     cast_state,
+    check_replaceable,
     convert,
     save_hf,
     save_megatron,
-    written_by_convert,
 )
 from megatron_rl.config import ConfigError
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.models.upcycle import UpcycleRecipe, upcycle_state
+from megatron_rl.weight_sync.shared_memory import reclaim_stale
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output(args.source, args.output, overwrite=args.overwrite)  # before the slow load
+    reclaim_stale()  # what killed runs left in /dev/shm: whatever starts next frees it
     start = time.perf_counter()
     if args.upcycle_experts:
         recipe = UpcycleRecipe(num_experts=args.upcycle_experts, top_k=args.upcycle_top_k,
@@ -99,6 +101,4 @@ def check_output(source: str, output: str, *, overwrite: bool) -> None:
         if not overwrite:
             raise ConfigError(f"OUTPUT {output} exists; choose another OUTPUT, or add --overwrite to replace "
                               "an earlier conversion")
-        if not written_by_convert(output):
-            raise ConfigError(f"OUTPUT {output} exists and is not a directory megatron-rl convert wrote; "
-                              "--overwrite replaces only those (choose another OUTPUT)")
+        check_replaceable(output)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from megatron_rl.cli.serve import add_engine_arguments, build_engine
 from megatron_rl.config import ConfigError
-from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": prompt}]
             requests.append(GenerateRequest(f"prompt-{i}", tokenizer.encode_chat(messages), sampling))
-        futures = engine.submit(requests)
+        try:
+            futures = engine.submit(requests)
+        except RequestError as exc:  # a prompt the engine cannot take (longer than its context): the user's
+            raise ConfigError(f"{args.file + ': ' if args.file else ''}{exc}; raise --max-seq-len or shorten the "
+                              "prompt") from None
         progress = None
         if len(futures) > 4 and sys.stderr.isatty() or len(futures) > 16:
             progress = tqdm(total=len(futures), desc="generate", unit="completion", file=sys.stderr)

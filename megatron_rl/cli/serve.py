@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import signal
@@ -13,7 +12,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.native.engine import return_freed_heap
+from megatron_rl.rollout.openai_tools import PARSERS
 from megatron_rl.rollout.server import RolloutServer, ServerLimits
+from megatron_rl.weight_sync.shared_memory import reclaim_stale
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +44,6 @@ def build_engine(args: argparse.Namespace):
     return NativeEngine.from_pretrained(load_pretrained(args.model), config)
 
 
-def _return_freed_memory() -> None:
-    """Hand the loader's freed buffers (the checkpoint read before the engine copied it) back to the OS:
-    glibc keeps them otherwise, ~0.4 GB of the idle server's resident memory with SmolLM2."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
@@ -65,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-mb", type=float, default=limits.max_body_bytes / 2**20,
                         help="largest JSON request body in MiB (checked before parsing)")
     parser.add_argument("--max-n", type=int, default=limits.max_n, help="most samples per request")
+    parser.add_argument("--tool-call-parser", default="auto", choices=PARSERS,
+                        help="how /v1/chat/completions reads the model's tool calls: auto (from the chat template), "
+                             "a format, or none (tools rendered only with tool_choice none)")
     parser.add_argument("--max-queued-tokens", type=int, default=0,
                         help="most prompt + new tokens queued over all requests (0: 16 x slots x context)")
 
@@ -74,15 +69,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_request_mb <= 0 or args.max_n < 1 or args.max_queued_tokens < 0:
         raise ConfigError("--max-request-mb must be > 0, --max-n >= 1 and --max-queued-tokens >= 0")
+    reclaim_stale()  # what killed runs left in /dev/shm: whatever starts next frees it
     limits = ServerLimits(max_body_bytes=int(args.max_request_mb * 2**20), max_n=args.max_n,
                           max_queued_tokens=args.max_queued_tokens)
     engine = build_engine(args)
-    _return_freed_memory()
+    gc.collect()  # the loader's freed buffers (the checkpoint read before the engine copied it): ~0.4 GB
+    return_freed_heap()
     if args.weight_version:
         engine.update_weights({}, args.weight_version)
     try:
         server = RolloutServer(engine, host=args.host, port=args.port, api_key=args.api_key, model_path=args.model,
-                               model_name=args.served_model_name, limits=limits)
+                               model_name=args.served_model_name, limits=limits,
+                               tool_call_parser=args.tool_call_parser)
     except OSError as exc:
         engine.close()
         raise ConfigError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from None

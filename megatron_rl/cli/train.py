@@ -1,10 +1,11 @@
 """`megatron-rl train CONFIG.yaml [overrides] [--resume | --fresh]`.
 
 Without a flag a run starts in an empty (or new) run directory, resumes one holding this run's checkpoints
-(a relaunch after a crash, a requeued job), and refuses one holding results without a checkpoint;
-`--resume` insists on continuing from the latest checkpoint; `--fresh` moves the directory's contents
-aside and starts over. SIGTERM / SIGUSR1 (or a STOP file in the run directory) checkpoint at the next
-step boundary and exit 0."""
+(a relaunch after a crash, a requeued job), starts over where this run died before its first checkpoint,
+and refuses another experiment's directory (its config differs: the first differing field is named) or a
+config.json no run wrote; `--resume` continues the latest checkpoint, also under a changed config;
+`--fresh` moves the run's own files aside (never the user's) and starts over (docs/bad_input.md).
+SIGTERM / SIGUSR1 (or a STOP file in the run directory) checkpoint at the next step boundary and exit 0."""
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,11 @@ def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
     row, and the run directory (previous run, checkpoint to resume)."""
     train_set, heldout = build_datasets(config.data)
     manager = CheckpointManager(config.run_dir, config.checkpoint)
+    requested = resume
     resume = resume or (not fresh and manager.resumable())  # as train: a relaunch resumes
     latest = manager.latest() if resume else None
-    if not fresh:  # --fresh would move the previous run aside: nothing to refuse
-        prepare_run_dir(config.run_dir, resume=resume, fresh=False, checkpoint=latest, config=to_dict(config),
-                        move=False)
+    prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest, config=to_dict(config),
+                    move=False, requested=requested, keep=config.data.files())
     print(json.dumps({"check": "ok", "train_prompts": len(train_set), "heldout_prompts": len(heldout),
                       "train_stats": train_set.stats, "resume_from": latest, "run_dir": config.run_dir}))
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl import ranks
-from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager
+from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager, checkpoint_step
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.curriculum import load_executors, save_executors
 from megatron_rl.controller.producer import RolloutProducer
@@ -32,7 +33,7 @@ from megatron_rl.controller.run_state import RunState, RunSummary
 from megatron_rl.controller.stop import StopRequest
 from megatron_rl.data.sources import PromptStream
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.observability.run_log import RunDirLock, prepare_run_dir
+from megatron_rl.observability.run_log import RunDirLock, prepare_run_dir, run_dir_entries, undo_refused_start
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.placement.generator_ranks import (
     current_launch,
@@ -341,9 +342,13 @@ def train(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> Ru
         serve_generator_rank(config, current_launch())
         return None
     name_semaphores_by_owner()  # and reclaim the shared memory of dead runs, before this run adds its own
+    found = _on_driver(lambda: run_dir_entries(config.run_dir))
     lock = _on_driver(lambda: RunDirLock(config.run_dir))
     try:
         return _train(config, resume=resume, fresh=fresh, started=started)
+    except ConfigError:  # refused: leave the run directory as the run found it
+        _on_driver(lambda: undo_refused_start(config.run_dir, found))
+        raise
     finally:
         if lock is not None:
             lock.close()
@@ -352,13 +357,19 @@ def train(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> Ru
 def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> RunSummary:
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
     report = RunReporter.of_this_rank(config, checkpoints)
+    requested = resume
     if not resume and not fresh and ranks.broadcast_records(_on_driver(checkpoints.resumable)):
-        # A relaunch (a requeued job, a crashed run started again) continues where the run stopped.
-        resume = True
-        report.say(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
+        resume = True  # a relaunch (a requeued job, a crashed run started again) continues where it stopped
     latest = _latest_checkpoint(checkpoints) if resume else None  # before the slow set-up: a bad checkpoint fails fast
     _on_driver(lambda: prepare_run_dir(config.run_dir, resume=resume, fresh=fresh, checkpoint=latest,
-                                       config=to_dict(config)))
+                                       config=to_dict(config), requested=requested, keep=config.data.files()))
+    if resume and not requested and latest is not None:
+        report.say(f"{config.run_dir} holds this run's checkpoints: resuming from the latest (--fresh starts over)")
+    finished = _finished_summary(config, latest)
+    if finished is not None:
+        report.say(f"{config.run_dir}: this run finished at step {finished.steps}; its summary.json is kept "
+                   "(raise `steps` to train further)")
+        return finished
     os.makedirs(config.run_dir, exist_ok=True)
     report.write_config()
     report.say(f"loading {config.model.path} and building the run's executors")
@@ -460,6 +471,18 @@ def _on_driver(work):
     if message is not None:
         raise ConfigError(message)
     return value
+
+
+def _finished_summary(config: RunConfig, latest: str | None) -> RunSummary | None:
+    """The summary of a run that already reached `steps` (relaunched: nothing to train, and its summary,
+    final metrics and evaluations included, must stay whole); None otherwise."""
+    if latest is None or checkpoint_step(latest) < config.steps:
+        return None
+    try:
+        with open(os.path.join(config.run_dir, "summary.json"), encoding="utf-8") as f:
+            return RunSummary(**json.load(f))
+    except (OSError, ValueError, TypeError):  # killed before its summary: the run's end is still to do
+        return None
 
 
 def _latest_checkpoint(checkpoints: CheckpointManager) -> str | None:

@@ -47,6 +47,9 @@ class SourceConfig:
     prompt_template: str = "{question}"
     """Format string for the user message; `{question}` is the prompt text (e.g. add answer-format
     instructions: "{question}\\nPut the final answer in \\\\boxed{{}}.")."""
+    max_row_bytes: int = 16 << 20
+    """jsonl: the longest row read (bytes); a longer one is a bad row (`on_bad_row`), named by file and line,
+    and is never held in memory whole."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row (bad JSON, missing field, wrong type): error names the file and line; skip
     counts it in the data set's stats and goes on."""
@@ -64,10 +67,13 @@ class SourceConfig:
     (a held-out set takes an equal share of heldout_size from each)."""
 
     def __post_init__(self) -> None:
+        require(self.max_row_bytes >= 1024, "max_row_bytes", "must be >= 1024")
         if self.kind == "mixture":
             require(bool(self.components), "components", "a mixture source needs at least one component")
             require(all(c.kind == "reasoning_gym" for c in self.components), "components",
                     "mixture components must be reasoning_gym sources")
+        if self.path:
+            self.path = os.path.expanduser(self.path)
         if self.kind in ("jsonl", "parquet"):
             require(bool(self.path), "path", f"a {self.kind} source needs a path")
         require(self.size >= 1, "size", "must be >= 1")
@@ -109,3 +115,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(self.heldout_size >= 0, "heldout_size", "must be >= 0")
+
+    def files(self) -> tuple[str, ...]:
+        """The data files this config reads (a run directory that holds them never moves them)."""
+        return tuple(source.path for source in (self.train, self.heldout) if source is not None and source.path)

@@ -37,6 +37,7 @@ import random
 import re
 from typing import Any, Iterator, Sequence
 
+from megatron_rl.config import path_kind
 from megatron_rl.data.champ import load_champ
 from megatron_rl.data.config import DataConfig, SourceConfig
 from megatron_rl.data.prompts import (
@@ -128,7 +129,10 @@ def source_files(cfg: SourceConfig) -> list[str]:
         if not files:
             raise DataError(f"data files not found: no file matches {path}")
         return files
-    raise DataError(f"data file not found: {path}")
+    kind = path_kind(path)
+    if kind == "missing":
+        raise DataError(f"data file not found: {path}")
+    raise DataError(f"data file {path} is {kind}, not a regular file")
 
 
 def _get(row: dict, dotted: str) -> Any:
@@ -228,10 +232,16 @@ def _unicode_error(value: Any, where: str, field: str = "") -> DataError | None:
     return None
 
 
-def _json_lines(path: str) -> Iterator[tuple[int, str, Any]]:
+def _json_lines(path: str, max_row_bytes: int) -> Iterator[tuple[int, str, Any]]:
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(max_row_bytes + 1), b""), start=1):
             where = f"{path}:{lineno}"
+            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass  # the rest of the row, read and dropped a MiB at a time
+                yield lineno, where, DataError(f"{where}: row longer than {max_row_bytes:,} bytes "
+                                               "(raise data.*.max_row_bytes to read it)")
+                continue
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8):]  # a byte-order mark written by Windows editors: not data
             try:
@@ -278,7 +288,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
         yield i, f"{path}: row {i}", row
 
 
-def _file_rows(path: str, kind: str) -> Iterator[tuple[int, str, Any]]:
+def _file_rows(path: str, kind: str, max_row_bytes: int) -> Iterator[tuple[int, str, Any]]:
     lower = path.lower()
     if lower.endswith(".parquet") or (kind == "parquet" and not lower.endswith(DATA_EXTENSIONS)):
         return _parquet_rows(path)
@@ -287,13 +297,13 @@ def _file_rows(path: str, kind: str) -> Iterator[tuple[int, str, Any]]:
             head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         if head.startswith(b"["):
             return _json_array(path)
-    return _json_lines(path)
+    return _json_lines(path, max_row_bytes)
 
 
 def _read_rows(cfg: SourceConfig) -> Iterator[tuple[str, int, str, Any]]:
     """(file, row number, location text, row or DataError) for each row of the source's files."""
     for file in source_files(cfg):
-        for number, where, row in _file_rows(file, cfg.kind):
+        for number, where, row in _file_rows(file, cfg.kind, cfg.max_row_bytes):
             yield file, number, where, row
 
 

@@ -108,6 +108,14 @@ class ChatTokenizer:
     def chat_template(self) -> str | dict[str, str] | None:
         return self.hf_tokenizer.chat_template
 
+    def template_for(self, tools: bool) -> str | None:
+        """The template text a request renders with, as transformers picks it: the named `template` if
+        set, else with tools a model's "tool_use" template where it has one, else its default."""
+        if not self.chat_template:
+            return None
+        name = None if self.template is None else self._named_template(self.template)
+        return self.hf_tokenizer.get_chat_template(name, tools=[{}] if tools else None)
+
     @property
     def bos_token_id(self) -> int | None:
         return self.hf_tokenizer.bos_token_id

@@ -184,9 +184,41 @@ def _sliding_window(family: Family, config: dict[str, Any], where: str, max_posi
     return int(window)
 
 
+# The shape of every weight: never defaulted (transformers would take its class's 7B defaults and then fail
+# on the first tensor); a config without one is refused by name.
+REQUIRED_FIELDS = ("vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+def with_family_defaults(family: Family, config: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """`config` with every field it leaves out (or sets to null) read as transformers' own config
+    class for the family fills it (`rms_norm_eps` 1e-5 and `rope_theta` 1e6 for Mixtral, `sliding_window`
+    4096 for Mistral, `head_dim` 128 for Qwen3, `max_position_embeddings` 2048 for Llama): read from the
+    class, which computes the ones that depend on other fields, never restated here."""
+    for field in REQUIRED_FIELDS:
+        if config.get(field) is None:
+            raise _refuse(where, field, "missing: it sets the shape of the weights, so no default can stand in")
+    import transformers  # the family's own config class is the reference for its defaults
+
+    config_class = getattr(transformers, family.config_class)
+    try:
+        resolved = config_class.from_dict(dict(config)).to_dict()
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"{where}: transformers' {family.config_class} cannot read it: {exc}") from None
+    # what the class made of each absent or null field (a null it keeps, e.g. sliding_window, stays null)
+    filled = {**config, **{k: v for k, v in resolved.items() if config.get(k) is None}}
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "rope_theta" not in config and "rope_theta" not in params:  # transformers 5 keeps it in rope_parameters
+        theta = (resolved.get("rope_parameters") or {}).get("rope_theta")
+        if theta is not None:
+            filled["rope_theta"] = theta
+    return filled
+
+
 def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelArch:
-    """The `ModelArch` an HF config.json describes, refusing any numerics field the family does not honour."""
+    """The `ModelArch` an HF config.json describes, refusing any numerics field the family does not honour;
+    fields it leaves out take the values transformers gives that family (`with_family_defaults`)."""
     family = family_of_hf_config(config, where)
+    config = with_family_defaults(family, config, where)
     act = config.get("hidden_act", config.get("hidden_activation", "silu"))
     if act != "silu":
         raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
@@ -224,7 +256,16 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         return ModelArch(**arch_fields, family=family.name, attention_bias=family.qkv_bias, qk_norm=family.qk_norm,
                          rope_scaling=scaling, sliding_window=window)
     except ConfigError as exc:
+        hf_name = _HF_NAMES.get(exc.field or "")
+        if hf_name:  # name the field as the file spells it
+            raise _refuse(where, hf_name, f"{config.get(hf_name)!r} (the file's value, or transformers' default "
+                          f"for {family.name} where the file has none) is not usable: {exc.reason or exc}") from None
         raise ConfigError(f"{where}: {exc}") from None
+
+
+# ModelArch's field names -> the HF config's
+_HF_NAMES = {"num_query_groups": "num_key_value_heads", "norm_eps": "rms_norm_eps", "num_layers": "num_hidden_layers",
+             "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim"}
 
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -328,4 +369,6 @@ def from_json(path: str | os.PathLike) -> ModelArch:
             data = json.load(f)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object (an HF model config), got a {type(data).__name__}")
     return from_hf_config(data, where=os.fspath(path))

@@ -7,6 +7,7 @@ and resumes the ledger lists every consumed prompt exactly once and the metrics 
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -14,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from megatron_rl.config import ConfigError, to_dict
+from megatron_rl.config import ConfigError, path_kind, to_dict
 from megatron_rl.observability.metrics import MetricsLogger, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,7 @@ class RunDirLock:
     SIGKILL included: the kernel drops fcntl locks with the process)."""
 
     def __init__(self, run_dir: str):
-        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-            raise ConfigError(f"run_dir {run_dir} is a file, not a directory")
+        check_run_dir_path(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, LOCK_FILE)
         self._file = open(self.path, "a+", encoding="utf-8")
@@ -66,6 +66,81 @@ class RunDirLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_run_dir_path(run_dir: str) -> None:
+    """Refuse a run_dir that is there but is not a directory, saying what it is."""
+    kind = path_kind(run_dir)
+    if kind == "a regular file":
+        raise ConfigError(f"run_dir {run_dir} is a file, not a directory")
+    if kind not in ("missing", "a directory"):
+        raise ConfigError(f"run_dir {run_dir} is {kind}, not a directory")
+
+
+def run_dir_entries(run_dir: str) -> set[str] | None:
+    """The names in the run directory before a run starts (None: there is no directory yet)."""
+    return set(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
+
+
+def undo_refused_start(run_dir: str, found: set[str] | None) -> None:
+    """After a run refused before it wrote any record (a bad model config, a bad data file): remove the lock,
+    config.json and manifest it added, and the directory if it made it, so the refusal leaves nothing behind.
+    Files that were there before, and any run that got as far as writing more, are left as they are."""
+    if not os.path.isdir(run_dir):
+        return
+    added = set(os.listdir(run_dir)) - (found or set())
+    if not added <= {LOCK_FILE, "config.json", RUN_MANIFEST}:
+        return
+    for name in added:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(run_dir, name))
+    if found is None:
+        with contextlib.suppress(OSError):
+            os.rmdir(run_dir)
+
+
+# The run directory's record of what was in it before its first run started: the user's files, which no
+# run overwrites, moves or prunes (everything else in the directory is the run's own).
+RUN_MANIFEST = ".megatron-rl-run.json"
+# Fields a run may change and still continue its checkpoints: how long it runs, where it logs, how often it
+# checkpoints, and where and how it is laid out (checkpoints reshard on load). Any other difference is
+# another experiment.
+RESUMABLE_CHANGES = ("steps", "run_dir", "recipe", "logging", "checkpoint.every_steps", "checkpoint.keep_last",
+                     "checkpoint.save_at_end", "cluster", "trainer.parallel")
+
+
+def users_entries(run_dir: str) -> set[str]:
+    """The entries of `run_dir` that are not the run's: those its manifest lists as there before the first
+    run. Without a manifest (no run yet, or one of an earlier version): none if its config.json is a run's,
+    else every entry but a run's records (which are refused as a previous run's)."""
+    try:
+        with open(os.path.join(run_dir, RUN_MANIFEST), encoding="utf-8") as f:
+            found = json.load(f).get("found_before_first_run", [])
+        return {str(name) for name in found}
+    except FileNotFoundError:
+        if _is_run_config(_read_json(os.path.join(run_dir, "config.json"))):
+            return set()
+        return _entries(run_dir) - {*RESULTS, "config.json", PREVIOUS_RUNS}
+    except (OSError, ValueError, AttributeError):
+        raise ConfigError(f"{os.path.join(run_dir, RUN_MANIFEST)}: unreadable; it lists the files of {run_dir} "
+                          "that are not the run's (restore it, or choose another run_dir)") from None
+
+
+def config_difference(previous: dict[str, Any], config: dict[str, Any], prefix: str = "") -> str | None:
+    """The first field (dotted, with both values) where two run configs differ, leaving out the fields a
+    resumed run may change (RESUMABLE_CHANGES); None when they are the same experiment."""
+    for key in sorted(set(previous) | set(config)):
+        name = f"{prefix}{key}"
+        if name in RESUMABLE_CHANGES:
+            continue
+        old, new = previous.get(key, "<absent>"), config.get(key, "<absent>")
+        if isinstance(old, dict) and isinstance(new, dict):
+            found = config_difference(old, new, name + ".")
+            if found:
+                return found
+        elif old != new:
+            return f"{name} ({json.dumps(old)} there, {json.dumps(new)} now)"
+    return None
 
 
 def previous_results(run_dir: str) -> list[str]:
@@ -99,49 +174,98 @@ def steps_after(run_dir: str, step: int) -> list[str]:
 
 
 def prepare_run_dir(run_dir: str, *, resume: bool, fresh: bool, checkpoint: str | None,
-                    config: dict[str, Any] | None = None, move: bool = True) -> None:
-    """Refuse what would lose a previous run's files; `fresh` moves them aside first.
+                    config: dict[str, Any] | None = None, move: bool = True, requested: bool | None = None,
+                    keep: tuple[str, ...] = ()) -> None:
+    """Decide from what is on disk whether this run may start in `run_dir`; refuse (one line, nothing
+    changed) what would lose or take over another run's files, or the user's. `resume`: the run will
+    continue `checkpoint` (if any); `requested`: the user asked for that (--resume; default: `resume`).
 
-    - a fresh start (neither flag) in a directory holding a previous run's results: refused, unless they
-      are this very run's (its config.json equals `config`) from an attempt that died before its first
-      checkpoint: a relaunch (a requeued job) then moves them aside and starts over;
-    - `resume` without a checkpoint while the step records have steps to cut: refused;
-    - `fresh`: everything but the lock and earlier moved runs goes to RUN_DIR/previous_runs/<UTC time>/."""
+    - The run owns only what it wrote: entries there before its first run (RUN_MANIFEST) are never
+      overwritten or moved, and a config.json no run wrote is refused.
+    - Another experiment (its config.json differs beyond RESUMABLE_CHANGES) is refused naming the first
+      differing field, unless --resume (continue its checkpoints under this config) or --fresh.
+    - The same experiment without a checkpoint (an attempt that died before its first one): its records
+      are moved aside and the run starts over, with or without --resume.
+    - `resume` without a checkpoint where the step records have steps to cut: refused.
+    - `fresh`: the run's own entries go to RUN_DIR/previous_runs/<UTC time>/; the user's, and the data
+      files `keep` names (paths), stay.
+    `move=False` (train --check) decides without changing anything."""
+    requested = resume if requested is None else requested
+    check_run_dir_path(run_dir)
     if resume and fresh:
         raise ConfigError("--resume and --fresh exclude each other: continue the run in run_dir, or move it "
                           "aside and start over")
+    users = users_entries(run_dir) if os.path.isdir(run_dir) else set()
+    previous = _read_json(os.path.join(run_dir, "config.json"))
+    has_manifest = os.path.isfile(os.path.join(run_dir, RUN_MANIFEST))
+    if os.path.lexists(os.path.join(run_dir, "config.json")) and (
+            "config.json" in users or not (has_manifest or _is_run_config(previous))):
+        raise ConfigError(f"run_dir {run_dir} holds a config.json that no run wrote (e.g. a model directory); "
+                          "a run would overwrite it: choose another run_dir")
     if fresh:
-        _move_aside(run_dir)
+        if move:
+            _move_aside(run_dir, users, keep)
+            _write_manifest(run_dir, users)
+        return
+    changed = config_difference(previous, json.loads(json.dumps(config))) if previous and config else None
+    if changed and not requested:
+        raise ConfigError(f"run_dir {run_dir} holds another run: its config differs at {changed}; add --resume "
+                          f"to continue its checkpoints under this config, or --fresh to move it into "
+                          f"{os.path.join(run_dir, PREVIOUS_RUNS)}/ and start over")
+    found = [name for name in previous_results(run_dir) if name not in users]
+    if found and checkpoint is None and previous and not changed:
+        if move:
+            log.warning("%s: an earlier attempt of this run stopped before its first checkpoint; starting over",
+                        run_dir)
+            _move_aside(run_dir, users, keep)
+            _write_manifest(run_dir, users)
         return
     if resume:
-        cut = steps_after(run_dir, 0) if checkpoint is None else []
+        cut = [name for name in steps_after(run_dir, 0) if name not in users] if checkpoint is None else []
         if cut:
             raise ConfigError(f"--resume: no checkpoint in {os.path.join(run_dir, 'checkpoints')}, and resuming "
                               f"from step 0 would cut the history of {', '.join(cut)} in {run_dir}; add --fresh "
                               "instead to move that run aside and start over")
-        return
-    found = previous_results(run_dir)
-    if found and checkpoint is None and config is not None and _same_config(run_dir, config):
-        if move:
-            log.warning("%s: an earlier attempt of this run stopped before its first checkpoint; starting over",
-                        run_dir)
-            _move_aside(run_dir)
-        return
-    if found:
+    elif found:
         raise ConfigError(f"run_dir {run_dir} holds a previous run ({', '.join(found)}); add --resume to continue "
                           f"it, or --fresh to move it into {os.path.join(run_dir, PREVIOUS_RUNS)}/ and start over")
+    if changed:
+        log.warning("%s: --resume continues this run's checkpoints under a changed config: %s", run_dir, changed)
+    if move:
+        _write_manifest(run_dir, users)
 
 
-def _same_config(run_dir: str, config: dict[str, Any]) -> bool:
+def _is_run_config(value: Any) -> bool:
+    return isinstance(value, dict) and {"run_dir", "steps", "model"} <= set(value)
+
+
+def _read_json(path: str) -> Any:
     try:
-        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-            return json.load(f) == json.loads(json.dumps(config))
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
     except (OSError, ValueError):
-        return False
+        return None
 
 
-def _move_aside(run_dir: str) -> None:
-    entries = [n for n in os.listdir(run_dir) if n not in (LOCK_FILE, PREVIOUS_RUNS)]
+def _entries(run_dir: str) -> set[str]:
+    return set(os.listdir(run_dir)) - {LOCK_FILE, RUN_MANIFEST} if os.path.isdir(run_dir) else set()
+
+
+def _write_manifest(run_dir: str, users: set[str]) -> None:
+    """Record the user's entries once, at the first run in the directory."""
+    path = os.path.join(run_dir, RUN_MANIFEST)
+    if os.path.exists(path):
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"found_before_first_run": sorted(users)}, f, indent=1)
+
+
+def _move_aside(run_dir: str, users: set[str], keep: tuple[str, ...]) -> None:
+    root = os.path.realpath(run_dir)
+    kept = {os.path.relpath(os.path.realpath(p), root).split(os.sep)[0] for p in keep
+            if os.path.realpath(p).startswith(root + os.sep)}
+    entries = sorted(_entries(run_dir) - {PREVIOUS_RUNS} - users - kept)
     if not entries:
         return
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -153,12 +277,15 @@ def _move_aside(run_dir: str) -> None:
     os.makedirs(target)
     for name in entries:
         os.rename(os.path.join(run_dir, name), os.path.join(target, name))
-    log.warning("--fresh: moved the previous run's %d entries of %s to %s", len(entries), run_dir, target)
+    log.warning("moved the previous run's %d entries of %s to %s", len(entries), run_dir, target)
 
 
 def write_config(config) -> None:
-    with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
+    """config.json, replaced whole (a kill mid-write leaves the previous one or none, never half of one)."""
+    path = os.path.join(config.run_dir, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(to_dict(config), f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 class RunLog:

@@ -76,28 +76,28 @@ def bench_serve(options: dict[str, Any]) -> dict[str, Any]:
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server)
         body = {"model": "bench", "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
         for k in range(0, batch, 8):
-            _post(url + "/v1/completions", {**body, "prompt": prompts[k:k + 8]})
-        idle_rss = _rss_kb(server.pid, "VmRSS")
+            post_json(url + "/v1/completions", {**body, "prompt": prompts[k:k + 8]})
+        idle_rss = rss_kb(server.pid, "VmRSS")
 
         def one(i: int) -> tuple[list[int], float]:
             begin = time.perf_counter()
-            out = _post(url + "/v1/completions", {**body, "prompt": prompts[i]})[1]
+            out = post_json(url + "/v1/completions", {**body, "prompt": prompts[i]})[1]
             return out["choices"][0]["token_ids"], time.perf_counter() - begin
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(batch) as pool:
             results = list(pool.map(one, range(count)))
         http_s = time.perf_counter() - start
-        peak_rss = _rss_kb(server.pid, "VmHWM")
+        peak_rss = rss_kb(server.pid, "VmHWM")
         latencies = sorted(latency for _, latency in results)
         same = sum(ids == c.output_ids for (ids, _), c in zip(results, direct))
         big = b'{"model": "bench", "prompt": "' + b"x" * (20 << 20) + b'"}'
         begin = time.perf_counter()
-        refused, _ = _post(url + "/v1/completions", big)
+        refused, _ = post_json(url + "/v1/completions", big)
         refuse_s = time.perf_counter() - begin
     finally:
         server.terminate()
@@ -114,7 +114,7 @@ def bench_serve(options: dict[str, Any]) -> dict[str, Any]:
             "refuse_20mb_status": refused, "refuse_20mb_ms": round(refuse_s * 1000, 1)}
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if server.poll() is not None:
@@ -129,7 +129,7 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 600) -> N
     raise RuntimeError(f"bench serve: the server did not become healthy within {timeout} s")
 
 
-def _post(url: str, body: Any) -> tuple[int, Any]:
+def post_json(url: str, body: Any) -> tuple[int, Any]:
     """(status, JSON answer) of a POST; raises on any status but 200 and 413."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -142,7 +142,7 @@ def _post(url: str, body: Any) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
-def _rss_kb(pid: int, field: str) -> int:
+def rss_kb(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):

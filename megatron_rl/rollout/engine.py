@@ -44,6 +44,12 @@ class RequestError(ValueError):
         self.request_id = request_id
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): at 1e-5 a logit gap of 1e-3 is already a
+# factor e^100, so the distribution is one-hot to float32 precision, and much smaller ones (1e-300) become 0
+# or subnormal in float32 and turn logits / T into inf and NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """How to sample one request (SGLang's `sampling_params` names, except `seed` = `sampling_seed`)."""
@@ -51,7 +57,8 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Most tokens to generate; the response also ends when the context (engine max_seq_len) is full."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax of the raw logits)."""
+    """Softmax temperature; 0 means greedy (argmax of the raw logits), and so does any temperature below
+    GREEDY_BELOW_TEMPERATURE (dividing float32 logits by it would overflow or lose every digit)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1]."""
     top_k: int = -1
@@ -102,7 +109,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     # --- SGLang's wire format -----------------------------------------------------------------------
     _SGLANG_NAMES = {"sampling_seed": "seed"}

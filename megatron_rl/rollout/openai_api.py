@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.openai_tools import ToolRequest, ToolStream, history_messages, parse_reply, tool_request
 from megatron_rl.rollout.serving import (
     SSE_DONE,
     APIError,
@@ -31,6 +32,7 @@ from megatron_rl.rollout.serving import (
     checked_bool,
     checked_int,
     checked_token_ids,
+    client_key,
     finite_or_none,
     output_text,
     read_json,
@@ -42,7 +44,7 @@ from megatron_rl.types import Completion
 
 # Fields accepted with their neutral value only (anything else is refused, never ignored).
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None, "best_of": 1,
-            "parallel_tool_calls": None, "response_format": {"type": "text"}}
+            "parallel_tool_calls": True, "response_format": {"type": "text"}}
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
              "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens", "return_token_ids", *_NEUTRAL}
 _COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo"}
@@ -58,6 +60,8 @@ class _Choices:
         self.requests, self.zero, self.stop, self.skip_special = requests, zero, stop, skip_special
         self.return_ids, self.top, self.stream, self.usage_in_stream = return_ids, top, stream, usage_in_stream
         self.id = ""
+        self.tools: ToolRequest | None = None  # chat only: the tools in play
+        self.client = ""  # who asked (serving.client_key): the fair-admission queue it waits in
         self.created = int(time.time())
 
 
@@ -88,6 +92,7 @@ class _OpenAI:
         logprobs = checked_int(body.get("logprobs"), "logprobs", low=0, high=self.limits.max_top_logprobs)
         echo = checked_bool(body.get("echo"), "echo")
         choices = self._requests(body, prompts, default_max_tokens=16, top=logprobs, id_prefix="cmpl")
+        choices.client = client_key(request, body.get("user"))
         if choices.stream and (logprobs is not None or echo):
             raise bad_request("logprobs" if logprobs is not None else "echo", "is not supported with stream=true")
         if choices.stream:
@@ -97,13 +102,12 @@ class _OpenAI:
         for k, c in enumerate(completions):
             p = k // choices.requests[0].sampling.n
             text, _ = output_text(c, self.server.tokenizer, choices.stop, skip_special_tokens=choices.skip_special)
-            kept = self._kept_tokens(c, choices)
             choice: dict[str, Any] = {"index": k, "text": text or "", "logprobs": None,
                                       "finish_reason": c.finish_reason}
             if echo:
                 choice["text"] = (prompt_texts[p] or "") + (text or "")
             if logprobs is not None:
-                choice["logprobs"] = await self._completion_logprobs(c, kept, logprobs, echo)
+                choice["logprobs"] = await self._completion_logprobs(c, logprobs, echo)
             if choices.return_ids:
                 choice["prompt_token_ids"] = list(c.prompt_ids)
                 choice.update(self._token_extension(c))
@@ -118,13 +122,17 @@ class _OpenAI:
             if body.get("max_tokens") is not None:
                 raise bad_request("max_completion_tokens", "and 'max_tokens' exclude each other")
             body["max_tokens"] = body["max_completion_tokens"]
-        prompt = self._render_chat(body)
+        prompt, tools = self._render_chat(body)
         want_logprobs = checked_bool(body.get("logprobs"), "logprobs")
         top = checked_int(body.get("top_logprobs"), "top_logprobs", low=0, high=self.limits.max_top_logprobs)
         if top is not None and not want_logprobs:
             raise bad_request("top_logprobs", "needs logprobs=true")
         choices = self._requests(body, [prompt], default_max_tokens=None, top=(top or 0) if want_logprobs else None,
                                  id_prefix="chatcmpl")
+        choices.client = client_key(request, body.get("user"))
+        choices.tools = tools
+        if tools is not None:  # call markers may be special tokens ([TOOL_CALLS], <|python_tag|>)
+            choices.skip_special = False
         if choices.stream and want_logprobs:
             raise bad_request("logprobs", "is not supported with stream=true")
         if choices.stream:
@@ -133,10 +141,17 @@ class _OpenAI:
         out = []
         for k, c in enumerate(completions):
             text, _ = output_text(c, self.server.tokenizer, choices.stop, skip_special_tokens=choices.skip_special)
-            choice: dict[str, Any] = {"index": k, "message": {"role": "assistant", "content": text or ""},
-                                      "logprobs": None, "finish_reason": c.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text or ""}
+            finish = c.finish_reason
+            if tools is not None:
+                reply = parse_reply(text or "", tools)
+                message["content"] = reply.content
+                if reply.tool_calls:
+                    message["tool_calls"] = reply.tool_calls
+                    finish = "tool_calls"
+            choice: dict[str, Any] = {"index": k, "message": message, "logprobs": None, "finish_reason": finish}
             if want_logprobs:
-                choice["logprobs"] = {"content": await self._chat_logprobs(c, self._kept_tokens(c, choices), top or 0)}
+                choice["logprobs"] = {"content": await self._chat_logprobs(c, top or 0)}
             if choices.return_ids:
                 choice.update(self._token_extension(c))
             out.append(choice)
@@ -176,7 +191,8 @@ class _OpenAI:
         tokenizer = self.server.tokenizer
         return ids, [tokenizer.decode(p, skip_special_tokens=False) if tokenizer is not None else None for p in ids]
 
-    def _render_chat(self, body: dict[str, Any]) -> list[int]:
+    def _render_chat(self, body: dict[str, Any]) -> tuple[list[int], ToolRequest | None]:
+        """The prompt's ids, and the tools in play (tool_choice: none or no tools: None)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages", "must be a non-empty list of messages")
@@ -193,18 +209,20 @@ class _OpenAI:
             elif content is not None and not isinstance(content, str):
                 raise bad_request(f"messages[{i}].content", "must be a string or a list of text parts")
             flat.append(message)
-        tool_choice = body.get("tool_choice")
-        if tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice", f"= {tool_choice!r} is not supported (tool calls are not parsed: "
-                                             "they come back as text in 'content'); use 'auto' or 'none'")
         tokenizer = self._tokenizer("messages")
+        template = _template_text(tokenizer, body.get("tools"))
+        tools = tool_request(body, template, self.server.tool_call_parser)
+        flat = history_messages(flat, template)
         accepts = inspect.signature(tokenizer.encode_chat).parameters
         kwargs: dict[str, Any] = {}
         for name in ("tools", "documents", "add_generation_prompt", "continue_final_message"):
-            if body.get(name) is not None and not (name == "tools" and tool_choice == "none"):
+            if body.get(name) is not None and not (name == "tools" and tools is None):
                 if name not in accepts:
                     raise bad_request(name, "is not supported by this server's chat tokenizer")
                 kwargs[name] = body[name]
+        if tools is not None and tools.opening and kwargs.get("continue_final_message"):
+            raise bad_request("tool_choice", f"= {tools.choice!r} starts the assistant turn itself: it excludes "
+                                             "continue_final_message")
         template_kwargs = body.get("chat_template_kwargs")
         if template_kwargs:
             if not isinstance(template_kwargs, dict):
@@ -219,7 +237,9 @@ class _OpenAI:
             else:
                 raise bad_request("chat_template_kwargs", "is not supported by this server's chat tokenizer")
         try:
-            return tokenizer.encode_chat(flat, **kwargs)
+            if tools is not None and tools.opening:  # the turn starts with the call: tokenized as one text
+                return tokenizer.encode(tokenizer.render_chat(flat, **kwargs) + tools.opening), tools
+            return tokenizer.encode_chat(flat, **kwargs), tools
         except (ValueError, TypeError) as exc:  # template errors (ConfigError) and bad message shapes
             raise bad_request("messages", f"cannot be rendered with the chat template: {exc}") from None
 
@@ -287,29 +307,27 @@ class _OpenAI:
     async def _run(self, choices: _Choices, request: Request) -> list[Completion]:
         if choices.zero:  # max_tokens 0 (prompt scoring with echo): nothing for the engine to do
             return _empty(choices)
-        return await self.bridge.generate(choices.requests, request)
-
-    def _kept_tokens(self, c: Completion, choices: _Choices) -> int:
-        """How many output tokens the reported text covers (a stop token that ended it is left out)."""
-        _, matched = output_text(c, self.server.tokenizer, choices.stop, skip_special_tokens=choices.skip_special)
-        return len(c.output_ids) - 1 if isinstance(matched, int) else len(c.output_ids)
+        return await self.bridge.generate(choices.requests, request, choices.client)
 
     def _token_extension(self, c: Completion) -> dict[str, Any]:
         return {"token_ids": list(c.output_ids), "token_logprobs": [finite_or_none(x) for x in c.output_logprobs],
                 "weight_versions": version_spans(c.weight_versions),
                 "weight_version": c.weight_versions[-1] if c.weight_versions else self.server.engine.version}
 
-    async def _scored(self, c: Completion, kept: int, top: int, echo: bool):
-        """Prompt scores (when echoing) and top alternatives of the first `kept` output tokens."""
+    async def _scored(self, c: Completion, top: int, echo: bool):
+        """Prompt scores (when echoing) and top alternatives of the output tokens."""
         if not top and not echo:
             return None
-        ids = list(c.prompt_ids) + list(c.output_ids[:kept]) if top else list(c.prompt_ids)
+        ids = list(c.prompt_ids) + list(c.output_ids) if top else list(c.prompt_ids)
         return await self.bridge.token_logprobs(ids, top)
 
-    async def _completion_logprobs(self, c: Completion, kept: int, top: int, echo: bool) -> dict[str, Any]:
+    async def _completion_logprobs(self, c: Completion, top: int, echo: bool) -> dict[str, Any]:
+        """One entry per prompt token (when echoing) and per generated token, the stop token that ended the
+        text included (as OpenAI-compatible servers report it; lm-eval's parser drops the last entry of a
+        one-token log-likelihood request, whatever that token is)."""
         tokenizer = self.server.tokenizer
         text = (lambda t: token_piece(tokenizer, t)[0])
-        scored = await self._scored(c, kept, top, echo)
+        scored = await self._scored(c, top, echo)
         P = len(c.prompt_ids)
         tokens: list[str] = []
         values: list[float | None] = []
@@ -321,7 +339,7 @@ class _OpenAI:
                 tops.append(None if scored[p] is None else
                             {**{text(t): finite_or_none(lp) for t, lp in scored[p][1]},
                              text(token): finite_or_none(scored[p][0])})
-        for k in range(kept):
+        for k in range(len(c.output_ids)):
             token, lp = c.output_ids[k], finite_or_none(c.output_logprobs[k])
             alternatives = scored[P + k][1] if top and scored is not None and P + k < len(scored) else []
             tokens.append(text(token))
@@ -333,9 +351,10 @@ class _OpenAI:
             position += len(piece)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _chat_logprobs(self, c: Completion, kept: int, top: int) -> list[dict[str, Any]]:
+    async def _chat_logprobs(self, c: Completion, top: int) -> list[dict[str, Any]]:
+        """One entry per generated token, the stop token that ended the message included."""
         tokenizer = self.server.tokenizer
-        scored = await self._scored(c, kept, top, False)
+        scored = await self._scored(c, top, False)
         P = len(c.prompt_ids)
 
         def entry(token: int, lp: float) -> dict[str, Any]:
@@ -343,7 +362,7 @@ class _OpenAI:
             return {"token": piece, "logprob": finite_or_none(lp), "bytes": list(data)}
 
         content = []
-        for k in range(kept):
+        for k in range(len(c.output_ids)):
             alternatives = scored[P + k][1] if top and scored is not None and P + k < len(scored) else []
             content.append({**entry(c.output_ids[k], c.output_logprobs[k]),
                             "top_logprobs": [entry(t, v) for t, v in alternatives]})
@@ -356,9 +375,12 @@ class _OpenAI:
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": choices.id, "object": kind, "created": choices.created, "model": self.server.model_name}
 
-        def chunk(index: int, piece: str | None, finish: str | None, extra: dict[str, Any] | None = None) -> str:
+        def chunk(index: int, piece: str | None, finish: str | None, extra: dict[str, Any] | None = None,
+                  calls: list[dict] | None = None) -> str:
             if chat:
-                delta = {} if piece is None else {"content": piece}
+                delta: dict[str, Any] = {} if piece is None else {"content": piece}
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
@@ -371,22 +393,31 @@ class _OpenAI:
                                                 "logprobs": None, "finish_reason": None}]})
         tokenizer = self.server.tokenizer
         texts = [TextStream(tokenizer, choices.stop, choices.skip_special) for _ in range(n_samples)]
+        tool_streams = [ToolStream(choices.tools) for _ in range(n_samples)] if choices.tools else None
         completions: list[Completion | None] = [None] * n_samples
         try:
             if choices.zero:
                 events: Any = _done_events(_empty(choices))
             else:
-                events = self.bridge.stream(choices.requests)
+                events = self.bridge.stream(choices.requests, choices.client)
             async for event in events:
                 k = event[1]
                 if event[0] == "token":
                     piece = texts[k].push(event[2])
+                    if piece and tool_streams:
+                        piece = tool_streams[k].push(piece)
                     if piece:
                         yield chunk(k, piece, None)
                     continue
                 c = completions[k] = event[2]
                 final, _ = output_text(c, tokenizer, choices.stop, skip_special_tokens=choices.skip_special)
                 rest = texts[k].finish(final)
+                finish = c.finish_reason
+                if tool_streams:
+                    rest, calls = tool_streams[k].finish(final or "")
+                    if calls:
+                        yield chunk(k, None, None, calls=[{"index": j, **call} for j, call in enumerate(calls)])
+                        finish = "tool_calls"
                 if rest:
                     yield chunk(k, rest, None)
                 extra = None
@@ -394,7 +425,7 @@ class _OpenAI:
                     extra = self._token_extension(c)
                     if not chat:
                         extra["prompt_token_ids"] = list(c.prompt_ids)
-                yield chunk(k, None if chat else "", c.finish_reason, extra)
+                yield chunk(k, None if chat else "", finish, extra)
             if choices.usage_in_stream:
                 yield sse({**head, "choices": [], "usage": _usage(choices, [c for c in completions if c is not None])})
             yield SSE_DONE
@@ -417,6 +448,13 @@ def _usage(choices: _Choices, completions: list[Completion]) -> dict[str, int]:
     prompt = sum(len(r.prompt_ids) for r in choices.requests)
     completion = sum(len(c.output_ids) for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _template_text(tokenizer: Any, tools: Any) -> str | None:
+    """The chat template that renders a request (with tools: a model's "tool_use" template where it has one,
+    as transformers picks it)."""
+    template = getattr(tokenizer, "template_for", None)
+    return template(bool(tools)) if template is not None else None
 
 
 def _only(body: dict[str, Any], allowed: set[str]) -> None:

@@ -23,8 +23,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megatron_rl.config import ConfigError
 from megatron_rl.rollout.engine import RequestError
 from megatron_rl.rollout.openai_api import add_openai_routes
+from megatron_rl.rollout.openai_tools import PARSERS
 from megatron_rl.rollout.serving import APIError, ClientGone, EngineBridge, ServerLimits, error_body, version_spans
 from megatron_rl.rollout.sglang_api import add_sglang_routes
 
@@ -36,13 +38,17 @@ class RolloutServer:
 
     def __init__(self, engine: Any, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
                  tokenizer: Any = None, model_path: str = "", model_name: str | None = None,
-                 limits: ServerLimits | None = None, backlog: int = 4096):
+                 limits: ServerLimits | None = None, backlog: int = 4096, tool_call_parser: str = "auto"):
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
         self.api_key = api_key or None
         self.model_path = model_path
         self.model_name = model_name or (os.path.basename(model_path.rstrip("/")) if model_path else "megatron-rl")
         self.limits = limits or ServerLimits()
+        if tool_call_parser not in PARSERS:
+            raise ConfigError(f"tool_call_parser: unknown parser {tool_call_parser!r} "
+                              f"(choose from {', '.join(PARSERS)})")
+        self.tool_call_parser = tool_call_parser
         self.bridge = EngineBridge(engine, self.limits)
         self.started_at = int(time.time())
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

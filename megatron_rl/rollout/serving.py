@@ -7,20 +7,25 @@ and the text of a completion with its stop string or stop token trimmed. docs/se
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
+import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from megatron_rl.rollout.engine import GenerateRequest, RequestError
 from megatron_rl.types import Completion
+
+log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -106,12 +111,16 @@ async def read_body(request: Request, limit: int) -> bytes:
                 await _discard(request)
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            await _discard(request)
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                await _discard(request)
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        log.info("%s: the client left while sending its body (%d bytes received)", request.url.path, total)
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
@@ -139,7 +148,36 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    field = _field_with_invalid_text(data)
+    if field is not None:
+        raise APIError(400, f"field {field!r} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                            "pair): not valid text", param=field)
     return data
+
+
+def _field_with_invalid_text(value: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first key or string that is not valid Unicode text (JSON
+    allows lone surrogate escapes; no tokenizer can encode them), or None. The path itself is made
+    printable (a bad key is shown escaped)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = key.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(key, str) else str(key)
+            where = f"{path}.{name}" if path else name
+            found = (where if name != key else None) or _field_with_invalid_text(item, where)
+            if found:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _field_with_invalid_text(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -158,6 +196,7 @@ class ServedModel(Protocol):
     tokenizer: Any
     model_name: str
     model_path: str | None
+    tool_call_parser: str  # openai_tools.PARSERS
     started_at: int
     limits: ServerLimits
     bridge: "EngineBridge"
@@ -168,6 +207,81 @@ class ServedModel(Protocol):
 
 class ClientGone(Exception):
     """The HTTP client disconnected; its requests were aborted."""
+
+
+def client_key(http: Request, user: Any = None) -> str:
+    """Who a request is from, for fair admission: the OpenAI `user` field where the client names its end
+    user, else its API key (hashed), else its address."""
+    if isinstance(user, str) and user:
+        return f"user:{user}"
+    authorization = http.headers.get("authorization")
+    if authorization:
+        return "key:" + hashlib.sha256(authorization.encode("utf-8", "replace")).hexdigest()[:16]
+    return f"host:{http.client.host if http.client else '?'}"
+
+
+class FairAdmission:
+    """Admission to the engine in turns across clients: at most `capacity` samples run (or wait in the
+    engine's own queue) at once; past that, each client's requests wait in a queue of their own and a
+    freed place goes to the next client in round-robin order, so one client's backlog delays another's
+    request by at most one turn, not by the backlog. Lives on the server's event loop (not thread-safe)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.running = 0
+        self.waiting: dict[str, collections.deque] = {}
+        self.turns: collections.deque[str] = collections.deque()  # clients with waiting requests, in turn
+
+    async def admit(self, client: str, samples: int, http: Request | None = None) -> None:
+        """Wait for this request's turn (checking every 0.5 s that its client is still there)."""
+        if self.running < self.capacity and not self.turns:
+            self.running += samples
+            return
+        turn = asyncio.get_running_loop().create_future()
+        if client not in self.waiting:
+            self.waiting[client] = collections.deque()
+            self.turns.append(client)
+        self.waiting[client].append((turn, samples))
+        self._dispatch()  # a free place held back only by turns given up since
+        try:
+            while not turn.done():
+                await asyncio.wait([turn], timeout=0.5)
+                if not turn.done() and http is not None and await http.is_disconnected():
+                    raise ClientGone()
+        except BaseException:
+            if turn.done() and not turn.cancelled():  # admitted, but its caller is gone: hand the place on
+                self.release(samples)
+            else:
+                turn.cancel()  # skipped when its turn comes
+                self._dispatch()
+            raise
+
+    def release(self, samples: int) -> None:
+        self.running -= samples
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Give free places to the waiting requests, one client at a time, in turn."""
+        while self.turns and self.running < self.capacity:
+            client = self.turns.popleft()
+            queue = self.waiting[client]
+            turn, needed = queue.popleft()
+            if queue:
+                self.turns.append(client)
+            else:
+                del self.waiting[client]
+            if turn.cancelled():
+                continue
+            self.running += needed
+            turn.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def place(self, client: str, samples: int, http: Request | None = None):
+        await self.admit(client, samples, http)
+        try:
+            yield
+        finally:
+            self.release(samples)
 
 
 class EngineBridge:
@@ -181,6 +295,8 @@ class EngineBridge:
         self.max_seq_len = int(health.get("max_seq_len") or getattr(engine, "max_seq_len", 0) or 0)
         slots = int(health.get("max_batch_size") or 32)
         self.max_queued_tokens = limits.max_queued_tokens or 16 * slots * max(self.max_seq_len, 1)
+        # twice the slots: the engine always has the next sequences queued when one ends
+        self.admission = FairAdmission(2 * slots)
         self._queued = 0
         self._lock = threading.Lock()
         self.streams_tokens = "on_token" in inspect.signature(engine.submit).parameters
@@ -226,28 +342,36 @@ class EngineBridge:
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
 
-    async def generate(self, requests: Sequence[GenerateRequest], http: Request) -> list[Completion]:
-        """All samples of `requests`; aborted in the engine if the client disconnects meanwhile."""
+    async def generate(self, requests: Sequence[GenerateRequest], http: Request, client: str | None = None
+                       ) -> list[Completion]:
+        """All samples of `requests`, admitted in `client`'s turn (FairAdmission; by default the client is
+        told by its API key or address); aborted in the engine if the client disconnects meanwhile."""
+        samples = sum(r.sampling.n for r in requests)
         with self.reserve(requests):
-            futures = [asyncio.wrap_future(f) for f in self._submit(requests)]
-            ids = [r.request_id for r in requests]
-            try:
-                while True:
-                    _, pending = await asyncio.wait(futures, timeout=0.5)
-                    if not pending:
-                        break
-                    if await http.is_disconnected():
-                        self.engine.abort(ids)
-                        raise ClientGone()
-            except asyncio.CancelledError:
-                self.engine.abort(ids)
-                raise
-            return [f.result() for f in futures]
+            async with self.admission.place(client or client_key(http), samples, http):
+                return await self._generate(requests, http)
 
-    async def stream(self, requests: Sequence[GenerateRequest]) -> AsyncIterator[tuple]:
+    async def _generate(self, requests: Sequence[GenerateRequest], http: Request) -> list[Completion]:
+        futures = [asyncio.wrap_future(f) for f in self._submit(requests)]
+        ids = [r.request_id for r in requests]
+        try:
+            while True:
+                _, pending = await asyncio.wait(futures, timeout=0.5)
+                if not pending:
+                    break
+                if await http.is_disconnected():
+                    self.engine.abort(ids)
+                    raise ClientGone()
+        except asyncio.CancelledError:
+            self.engine.abort(ids)
+            raise
+        return [f.result() for f in futures]
+
+    async def stream(self, requests: Sequence[GenerateRequest], client: str) -> AsyncIterator[tuple]:
         """Events ("token", sample, token_id, logprob, version) as tokens are sampled, then
-        ("done", sample, completion) per sample (sample = index in request then sample order). Leaving
-        the iteration early (the client went away) aborts what is still running."""
+        ("done", sample, completion) per sample (sample = index in request then sample order), once
+        admitted in `client`'s turn. Leaving the iteration early (the client went away) aborts what is
+        still running."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         index = {sid: i for i, sid in enumerate(sid for r in requests for sid in r.sample_ids())}
@@ -260,20 +384,21 @@ class EngineBridge:
             post(("token", index[sample_id], token, logprob, version))
 
         with self.reserve(requests):
-            futures = self._submit(requests, on_token)
-            for i, future in enumerate(futures):
-                future.add_done_callback(lambda f, i=i: post(("done", i, f)))
-            remaining = len(futures)
-            try:
-                while remaining:
-                    event = await queue.get()
-                    if event[0] == "done":
-                        remaining -= 1
-                        event = ("done", event[1], event[2].result())
-                    yield event
-            finally:
-                if remaining:
-                    self.engine.abort([r.request_id for r in requests])
+            async with self.admission.place(client, sum(r.sampling.n for r in requests)):
+                futures = self._submit(requests, on_token)
+                for i, future in enumerate(futures):
+                    future.add_done_callback(lambda f, i=i: post(("done", i, f)))
+                remaining = len(futures)
+                try:
+                    while remaining:
+                        event = await queue.get()
+                        if event[0] == "done":
+                            remaining -= 1
+                            event = ("done", event[1], event[2].result())
+                        yield event
+                finally:
+                    if remaining:
+                        self.engine.abort([r.request_id for r in requests])
 
     async def token_logprobs(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """Per position of `ids`: (log p(ids[i] | ids[:i]), top-`top` (token, logprob) alternatives),

@@ -22,6 +22,7 @@ from megatron_rl.rollout.serving import (
     checked_bool,
     checked_int,
     checked_token_ids,
+    client_key,
     finite_or_none,
     output_text,
     read_json,
@@ -107,7 +108,7 @@ class GenerateAPI:
     async def generate(self, request: Request) -> Any:
         call = self.parse(await read_json(request, self.limits.max_body_bytes))
         if call.stream:
-            return StreamingResponse(self._stream(call), media_type="text/event-stream")
+            return StreamingResponse(self._stream(call, client_key(request)), media_type="text/event-stream")
         start = time.perf_counter()
         live = [r for r, zero in zip(call.requests, call.zero) if not zero]
         completions = iter(await self.bridge.generate(live, request) if live else [])
@@ -257,7 +258,7 @@ class GenerateAPI:
                                            if len(prompt) + k < len(scored) else []
                                            for k in range(len(c.output_ids))]
 
-    async def _stream(self, call: GenerateCall):
+    async def _stream(self, call: GenerateCall, client: str):
         """SGLang's streaming /generate: `data: {...}` with the text and ids so far per sample (field
         `index` for batched input), the last one of each with finish_reason and log-probs; then [DONE]."""
         start = time.perf_counter()
@@ -279,7 +280,7 @@ class GenerateAPI:
             if not live:
                 yield SSE_DONE
                 return
-            async for event in self.bridge.stream(live):
+            async for event in self.bridge.stream(live, client):
                 k = event[1]
                 i = owner[k]
                 if event[0] == "token":

@@ -4,11 +4,14 @@ Megatron's own `TransformerConfig` carries the architecture and the parallel lay
 never mirrored by hand): q/k/v biases (Qwen2) are `add_qkv_bias`, per-head q/k RMSNorm (Qwen3) is
 `qk_layernorm`, and RoPE frequencies, scaled or not, come from `models/rope.py`, the function the native
 engine uses too (`ArchRotaryEmbedding` replaces Megatron's own, whose scaling knows only Llama 3 defaults).
-The Transformer Engine layer spec is used when TE is importable with CUDA; otherwise the local spec
+The Transformer Engine layer spec is used when TE's torch extension imports with CUDA and passes a one-layer
+self-test (`transformer_engine_problem`); otherwise the local spec
 (torch RMSNorm, Megatron's own linear layers), which runs on CPU.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Literal
 
@@ -30,20 +33,46 @@ from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.trainer import local_fusions
 from megatron_rl.trainer.moe import sequence_parallel_block_spec
 
+logger = logging.getLogger(__name__)
+
 
 def transformer_engine_available() -> bool:
+    return transformer_engine_problem() is None
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_problem() -> str | None:
+    """Why Transformer Engine's layers cannot be used here (None when they can): CUDA and TE's torch
+    extension must import, and one TE linear layer must run forward and backward, in FP8 where the GPU
+    has it (compute capability 8.9+). An installed but broken extension (built against another torch, a
+    missing CUDA library) is then caught once, here, and `layer_spec: auto` takes the local layers."""
     if not torch.cuda.is_available():
-        return False
+        return "no CUDA device"
     try:
-        import transformer_engine  # noqa: F401  (optional: Transformer Engine needs CUDA)
-    except ImportError:
-        return False
-    return True
+        import transformer_engine.pytorch as te  # optional: Transformer Engine needs CUDA and its torch extension
+    except Exception as exc:  # noqa: BLE001 - any import failure (ImportError, OSError of a .so) means unusable
+        return f"import transformer_engine.pytorch failed: {type(exc).__name__}: {exc}"
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    try:
+        layer = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with te.fp8_autocast(enabled=fp8):
+            out = layer(x)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+        if not (torch.isfinite(out).all() and x.grad is not None and torch.isfinite(x.grad).all()):
+            return "the FP8 self-test produced non-finite values"
+    except Exception as exc:  # noqa: BLE001 - a failing self-test means unusable, whatever it raised
+        return f"the {'FP8 ' if fp8 else ''}self-test of one TE linear layer failed: {type(exc).__name__}: {exc}"
+    return None
 
 
 def resolve_layer_spec(requested: Literal["auto", "local", "te"]) -> Literal["local", "te"]:
     if requested == "auto":
-        return "te" if transformer_engine_available() else "local"
+        problem = transformer_engine_problem()
+        if problem and torch.cuda.is_available():
+            logger.warning("layer_spec auto: Transformer Engine is not usable (%s); using the local layers", problem)
+        return "local" if problem else "te"
     return requested
 
 

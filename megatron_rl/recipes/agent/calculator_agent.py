@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.data.prompts import Prompt
+from megatron_rl.data.tool_calls import template_renders_tools
 from megatron_rl.recipes.agent.config import AgentConfig
 from megatron_rl.recipes.agent.recipe import environment_factory
-from megatron_rl.recipes.agent.tools import template_renders_tools
 
 
 def calculator_agent(config: AgentConfig, tokenizer):

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from megatron_rl.config import Registry, require
+from megatron_rl.recipes.agent.sandbox import SandboxConfig
 
 TOOLS = ("calculator", "python")
 
@@ -83,7 +84,10 @@ class AgentConfig:
     tool_wall_time_s: float = 5.0
     """Sandbox wall-time limit of one tool call."""
     tool_memory_mb: int = 512
-    """Sandbox memory limit of one tool call."""
+    """Sandbox memory limit of one tool call (all of its processes together where cgroups can be made)."""
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    """How tool calls are contained: layers required, host paths readable, process and CPU limits per call
+    (docs/agents.md#the-sandbox-what-contains-a-tool-and-what-does-not)."""
     environment_threads: int = 8
     """Asynchronous runs (rollout.max_staleness > 0): threads that run environment steps (tool calls) off
     the engine's thread. Synchronous runs step environments in the engine's thread (batches independent of

@@ -22,14 +22,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.recipes.agent.sandbox import Sandbox, SandboxLimits
-from megatron_rl.recipes.agent.tools import (
-    Tool,
-    ToolCall,
-    ToolCallFormat,
-    hermes_tools_prompt,
-    run_tool_call,
-    template_renders_tools,
-)
+from megatron_rl.data.tool_calls import ToolCall, ToolCallFormat, template_renders_tools
+from megatron_rl.recipes.agent.tools import Tool, hermes_tools_prompt, run_tool_call
 
 
 @dataclasses.dataclass

@@ -39,8 +39,8 @@ import torch
 from megatron_rl.controller.episodes import EpisodeRuns, Sample
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
+from megatron_rl.data.tool_calls import template_renders_tools
 from megatron_rl.recipes.agent.environment import Environment, EnvStep
-from megatron_rl.recipes.agent.tools import template_renders_tools
 from megatron_rl.rewards.registry import RewardResult
 from megatron_rl.rollout.engine import (
     GenerateRequest,

@@ -14,18 +14,14 @@ from megatron_rl.recipes.agent.episodes import (
     count_episode,
     episode_metrics,
 )
-from megatron_rl.recipes.agent.sandbox import SandboxLimits
+from megatron_rl.recipes.agent.sandbox import SandboxLimits, check_containment
 from megatron_rl.recipes.agent.tasks import (
     build_calculator_datasets,
     grade_final_answer,
     worked_examples,
 )
-from megatron_rl.recipes.agent.tools import (
-    Calculator,
-    PythonTool,
-    tool_call_format,
-    tool_call_format_for,
-)
+from megatron_rl.data.tool_calls import tool_call_format, tool_call_format_for
+from megatron_rl.recipes.agent.tools import Calculator, PythonTool
 from megatron_rl.rollout.engine import SamplingParams
 
 TOOL_CLASSES = {"calculator": Calculator, "python": PythonTool}
@@ -45,7 +41,10 @@ def tool_environment_factory(agent: AgentConfig, tokenizer):
         fmt = tool_call_format_for(template if isinstance(template, str) else None)
     else:
         fmt = tool_call_format(agent.tool_call_format)
-    limits = SandboxLimits(wall_time_s=agent.tool_wall_time_s, memory_mb=agent.tool_memory_mb)
+    check_containment(agent.sandbox)  # refuses a required layer this machine lacks; reports the others once
+    limits = SandboxLimits(wall_time_s=agent.tool_wall_time_s, memory_mb=agent.tool_memory_mb,
+                           processes=agent.sandbox.processes, cpus=agent.sandbox.cpus,
+                           read_only=tuple(agent.sandbox.read_only), backend=agent.sandbox.backend)
     examples = worked_examples(agent.task, agent.few_shot)
 
     def make() -> ToolEnvironment:

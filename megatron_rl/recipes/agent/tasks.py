@@ -13,7 +13,7 @@ from megatron_rl.data.reasoning_gym_tasks import create_task_dataset
 from megatron_rl.data.prompts import Prompt, PromptDataset, stable_id
 from megatron_rl.recipes.agent.config import CalculatorTaskConfig
 from megatron_rl.recipes.agent.environment import WorkedExample
-from megatron_rl.recipes.agent.tools import ToolCall
+from megatron_rl.data.tool_calls import ToolCall
 
 _INTEGER = re.compile(r"-?\d[\d,_]*")
 

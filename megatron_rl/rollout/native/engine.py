@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import itertools
 import logging
 import random
@@ -63,6 +64,18 @@ def context_limit(arch: ModelArch) -> int:
     if arch.sliding_window is not None:
         limit = min(limit, arch.sliding_window)
     return limit
+
+
+IDLE_TRIM_S = 1.0  # idle this long after work, a dedicated engine process hands its freed heap back
+
+
+def return_freed_heap() -> None:
+    """Hand memory freed inside the C heap back to the system (glibc keeps it otherwise: a load spike's
+    activations, a loaded checkpoint's buffers); nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class NativeEngine(_Scheduler):
@@ -189,6 +202,7 @@ class NativeEngine(_Scheduler):
         then never wait for the background thread, and torch keeps a single OpenMP pool."""
         with self._cv:
             self._callers += 1
+        trimmed_after, idle_since = self._stats["steps"], None
         try:
             while not self._closing:
                 if self._driver.acquire(timeout=0.05):
@@ -198,6 +212,14 @@ class NativeEngine(_Scheduler):
                         self._driver.release()
                 with self._cv:
                     self._cv.wait_for(lambda: self._closing or self._abort_pending or self._can_step(), timeout=0.05)
+                    busy, steps = bool(self._waiting or self._running), self._stats["steps"]
+                if busy or steps == trimmed_after:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= IDLE_TRIM_S:  # once per spell of idleness after work
+                    return_freed_heap()
+                    trimmed_after, idle_since = steps, None
         finally:
             with self._cv:
                 self._callers -= 1

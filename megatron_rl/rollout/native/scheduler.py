@@ -334,6 +334,8 @@ class _Scheduler:
                 self._running[hole] = last
                 last.slot = hole
             seq.slot = -1
+        if seqs and not self._waiting:  # nobody waits for the freed slots: their memory goes back
+            self.kv_cache.return_pages(range(len(self._running), self.kv_cache.slots))
 
     def _fail(self, seqs: list[_Seq], error: BaseException) -> list[_Seq]:
         seqs = [s for s in dict.fromkeys(seqs) if s.slot >= 0]
