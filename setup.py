@@ -1,24 +1,17 @@
 """megatron_rl: asynchronous RL post-training of LLMs on native PyTorch (after Meta's LlamaRL).
 
-The top-level folders `kernels/` and `checkpoints_tools/` are installed under the `megatron_rl`
-namespace (`megatron_rl.kernels`, `megatron_rl.checkpoints_tools`): the bare name `kernels` is taken
-on PyPI.
+Everything imports under the one name `megatron_rl`; the kernels live in `megatron_rl/kernels/`, never in
+a top-level `kernels/` folder: that name is Hugging Face's `kernels` package, which transformers imports.
 """
 from setuptools import find_packages, setup
-
-library_packages = find_packages(include=["megatron_rl", "megatron_rl.*"])
 
 setup(
     name="megatron-rl",
     version="0.1.0",
     description="Asynchronous RL post-training for LLMs: Megatron-core trainers, native and SGLang rollout engines",
     python_requires=">=3.10",
-    packages=library_packages + ["megatron_rl.kernels", "megatron_rl.checkpoints_tools"],
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     package_data={"megatron_rl.sim": ["hardware.yaml"]},
-    package_dir={
-        "megatron_rl.kernels": "kernels",
-        "megatron_rl.checkpoints_tools": "checkpoints_tools",
-    },
     install_requires=[
         # A range, not a pin: GPU users bring their own CUDA build. CPU installs pin torch==2.13.0
         # explicitly (README, .ci/run) because a bare requirement pulls a multi-GB CUDA wheel.

@@ -11,7 +11,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} WANDB_MODE=${WANDB_MODE:-disabled}
 if [ $# -eq 0 ]; then
   set -- -m "not slow and not gpu"
   # The layering contract first (.importlinter; layers in docs/layout.md): it names any upward import.
-  # lint-imports over the package as installed, megatron_rl.kernels and .checkpoints_tools included.
-  "$VENV/bin/python" scripts/lint_imports.py
+  "$VENV/bin/lint-imports" --no-cache
 fi
 exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"

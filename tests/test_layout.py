@@ -1,8 +1,7 @@
-"""The layering contract checks every layer by the names the code uses, and the source tree imports without
-an install: scripts/lint_imports.py (lint-imports over the installed layout) passes on the tree and names an
-upward import into megatron_rl.kernels or megatron_rl.checkpoints_tools; megatron_rl/__init__.py maps
-exactly those two names to the top-level folders; docs/layout.md lists every import inside a function that
-crosses a layer; the launchers refuse, in one line, an interpreter that cannot run the package."""
+"""The layering contract names an upward import anywhere in the package, kernels and conversion tools
+included; anything run from the repository root imports transformers (no folder of ours shadows one of its
+dependencies); docs/layout.md lists every import inside a function that crosses a layer; the launchers refuse,
+in one line, an interpreter that cannot run the package."""
 import ast
 import os
 import shutil
@@ -12,38 +11,28 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINT = ["scripts/lint_imports.py"]
 # rich wraps the report at the terminal's width: one import per line, so that it can be matched
 LINT_ENV = dict(os.environ, COLUMNS="240", NO_COLOR="1")
 
 
-def _copy_tree(dest):
-    """What the lint and the imports read: the package, the two mapped folders, setup.py and the contracts."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("megatron_rl", "kernels", "checkpoints_tools"):
-        shutil.copytree(os.path.join(REPO, folder), os.path.join(dest, folder), ignore=ignore)
-    os.mkdir(os.path.join(dest, "scripts"))
-    for name in ("setup.py", ".importlinter", "scripts/lint_imports.py"):
-        shutil.copy(os.path.join(REPO, name), os.path.join(dest, name))
-    return dest
-
-
 def _lint(cwd):
-    return subprocess.run([sys.executable, *LINT], cwd=cwd, env=LINT_ENV, capture_output=True, text=True,
+    lint_imports = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    return subprocess.run([lint_imports, "--no-cache"], cwd=cwd, env=LINT_ENV, capture_output=True, text=True,
                           timeout=120)
 
 
 def test_the_layers_hold_on_the_tree():
     result = _lint(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "BROKEN" not in result.stdout
-    # the two mapped subpackages are in the graph under their import names
-    assert "Analyzed" in result.stdout
+    assert "BROKEN" not in result.stdout and "Contracts: 3 kept, 0 broken." in result.stdout
 
 
 def test_an_upward_import_into_kernels_or_checkpoints_tools_is_named(tmp_path):
-    tree = _copy_tree(str(tmp_path / "tree"))
-    for path in ("kernels/logprob.py", "checkpoints_tools/convert.py"):
+    tree = str(tmp_path / "tree")
+    shutil.copytree(os.path.join(REPO, "megatron_rl"), os.path.join(tree, "megatron_rl"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(os.path.join(REPO, ".importlinter"), tree)
+    for path in ("megatron_rl/kernels/logprob.py", "megatron_rl/checkpoints_tools/convert.py"):
         with open(os.path.join(tree, path), "a", encoding="utf-8") as f:
             f.write("\nimport megatron_rl.cli  # deliberately upward\n")
     result = _lint(tree)
@@ -54,51 +43,21 @@ def test_an_upward_import_into_kernels_or_checkpoints_tools_is_named(tmp_path):
     assert "megatron_rl.checkpoints_tools.convert -> megatron_rl.cli" in result.stdout
 
 
-def test_plain_lint_imports_cannot_pass_unchecked():
-    """Run directly, lint-imports cannot see the mapped subpackages: it stops on the missing layer."""
-    lint_imports = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    if not os.path.exists(lint_imports):
-        pytest.skip("lint-imports is not installed next to this interpreter")
-    result = subprocess.run([lint_imports, "--no-cache"], cwd=REPO, env=LINT_ENV, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode != 0
-    assert "megatron_rl.checkpoints_tools" in result.stdout + result.stderr
+def test_nothing_at_the_repository_root_shadows_an_installed_package():
+    """The working directory comes first on sys.path for `python -m ...` and pytest: a top-level folder named
+    like a dependency (`kernels/` once shadowed Hugging Face's `kernels`, and transformers failed to import)
+    breaks every command run from the checkout."""
+    import importlib.metadata
 
-
-def _package_dir():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lint_imports", os.path.join(REPO, "scripts", "lint_imports.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.package_dir_mapping(os.path.join(REPO, "setup.py"))
-
-
-def test_setup_py_installs_what_the_source_tree_maps():
-    import megatron_rl
-
-    assert _package_dir() == {f"megatron_rl.{name}": name for name in megatron_rl.SOURCE_TREE_SUBPACKAGES}
-
-
-def test_the_source_tree_imports_both_subpackages_without_an_install(tmp_path):
-    """-S: no site-packages, so neither the editable install nor any dependency; the repository root is the
-    working directory. Only the two mapped names resolve, to the folders beside the package."""
-    code = ("import importlib.util, megatron_rl.kernels as k, megatron_rl.checkpoints_tools as c; "
-            "print(k.__file__); print(c.__file__); "
-            "print([n for n in ('megatron_rl.tests', 'megatron_rl.scripts', 'megatron_rl.examples', 'megatron_rl.docs') "
-            "if importlib.util.find_spec(n) is not None])")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=60)
+    installed = {name.lower().replace("-", "_") for dist in importlib.metadata.distributions()
+                 for name in (dist.read_text("top_level.txt") or dist.metadata["Name"] or "").split()}
+    ours = {entry for entry in os.listdir(REPO)
+            if os.path.isfile(os.path.join(REPO, entry, "__init__.py")) or entry.endswith(".py")}
+    ours = {entry.removesuffix(".py") for entry in ours} - {"setup", "megatron_rl"}
+    assert not ours & installed, f"top-level names of the repository shadow installed packages: {ours & installed}"
+    code = "import transformers, megatron_rl.kernels, megatron_rl.checkpoints_tools; transformers.LlamaConfig"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [os.path.join(REPO, "kernels", "__init__.py"),
-                                          os.path.join(REPO, "checkpoints_tools", "__init__.py"), "[]"]
-    # a copy of the tree imports its own folders, even where an editable install maps the names elsewhere
-    tree = _copy_tree(str(tmp_path / "tree"))
-    result = subprocess.run([sys.executable, "-c", "import megatron_rl.kernels as k; print(k.__file__)"],
-                            cwd=tree, env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == os.path.join(tree, "kernels", "__init__.py")
 
 
 # --- docs/layout.md: every import inside a function that crosses a layer ------------------------------
@@ -113,45 +72,44 @@ def _imports_inside_functions():
     function of another layer's module or of a third-party package; and every file with an import of the
     package or a third-party one inside a function (its own layer's included)."""
     found, anywhere = [], set()
-    for top in ("megatron_rl", "kernels", "checkpoints_tools"):
-        for root, _, files in os.walk(os.path.join(REPO, top)):
-            for name in files:
-                if not name.endswith(".py"):
+    package = os.path.join(REPO, "megatron_rl")
+    for root, _, files in os.walk(package):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            shown = os.path.relpath(path, package)
+            own_layer = shown.split(os.sep)[0].removesuffix(".py")
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            lines = source.splitlines()
+            if not any(line[:1].isspace() and line.lstrip().startswith(("import ", "from ")) for line in lines):
+                continue  # no indented import: nothing inside a function (skips parsing most files)
+            for function in ast.walk(ast.parse(source, path)):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
-                path = os.path.join(root, name)
-                rel = os.path.relpath(path, REPO)
-                shown = rel if top != "megatron_rl" else os.path.relpath(path, os.path.join(REPO, top))
-                own_layer = top if top != "megatron_rl" else shown.split(os.sep)[0].removesuffix(".py")
-                with open(path, encoding="utf-8") as f:
-                    source = f.read()
-                lines = source.splitlines()
-                if not any(line[:1].isspace() and line.lstrip().startswith(("import ", "from ")) for line in lines):
-                    continue  # no indented import: nothing inside a function (skips parsing most files)
-                for function in ast.walk(ast.parse(source, path)):
-                    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                explained = set()  # what this function imports with a reason given: its later imports
+                for node in sorted((n for n in ast.walk(function) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                                   key=lambda n: n.lineno):
+                    if isinstance(node, ast.Import):
+                        modules = [alias.name for alias in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                        modules = [node.module]
+                    else:
                         continue
-                    explained = set()  # what this function imports with a reason given: its later imports
-                    for node in sorted((n for n in ast.walk(function) if isinstance(n, (ast.Import, ast.ImportFrom))),
-                                       key=lambda n: n.lineno):
-                        if isinstance(node, ast.Import):
-                            modules = [alias.name for alias in node.names]
-                        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                            modules = [node.module]
-                        else:
+                    for module in modules:
+                        layer = _layer(module)
+                        top_name = module.split(".")[0]
+                        if layer is None and (top_name in sys.stdlib_module_names or top_name == "megatron_rl"):
                             continue
-                        for module in modules:
-                            layer = _layer(module)
-                            top_name = module.split(".")[0]
-                            if layer is None and (top_name in sys.stdlib_module_names or top_name == "megatron_rl"):
-                                continue
-                            anywhere.add(shown)
-                            if layer is not None and layer == own_layer:
-                                continue
-                            line, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
-                            key = layer or top_name  # of the same layer or package need not repeat it
-                            if "#" in line or above.startswith("#"):
-                                explained.add(key)
-                            found.append((shown, module, key in explained))
+                        anywhere.add(shown)
+                        if layer is not None and layer == own_layer:
+                            continue
+                        line, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                        key = layer or top_name  # of the same layer or package need not repeat it
+                        if "#" in line or above.startswith("#"):
+                            explained.add(key)
+                        found.append((shown, module, key in explained))
     return found, anywhere
 
 

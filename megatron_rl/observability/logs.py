@@ -15,9 +15,7 @@ import os
 import sys
 import time
 
-# Our packages' loggers: `kernels` and `checkpoints_tools` are also importable under their own names
-# from a checkout (setup.py installs them as megatron_rl.kernels / megatron_rl.checkpoints_tools).
-PACKAGES = ("megatron_rl", "kernels", "checkpoints_tools")
+PACKAGES = ("megatron_rl",)  # whose loggers the CLI configures
 
 
 class _TerminalHandler(logging.Handler):

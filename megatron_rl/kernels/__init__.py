@@ -1,4 +1,4 @@
-"""Kernels, each with its torch reference (installed as `megatron_rl.kernels`).
+"""Kernels, each with its torch reference.
 
 - `logprob.fused_logprobs_and_entropy`: chunked, vocab-parallel log p(target) + entropy with a
   recomputing backward; Triton kernels on GPU (`triton_logprob.py`), chunked torch elsewhere
