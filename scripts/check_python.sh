@@ -1,7 +1,6 @@
 # Sourced by the launchers (examples/slurm_common.sh, scripts/gpu_check.sh) with the interpreter they chose:
 #   source scripts/check_python.sh "$PYTHON"
-# Returns when it can import megatron_rl (installed, or from this source tree: megatron_rl/__init__.py maps
-# megatron_rl.kernels and megatron_rl.checkpoints_tools to the top-level folders) and the dependencies the
+# Returns when it can import megatron_rl (installed, or from this source tree) and the dependencies the
 # launchers run it with; otherwise prints one line saying how to install and exits 2. Only looks modules
 # up (no torch import): it costs one interpreter start.
 if ! command -v "$1" >/dev/null 2>&1; then
@@ -17,7 +16,7 @@ try:
 except ImportError as exc:
     sys.exit(f"{type(exc).__name__}: {exc}")
 missing = []
-for name in ("megatron_rl.kernels", "megatron_rl.checkpoints_tools", "torch", "megatron.core", "yaml", "numpy",
+for name in ("torch", "megatron.core", "yaml", "numpy",
              "safetensors", "transformers"):
     try:
         found = importlib.util.find_spec(name) is not None
