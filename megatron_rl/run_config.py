@@ -8,7 +8,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_rl.algorithms.config import AdvantageConfig, JepoConfig, LossConfig
+from megatron_rl.algorithms.config import (
+    AdvantageConfig,
+    JepoConfig,
+    LossConfig,
+    OverlongConfig,
+    RolloutCorrectionConfig,
+)
 from megatron_rl.checkpoint.config import CheckpointConfig
 from megatron_rl.config import IMPORTS_FIELD, import_modules, load_yaml, require, split_config_and_overrides
 from megatron_rl.controller.config import BUILTIN_RECIPES, EVAL_METRICS, OBJECTIVES, RECIPES, CurriculumConfig
@@ -29,9 +35,15 @@ class AlgorithmConfig:
     """The RL objective: how advantages are estimated and which policy loss uses them."""
 
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
-    """Advantage estimator (GRPO, RLOO, REINFORCE++)."""
+    """Advantage estimator (GRPO, RLOO, REINFORCE++, pass@k GRPO, OPO)."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    """Policy loss (AIPO, PPO clip, TIS, plain PG), KL and entropy terms, normalisation."""
+    """Policy loss (AIPO, PPO clip, TIS, GSPO, CISPO, GMPO, SAPO, Clip-Cov, KL-Cov, plain PG), KL and entropy
+    terms, normalisation."""
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    """Token- or sequence-level importance weights (TIS, IcePop) and rejection masks (geometric-mean and
+    KL-estimator criteria) between the trained policy and the sampling engine, on top of any loss."""
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    """DAPO's soft overlong punishment of the rewards and masking of truncated responses."""
     objective: str = "policy_gradient"
     """How scored groups become the trainer's batch and loss (controller/objectives.py): policy_gradient
     (rewards -> advantages -> policy loss), jepo (likelihood bound of reference answers, optionally
@@ -135,9 +147,9 @@ class RunConfig:
                 require(section is None or self.recipe == name or self.recipe not in BUILTIN_RECIPES, "recipe",
                         f"recipe {self.recipe} does not use the `{name}:` section (recipe {name} does)")
         advantage = self.algorithm.advantage
-        group_relative = advantage.estimator in ("grpo", "rloo") or (
+        group_relative = advantage.estimator in ("grpo", "rloo", "grpo_passk", "opo") or (
             advantage.estimator == "reinforce_pp" and advantage.group_baseline)
-        # A group of one is its own baseline: every advantage is 0 (grpo) or undefined (rloo).
+        # A group of one is its own baseline: every advantage is 0 (grpo, grpo_passk, opo) or undefined (rloo).
         require(not (self.algorithm.objective == "policy_gradient" and group_relative
                      and self.rollout.samples_per_prompt < 2), "rollout.samples_per_prompt",
                 f"must be >= 2 with the group-relative estimator algorithm.advantage.estimator="

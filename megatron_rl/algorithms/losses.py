@@ -3,7 +3,7 @@
 Every loss in `LOSSES` (algorithms/config.py's registry) has the signature
 
     loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
-         reference_logprobs=None, entropy=None, proximal_logprobs=None) -> (loss, metrics)
+         reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None) -> (loss, metrics)
 
 with all tensors `[B, S]` and token-aligned like `TrainBatch` (entry [b, t] is token t of row b):
 `logprobs` = log pi_theta (with grad, from the trainer), `behaviour_logprobs` = log mu (from the rollout
@@ -24,28 +24,36 @@ micro-batches, all data-parallel ranks) by `compute_normalizer`:
 Summing the shares of any split of the global batch into micro-batches gives the global loss (tested),
 which is what the trainer's loss hook requires. The KL and entropy terms are aggregated the same way.
 
+`rollout_weights` (algorithms/rollout_correction.py, when `algorithm.rollout_correction` is on) are
+detached per-token weights that multiply the policy-gradient terms (not the KL and entropy terms), as verl
+applies its rollout-correction weights; a user loss that does not take the keyword cannot be combined with
+rollout correction weights (refused when the loss hook is made).
+
 Metrics are detached scalar means over this micro-batch's loss tokens (the trainer averages them over
-micro-batches): importance weight pi/mu mean/max/min, clip fraction, mismatch |log pi - log mu|,
-approx_kl (k3 estimate of KL(mu || pi)), kl_ref, entropy, and the per-token loss terms.
+micro-batches): importance weight pi/mu mean/max/min at token level and (as the geometric mean over each
+sequence) at sequence level, clip fraction, mismatch |log pi - log mu|, approx_kl (k3 estimate of
+KL(mu || pi)), kl_ref, entropy, and the per-token loss terms.
 
 Numerics: log pi - log mu is clamped to +-`config.log_ratio_clamp` before exp (as verl does) and
 masked positions are zeroed before any arithmetic so padding can never produce inf/NaN gradients.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms.config import LOSSES, LossConfig
+from megatron_rl.algorithms.config import LOSSES, LossConfig, RolloutCorrectionConfig
+from megatron_rl.algorithms.rollout_correction import rollout_correction
 
 
 class PolicyLoss(Protocol):
     def __call__(self, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
                  advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig, normalizer: float, *,
                  reference_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                 proximal_logprobs: torch.Tensor | None = None,
+                 proximal_logprobs: torch.Tensor | None = None, rollout_weights: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
@@ -123,9 +131,13 @@ def _mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def _finish(pg_token: torch.Tensor, metrics: dict[str, torch.Tensor], logprobs: torch.Tensor,
             behaviour_logprobs: torch.Tensor | None, mask: torch.Tensor, config: LossConfig, normalizer: float,
             reference_logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+            rollout_weights: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Add KL and entropy terms, aggregate, and fill the shared metrics."""
+    """Weight the policy-gradient terms by the rollout correction, add KL and entropy terms, aggregate, and
+    fill the shared metrics."""
     m = (mask != 0).to(logprobs.dtype)
+    if rollout_weights is not None:
+        pg_token = pg_token * rollout_weights.to(pg_token.dtype).detach()
     loss = aggregate(pg_token, mask, config, normalizer)
     metrics["pg_loss"] = _mean(pg_token, m)
     if config.kl_coef > 0 and reference_logprobs is None:
@@ -150,6 +162,13 @@ def _finish(pg_token: torch.Tensor, metrics: dict[str, torch.Tensor], logprobs: 
         metrics.setdefault("is_weight_mean", mean)
         metrics.setdefault("is_weight_max", hi)
         metrics.setdefault("is_weight_min", lo)
+        rows = m.sum(-1) > 0
+        if rows.any():  # the geometric mean of each sequence's ratios: GSPO's sequence ratio
+            seq_ratio = torch.exp(((diff.sum(-1) / m.sum(-1).clamp(min=1))[rows]).clamp(
+                -config.log_ratio_clamp, config.log_ratio_clamp))
+            metrics["seq_is_weight_mean"] = seq_ratio.mean()
+            metrics["seq_is_weight_max"] = seq_ratio.max()
+            metrics["seq_is_weight_min"] = seq_ratio.min()
         metrics["logprob_mismatch"] = _mean(diff.abs(), m)
         # k3 estimate of KL(mu || pi) from tokens sampled by mu: r - 1 - log r with r = pi/mu.
         metrics["approx_kl"] = _mean(ratio - 1.0 - diff, m)
@@ -177,13 +196,13 @@ def _prepare(logprobs, behaviour_logprobs, advantages, mask, *, need_behaviour: 
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, config: LossConfig, m: torch.Tensor,
-                       metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+                       metrics: dict[str, torch.Tensor], *, dual_clip: bool = True) -> torch.Tensor:
     """-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), optionally dual-clipped; per token."""
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high) * adv
     loss = -torch.minimum(surr1, surr2)
     metrics["clip_frac"] = _mean((surr2 < surr1).to(m.dtype), m)
-    if config.dual_clip_c is not None:
+    if dual_clip and config.dual_clip_c is not None:
         bound = -config.dual_clip_c * adv
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
@@ -205,18 +224,19 @@ def get_loss(name: str) -> PolicyLoss:
 
 
 def pg_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
-            reference_logprobs=None, entropy=None, proximal_logprobs=None):
+            reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
     """Vanilla on-policy policy gradient (REINFORCE, Williams 1992): l_t = -A_t log pi(y_t).
 
     No importance correction: correct only when the samples come from pi_theta itself. The value is not
     a meaningful objective, its gradient is. Behaviour log-probs, when given, feed only the metrics.
     Normaliser: `config.aggregation` (module docstring)."""
     logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=False, name="pg")
-    return _finish(-adv * logp, {}, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+    return _finish(-adv * logp, {}, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
 
 
 def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
-                  reference_logprobs=None, entropy=None, proximal_logprobs=None):
+                  reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), old policy = behaviour policy mu:
 
         r_t = pi(y_t)/mu(y_t),  l_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)
@@ -228,11 +248,12 @@ def ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, config, normal
     metrics: dict[str, torch.Tensor] = {}
     ratio = torch.exp((logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
     per_token = _clipped_surrogate(ratio, adv, config, m, metrics)
-    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
 
 
 def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
-              reference_logprobs=None, entropy=None, proximal_logprobs=None):
+              reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
     """AIPO, LlamaRL's asynchronous importance-weighted policy optimisation (Wu et al. 2025,
     arXiv 2505.24034; docs/algorithms.md section 1):
 
@@ -247,11 +268,12 @@ def aipo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer
     ratio = torch.exp((logp.detach() - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
     weight = ratio.clamp(max=config.aipo_rho)
     metrics = {"clip_frac": _mean((ratio > config.aipo_rho).to(m.dtype), m)}
-    return _finish(-weight * adv * logp, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+    return _finish(-weight * adv * logp, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
 
 
 def tis_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
-             reference_logprobs=None, entropy=None, proximal_logprobs=None):
+             reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
     """Truncated importance sampling for the rollout/training mismatch (Yao, Liu et al. 2025, "Your
     efficient RL framework secretly brings you off-policy RL training"; decoupled PPO, Hilton et al. 2022,
     arXiv 2110.00641, as used by AReaL):
@@ -276,7 +298,165 @@ def tis_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer,
     metrics = {"is_clip_frac": _mean((is_ratio > config.tis_cap).to(m.dtype), m)}
     ratio = torch.exp((logp - prox).clamp(lo, hi))
     per_token = weight * _clipped_surrogate(ratio, adv, config, m, metrics)
-    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
+
+
+def gspo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+              reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv 2507.18071), in its token form:
+
+        s_i = exp( (1/|y_i|) sum_t log pi(y_it)/mu(y_it) )           (the sequence's length-normalised ratio)
+        s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]                     (value s_i, gradient s_i grad log pi(y_it))
+        l_it = -min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
+
+    With per-token advantages this is GSPO-token (the paper's eq. 13); with a sequence advantage and
+    `aggregation: seq_mean` (the paper's) its value and gradient equal the sequence objective
+    -min(s_i A_i, clip(s_i) A_i) (tested). The paper clips s_i at 3e-4 / 4e-4 (clip_eps_low / _high).
+    Departures: other aggregations are allowed (verl's default is token_mean); the log-ratio is clamped to
+    +-log_ratio_clamp (verl clamps the combined log-ratio at 10 from above only). No dual clip."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="gspo")
+    lengths = m.sum(-1).clamp(min=1)
+    seq_log_ratio = ((logp - mu) * m).sum(-1) / lengths
+    log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
+    ratio = torch.exp(log_ratio.clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    metrics: dict[str, torch.Tensor] = {}
+    per_token = _clipped_surrogate(ratio, adv, config, m, metrics, dual_clip=False)
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
+
+
+def cispo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+               reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, 2025, arXiv 2506.13585, eq. 4):
+
+        l_t = -sg[ clip(pi(y_t)/mu(y_t), 1-eps_low, 1+eps_high) ] * A_t * log pi(y_t)
+
+    The weight is clipped and detached, so no token loses its gradient (PPO's clip drops the gradient of
+    clipped tokens, which are often the rare reflective ones). The paper clips the upper side only (a very
+    large eps_low). Normaliser: `config.aggregation` (the paper: token_mean)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="cispo")
+    ratio = torch.exp((logp.detach() - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    weight = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    metrics = {"clip_frac": _mean((weight != ratio).to(m.dtype), m)}
+    return _finish(-weight * adv * logp, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
+
+
+def gmpo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+              reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673, eq. 5), one term per
+    sequence:
+
+        l_i = -A_i * exp( (1/|y_i|) sum_t sgn(A_i) min(sgn(A_i) log r_it, sgn(A_i) clip(log r_it, -eps_low, eps_high)) )
+
+    with r_it = pi/mu and A_i the sequence's mean advantage over its tokens: the geometric mean of the
+    token ratios, clipped per token in log space (the paper's wider range is eps = 0.4). Needs
+    `aggregation: seq_mean` (checked by LossConfig). Rollout-correction weights enter as their geometric
+    mean over the sequence (as verl does). Departure from verl's `geo_mean`: a row without loss tokens does
+    not count in the mean (verl's torch.mean over rows counts it as 0)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="gmpo")
+    lengths = m.sum(-1).clamp(min=1)
+    log_ratio = (logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
+    sign = torch.sign(adv)
+    clipped = log_ratio.clamp(-config.clip_eps_low, config.clip_eps_high)
+    kept = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    seq_ratio = torch.exp((kept * m).sum(-1) / lengths)
+    seq_adv = (adv * m).sum(-1) / lengths
+    per_seq = -seq_adv * seq_ratio
+    if rollout_weights is not None:
+        per_seq = per_seq * torch.exp((torch.log(rollout_weights.to(logp.dtype).detach() + 1e-10) * m).sum(-1) / lengths)
+    out_of_range = (log_ratio != clipped).to(m.dtype)
+    metrics = {"clip_frac": _mean(out_of_range * (adv > 0), m), "clip_frac_lower": _mean(out_of_range * (adv < 0), m)}
+    # one term per sequence, on each of its tokens: seq_mean aggregation gives back per_seq
+    return _finish(per_seq[:, None] * m, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy)
+
+
+def sapo_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+              reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """SAPO, soft adaptive policy optimisation (Gao et al., Qwen 2025, arXiv 2511.20347): a smooth gate in
+    place of the hard clip,
+
+        l_t = -f(r_t; tau_t) A_t,   f(r; tau) = (4 / tau) * sigmoid(tau (r - 1)),   r_t = pi/mu,
+
+    tau_t = sapo_tau_pos for A_t > 0 and sapo_tau_neg otherwise; f'(1) = 1, so on-policy tokens get the
+    plain policy gradient and far-off-policy ones a gradient that decays smoothly instead of vanishing at
+    a clip edge. Normaliser: `config.aggregation` (the paper and verl use seq_mean; verl forces it)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True, name="sapo")
+    ratio = torch.exp((logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    tau = torch.where(adv > 0, torch.full_like(adv, config.sapo_tau_pos), torch.full_like(adv, config.sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return _finish(-gate * adv, {}, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
+
+
+def _covariance(adv: torch.Tensor, logp: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Per-token centred product (A - mean A)(log pi - mean log pi) over this micro-batch's loss tokens."""
+    return (adv - _mean(adv, m)) * (logp.detach() - _mean(logp.detach(), m))
+
+
+def _selection_generator(m: torch.Tensor) -> torch.Generator:
+    """clip_cov's random choice among its candidates: a generator seeded by the micro-batch's token count, so
+    that a run (and a resumed one) makes the same choices without touching the global RNG."""
+    return torch.Generator().manual_seed(0x5EED + int(m.sum()))
+
+
+def clip_cov_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+                  reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """Clip-Cov (Cui et al. 2025, "The entropy mechanism of RL for reasoning language models",
+    arXiv 2505.22617, sec. 4): the PPO clipped surrogate, plus the gradient of a few high-covariance tokens
+    detached, which keeps the policy's entropy from collapsing:
+
+        cov_t = (A_t - mean A)(log pi_t - mean log pi)      over this micro-batch's loss tokens
+        candidates: tokens not clipped by PPO with clip_cov_lb < cov_t < clip_cov_ub
+        detach max(1, floor(cov_ratio * N_tokens)) candidates chosen at random:  l_t = 0 for them
+
+    As the paper's code (and verl's `clip_cov`), the chosen tokens' loss is multiplied by 0. The covariance
+    and the choice are per micro-batch; the random choice uses its own seeded generator (`_selection_generator`)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True,
+                                name="clip_cov")
+    ratio = torch.exp((logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp))
+    surr1 = -adv * ratio
+    surr2 = -adv * ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    clipped = (surr2 > surr1) & (m > 0)
+    cov = _covariance(adv, logp, m).masked_fill((m == 0) | clipped, float("-inf"))
+    candidates = torch.nonzero((cov > config.clip_cov_lb) & (cov < config.clip_cov_ub) & (m > 0))
+    keep = torch.ones_like(adv)
+    if len(candidates):
+        chosen = torch.randperm(len(candidates), generator=_selection_generator(m))
+        chosen = candidates[chosen[:min(max(int(config.cov_ratio * float(m.sum())), 1), len(candidates))].to(
+            candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0
+    metrics = {"clip_frac": _mean(clipped.to(m.dtype), m), "cov_detached_frac": _mean(1.0 - keep, m)}
+    return _finish(torch.maximum(surr1, surr2) * keep, metrics, logp, mu, mask, config, normalizer,
+                   reference_logprobs, entropy, rollout_weights)
+
+
+def kl_cov_loss(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, *,
+                reference_logprobs=None, entropy=None, proximal_logprobs=None, rollout_weights=None):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617, sec. 4): the unclipped surrogate -r_t A_t, and on the
+    max(1, floor(cov_ratio * N_tokens)) tokens of largest covariance (as in clip_cov) a KL penalty:
+
+        l_t = -r_t A_t + kl_cov_coef * |log pi_t - log mu_t|     for the selected tokens, -r_t A_t otherwise
+
+    Selection per micro-batch, by torch.topk over the loss tokens in row-major order (verl's `kl_cov`)."""
+    logp, mu, adv, m = _prepare(logprobs, behaviour_logprobs, advantages, mask, need_behaviour=True,
+                                name="kl_cov")
+    log_ratio = (logp - mu).clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    per_token = -adv * ratio
+    valid = (m > 0).reshape(-1)
+    selected = torch.zeros_like(valid)
+    if valid.any():
+        flat_adv, flat_logp = adv.detach().reshape(-1)[valid], logp.detach().reshape(-1)[valid]
+        cov = (flat_adv - flat_adv.mean()) * (flat_logp - flat_logp.mean())
+        top = torch.topk(cov, max(1, int(len(cov) * config.cov_ratio)), largest=True).indices
+        selected[valid.nonzero().flatten()[top]] = True
+    selected = selected.reshape(m.shape)
+    per_token = torch.where(selected, per_token + config.kl_cov_coef * log_ratio.abs(), per_token)
+    metrics = {"cov_penalised_frac": _mean(selected.to(m.dtype), m)}
+    return _finish(per_token, metrics, logp, mu, mask, config, normalizer, reference_logprobs, entropy,
+                   rollout_weights)
 
 
 def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None, advantages: torch.Tensor,
@@ -286,18 +466,36 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None,
     return get_loss(config.name)(logprobs, behaviour_logprobs, advantages, mask, config, normalizer, **kwargs)
 
 
-def make_loss_fn(config: LossConfig, normalizer: float):
+def make_loss_fn(config: LossConfig, normalizer: float, correction: RolloutCorrectionConfig | None = None):
     """The trainer's loss hook `loss_fn(logprobs, micro_batch, entropy) -> (loss, metrics)` for one global batch.
 
     `normalizer` comes from `compute_normalizer(global_batch.loss_mask, config)` (or per-rank masks and
-    the data-parallel group): compute it once per optimizer step, before splitting into micro-batches."""
+    the data-parallel group): compute it once per optimizer step, before splitting into micro-batches.
+    `correction`: rollout correction weights and rejection (algorithms/rollout_correction.py), computed per
+    micro-batch from this forward's (detached) log-probs and the behaviour log-probs; rejected tokens leave
+    the loss but stay in the normaliser, which was fixed before the forward."""
     loss = get_loss(config.name)
+    correct = correction is not None and correction.active
+    if correct and correction.weights != "none" and "rollout_weights" not in inspect.signature(loss).parameters:
+        raise ValueError(f"loss {config.name!r} takes no rollout_weights keyword: it cannot be combined with "
+                         f"algorithm.rollout_correction.weights {correction.weights!r}")
 
     def loss_fn(logprobs: torch.Tensor, micro_batch, entropy: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if micro_batch.advantages is None:
             raise ValueError("TrainBatch.advantages is None: compute advantages before training")
-        return loss(logprobs, micro_batch.behaviour_logprobs, micro_batch.advantages, micro_batch.loss_mask,
-                    config, normalizer, reference_logprobs=micro_batch.reference_logprobs, entropy=entropy)
+        mask, extra, correction_metrics = micro_batch.loss_mask, {}, {}
+        if correct:
+            if micro_batch.behaviour_logprobs is None:
+                raise ValueError("algorithm.rollout_correction needs the engine's behaviour log-probs")
+            weights, mask, correction_metrics = rollout_correction(logprobs, micro_batch.behaviour_logprobs,
+                                                                   micro_batch.loss_mask, correction)
+            if weights is not None:
+                extra["rollout_weights"] = weights
+        value, metrics = loss(logprobs, micro_batch.behaviour_logprobs, micro_batch.advantages, mask, config,
+                              normalizer, reference_logprobs=micro_batch.reference_logprobs, entropy=entropy,
+                              **extra)
+        metrics.update({k: v.detach().float() for k, v in correction_metrics.items()})
+        return value, metrics
 
     return loss_fn

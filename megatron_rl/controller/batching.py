@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from megatron_rl.algorithms.advantages import compute_advantages, token_advantages
-from megatron_rl.algorithms.config import AdvantageConfig
+from megatron_rl.algorithms.advantages import compute_advantages, overlong_penalty, token_advantages
+from megatron_rl.algorithms.config import AdvantageConfig, OverlongConfig
 from megatron_rl.controller.episodes import Group
 from megatron_rl.types import TrainBatch
 
@@ -33,13 +33,20 @@ class StepBatch:
 
 def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer_version: int,
                      micro_batch_size: int, pad_token_id: int, drop_uninformative: bool,
-                     token_multiple: int = 1) -> StepBatch:
+                     token_multiple: int = 1, overlong: OverlongConfig | None = None,
+                     max_new_tokens: int = 0) -> StepBatch:
     """`token_multiple`: FP8_TOKEN_MULTIPLE when the trainer runs FP8 GEMMs; the batch and every
-    micro-batch the trainer trims from it then keep whole multiples of it in columns (TrainBatch)."""
+    micro-batch the trainer trims from it then keep whole multiples of it in columns (TrainBatch).
+    `overlong` (with the response budget `max_new_tokens`): DAPO's length penalty on the rewards before the
+    advantages, and truncated responses out of the loss (their rewards still count in their group)."""
     samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok]
     rewards = torch.tensor([s.reward.reward for _, s in samples], dtype=torch.float64)
+    response_lengths = torch.tensor([len(s.completion.output_ids) for _, s in samples], dtype=torch.float64)
+    overlong = overlong or OverlongConfig()
+    shaped = rewards + overlong_penalty(response_lengths, max_new_tokens, overlong.buffer_tokens, overlong.penalty)
     group_ids = torch.tensor([gi for gi, _ in samples])
-    advantages = compute_advantages(rewards, group_ids, advantage).float() if samples else torch.zeros(0)
+    advantages = (compute_advantages(shaped, group_ids, advantage, lengths=response_lengths).float() if samples
+                  else torch.zeros(0))
 
     lengths = [len(s.completion.prompt_ids) + len(s.completion.output_ids) for _, s in samples]
     width = max(lengths, default=2)
@@ -52,6 +59,8 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
         p, n = len(c.prompt_ids), len(c.output_ids)
         tokens[r, :p + n] = torch.tensor(c.prompt_ids + c.output_ids)
         loss_mask[r, p:p + n] = 1.0 if c.output_mask is None else torch.tensor(c.output_mask, dtype=torch.float32)
+        if overlong.mask_truncated and c.finish_reason == "length":
+            loss_mask[r] = 0.0
         behaviour[r, p:p + n] = torch.tensor(c.output_logprobs, dtype=torch.float32)
     token_adv = token_advantages(advantages, loss_mask) if rows else torch.zeros(0, width)
     routed = routing_records([s.completion for _, s in samples], width)
@@ -80,7 +89,10 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
                            advantages=take(token_adv, 0.0), behaviour_logprobs=take(behaviour, 0.0),
                            routed_experts=routed, token_multiple=token_multiple).token_aligned()
 
-    return StepBatch(batch, loss_mask, rollout_metrics(groups, rewards, advantages, trainer_version, kept))
+    metrics = rollout_metrics(groups, rewards, advantages, trainer_version, kept)
+    if overlong.buffer_tokens > 0:
+        metrics["rollout/overlong_penalty_mean"] = float((shaped - rewards).mean()) if len(samples) else 0.0
+    return StepBatch(batch, loss_mask, metrics)
 
 
 def routing_records(completions: list, width: int) -> torch.Tensor | None:

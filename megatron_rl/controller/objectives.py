@@ -54,12 +54,14 @@ class PolicyGradientObjective:
                                 drop_uninformative=cfg.rollout.drop_uninformative_groups and loss.kl_coef == 0
                                 and loss.entropy_coef == 0,
                                 # Transformer Engine's FP8 GEMMs need whole multiples of 16 tokens
-                                token_multiple=FP8_TOKEN_MULTIPLE if cfg.trainer.fp8 != "none" else 1)
+                                token_multiple=FP8_TOKEN_MULTIPLE if cfg.trainer.fp8 != "none" else 1,
+                                overlong=cfg.algorithm.overlong, max_new_tokens=cfg.rollout.max_new_tokens)
         if step.batch is None:
             return step, None
         if loss.kl_coef > 0:
             step.batch.reference_logprobs = reference_logprobs(self.reference_model, step.batch)
-        return step, make_loss_fn(loss, compute_normalizer(step.full_loss_mask, loss))
+        return step, make_loss_fn(loss, compute_normalizer(step.full_loss_mask, loss),
+                                  correction=cfg.algorithm.rollout_correction)
 
 
 def frozen_reference(config, model, policy):
