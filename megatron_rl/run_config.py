@@ -27,7 +27,7 @@ from megatron_rl.recipes.waltz.config import WaltzConfig
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import NativeEngineConfig, RolloutConfig
 from megatron_rl.sim.config import ClusterConfig
-from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.trainer.config import CriticConfig, TrainerConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -44,6 +44,8 @@ class AlgorithmConfig:
     KL-estimator criteria) between the trained policy and the sampling engine, on top of any loss."""
     overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
     """DAPO's soft overlong punishment of the rewards and masking of truncated responses."""
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    """PPO's learned critic (objective ppo): initial weights, value clip, warm-up, optimizer."""
     objective: str = "policy_gradient"
     """How scored groups become the trainer's batch and loss (controller/objectives.py): policy_gradient
     (rewards -> advantages -> policy loss), jepo (likelihood bound of reference answers, optionally
@@ -54,6 +56,9 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         OBJECTIVES.check(self.objective, "objective")
+        require((self.advantage.estimator == "gae") == (self.objective == "ppo"), "advantage.estimator",
+                "gae (a learned critic's advantages) goes with objective ppo, and objective ppo with gae; got "
+                f"estimator {self.advantage.estimator} with objective {self.objective}")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -60,6 +60,11 @@ class TrainBatch:
     """[B, S] float log mu of each token under the policy that sampled it (0 where loss_mask is 0)."""
     reference_logprobs: torch.Tensor | None = None
     """[B, S] float log pi_ref of each token, when a KL penalty to a reference model is used."""
+    values: torch.Tensor | None = None
+    """[B, S] float: PPO's critic, V of the state before each token when the step's advantages were
+    computed (the value loss's clip centre); None without a critic."""
+    returns: torch.Tensor | None = None
+    """[B, S] float: GAE's returns, the critic's regression targets; None without a critic."""
     token_multiple: int = 1
     """Keep S (here and in every trimmed micro-batch) a multiple of this, padding columns with token 0
     and no loss: Transformer Engine's FP8 GEMMs need the token count of a micro-batch aligned

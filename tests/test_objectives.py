@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.algorithms.advantages import compute_advantages, overlong_penalty
+from megatron_rl.algorithms.advantages import compute_advantages, gae_advantages, overlong_penalty, token_rewards
 from megatron_rl.algorithms.config import AdvantageConfig, LossConfig, OverlongConfig, RolloutCorrectionConfig
-from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn, policy_loss
+from megatron_rl.algorithms.losses import clipped_value_loss, compute_normalizer, make_loss_fn, policy_loss
 from megatron_rl.algorithms.rollout_correction import correction_weights, rejection_mask
 from megatron_rl.config import ConfigError
 from megatron_rl.types import Completion, TrainBatch
@@ -203,6 +203,52 @@ def test_opo_needs_lengths_and_singletons_get_zero():
     adv = compute_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]), AdvantageConfig(estimator="opo"),
                              lengths=torch.tensor([3.0, 1.0, 5.0]))
     torch.testing.assert_close(adv, torch.tensor([0.25, -0.75, 0.0], dtype=adv.dtype))
+
+
+# --- PPO's critic: GAE and the clipped value loss ------------------------------------------------------
+
+def test_gae_and_the_value_loss_equal_verl():
+    """GAE over token-aligned rows (prompt and padding columns are not steps; a multi-turn row's tool-output
+    tokens in the middle are not either) and the clipped value loss, values and gradients."""
+    _, _, _, mask = random_batch(31, empty_row=False)
+    mask[1, 5] = 0  # an environment token between two policy tokens
+    g = torch.Generator().manual_seed(31)
+    values = torch.randn(B, S, generator=g, dtype=torch.float64) * mask
+    rewards = token_rewards(torch.randn(B, generator=g, dtype=torch.float64), mask)
+    cases, ours = [], []
+    for gamma, lam in ((1.0, 1.0), (0.99, 0.95), (0.9, 0.0)):
+        ours.append(gae_advantages(rewards, values, mask, gamma=gamma, lam=lam))
+        cases.append(dict(kind="gae", token_level_rewards=rewards, values=values, response_mask=mask, gamma=gamma,
+                          lam=lam))
+    predictions = values + 0.8 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    returns = ours[1][1]
+    for clip in (0.2, 5.0):
+        x = predictions.clone().requires_grad_(True)
+        loss, metrics = clipped_value_loss(x, values, returns, mask, clip, compute_normalizer(mask, LossConfig()))
+        (grad,) = torch.autograd.grad(loss, [x])
+        ours.append((loss.detach(), grad, metrics))
+        cases.append(dict(kind="value_loss", vpreds=predictions, returns=returns, values=values, response_mask=mask,
+                          cliprange_value=clip))
+    results = verl(cases)
+    for (advantages, returns), reference in zip(ours[:3], results[:3]):
+        torch.testing.assert_close(advantages, reference["advantages"] * mask, **TOL)
+        torch.testing.assert_close(returns, reference["returns"] * mask, **TOL)
+    for (loss, grad, metrics), reference in zip(ours[3:], results[3:]):
+        torch.testing.assert_close(loss, reference["loss"], **TOL)
+        torch.testing.assert_close(grad, reference["grad"], **TOL)
+        assert float(metrics["value_clip_frac"]) == pytest.approx(reference["clipfrac"], rel=1e-6)  # a float32 metric
+    assert 0 < results[3]["clipfrac"] < 1  # the tight clip binds on some tokens
+
+
+def test_gae_with_gamma_and_lambda_one_is_the_return_minus_the_value():
+    _, _, _, mask = random_batch(32, empty_row=False)
+    g = torch.Generator().manual_seed(32)
+    values = torch.randn(B, S, generator=g, dtype=torch.float64) * mask
+    outcome = torch.randn(B, generator=g, dtype=torch.float64)
+    advantages, returns = gae_advantages(token_rewards(outcome, mask), values, mask, gamma=1.0, lam=1.0, whiten=False)
+    expected = (outcome[:, None] - values) * mask
+    torch.testing.assert_close(advantages, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, outcome[:, None] * mask, rtol=1e-12, atol=1e-12)
 
 
 # --- rollout correction ---------------------------------------------------------------------------------

@@ -76,6 +76,18 @@ def run_case(case, core_algos, rollout_corr_helper, ActorConfig, PolicyLossConfi
         advantages, _ = fn(token_level_rewards=case["token_level_rewards"], response_mask=case["response_mask"],
                            index=case["index"], config=config)
         return {"advantages": advantages}
+    if kind == "gae":
+        advantages, returns = core_algos.compute_gae_advantage_return(
+            token_level_rewards=case["token_level_rewards"], values=case["values"], response_mask=case["response_mask"],
+            gamma=case["gamma"], lam=case["lam"])
+        return {"advantages": advantages, "returns": returns}
+    if kind == "value_loss":
+        vpreds = case["vpreds"].clone().requires_grad_(True)
+        loss, clipfrac = core_algos.compute_value_loss(vpreds=vpreds, returns=case["returns"], values=case["values"],
+                                                       response_mask=case["response_mask"],
+                                                       cliprange_value=case["cliprange_value"])
+        (grad,) = torch.autograd.grad(loss, [vpreds])
+        return {"loss": loss.detach(), "grad": grad, "clipfrac": float(clipfrac)}
     if kind == "rollout_weights":
         weights, metrics = rollout_corr_helper.compute_rollout_correction_weights(
             log_ratio=case["log_ratio"], response_mask=case["response_mask"], rollout_is=case["rollout_is"],

@@ -167,6 +167,56 @@ def opo_advantages(rewards: torch.Tensor, group_ids=None, *, lengths: torch.Tens
     return adv.reshape(torch.as_tensor(rewards).shape)
 
 
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+                   lam: float, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438) over the token steps of
+    each row, the positions where `mask` is 1 (all [B, S]):
+
+        delta_t = r_t + gamma V_next(t) - V_t,   A_t = delta_t + gamma lam A_next(t),   R_t = A_t + V_t
+
+    where next(t) is the row's next position with mask 1 (V and A are 0 past the last): positions with
+    mask 0 (the prompt, padding, an agent's tool output between turns) are not steps and pass V and A
+    through unchanged, as verl's `compute_gae_advantage_return` does. Returns (advantages, returns);
+    `whiten` standardises the advantages over the masked positions of the whole batch (mean 0, unbiased
+    variance 1, as verl and OpenRLHF do). Nothing here has a gradient."""
+    if not (token_rewards.shape == values.shape == mask.shape):
+        raise ValueError(f"GAE needs rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and "
+                         f"mask {tuple(mask.shape)} of one [B, S] shape")
+    m = (mask != 0).to(values.dtype)
+    rewards, values = token_rewards.to(values.dtype), values.detach()
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        next_value = torch.where(m[:, t] > 0, values[:, t], next_value)
+        running = torch.where(m[:, t] > 0, step, running)
+        advantages[:, t] = running
+    returns = (advantages + values) * m
+    if whiten:
+        count = m.sum()
+        if count < 2:
+            raise ValueError("GAE's whitening needs at least 2 loss tokens in the batch")
+        mean = (advantages * m).sum() / count
+        variance = (((advantages - mean) ** 2) * m).sum() / count * count / (count - 1)
+        advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
+    return advantages * m, returns
+
+
+def token_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each row's sequence reward on its last position with mask 1, 0 elsewhere (an outcome
+    reward as the per-token rewards of GAE)."""
+    m = (mask != 0)
+    has = m.any(-1)
+    last = m.shape[1] - 1 - m.flip(-1).to(torch.int8).argmax(-1)
+    out = torch.zeros(mask.shape, dtype=torch.float64 if not sequence_rewards.is_floating_point()
+                      else sequence_rewards.dtype)
+    rows = has.nonzero().flatten()
+    out[rows, last[rows]] = sequence_rewards[rows].to(out.dtype)
+    return out
+
+
 def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer_tokens: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to the rewards:
 

@@ -50,18 +50,26 @@ class AdvantageConfig:
     """grpo: (r - group mean) / group std; rloo: r - mean of the other samples of the group;
     reinforce_pp: batch-normalised (r - batch mean) / batch std; grpo_passk: only each group's best sample
     gets an advantage, r_max - r_second (pass@k training); opo: r - the length-weighted group mean (the
-    optimal baseline); or a user estimator registered with `ADVANTAGE_ESTIMATORS.register` or
-    'package.module:function' (docs/extending.md)."""
+    optimal baseline); gae: generalised advantage estimation with a learned critic (objective ppo only);
+    or a user estimator registered with `ADVANTAGE_ESTIMATORS.register` or 'package.module:function'
+    (docs/extending.md)."""
     scale_by_std: bool = True
     """grpo and grpo_passk: divide by the group std. False gives r - group mean (Dr.GRPO, AIPO, PCL)."""
     group_baseline: bool = False
     """reinforce_pp only: subtract the group mean before batch normalisation (REINFORCE++-baseline)."""
     eps: float = 1e-6
     """Added to the std in the denominators."""
+    gamma: float = 1.0
+    """gae only: discount per token (verl and OpenRLHF default: 1.0)."""
+    lam: float = 1.0
+    """gae only: GAE's lambda (1.0: the Monte-Carlo return minus V; verl's default 1.0, PPO papers 0.95)."""
 
     def __post_init__(self) -> None:
-        ADVANTAGE_ESTIMATORS.check(self.estimator, "estimator")
+        # gae is the actor-critic objective's own (objective: ppo): token-level, it needs the critic's values
+        ADVANTAGE_ESTIMATORS.check(self.estimator, "estimator", also=("gae",))
         require(0 <= self.eps <= 1, "eps", f"must be in [0, 1], got {self.eps!r}")
+        require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma!r}")
+        require(0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam!r}")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -459,6 +459,33 @@ def kl_cov_loss(logprobs, behaviour_logprobs, advantages, mask, config, normaliz
                    rollout_weights)
 
 
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip: float | None, normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's critic loss (Schulman et al. 2017; the clipped form of OpenAI's baselines, TRL and verl's
+    `compute_value_loss`), this micro-batch's share of a token-mean over the global batch:
+
+        l_t = 1/2 max( (V_t - R_t)^2, (clip(V_t, V_old,t - c, V_old,t + c) - R_t)^2 )
+
+    `values` V (with grad), `old_values` the critic's values when the advantages were computed, `returns`
+    R (GAE's), all [B, S]; `clip` None: the plain squared error. `normalizer`: the global count of loss
+    tokens (compute_normalizer with token_mean)."""
+    m = (mask != 0).to(values.dtype)
+    old = torch.where(m > 0, old_values.to(values.dtype), torch.zeros_like(values))
+    target = torch.where(m > 0, returns.to(values.dtype), torch.zeros_like(values))
+    v = torch.where(m > 0, values, torch.zeros_like(values))
+    plain = (v - target) ** 2
+    if clip is None:
+        per_token, clipped_frac = plain, torch.zeros((), dtype=values.dtype)
+    else:
+        bounded = (torch.clamp(v, old - clip, old + clip) - target) ** 2
+        per_token = torch.maximum(plain, bounded)
+        clipped_frac = _mean((bounded > plain).to(m.dtype), m)
+    loss = 0.5 * (per_token * m).sum() / normalizer
+    metrics = {"value_loss": _mean(0.5 * per_token, m), "value_clip_frac": clipped_frac,
+               "values_mean": _mean(v.detach(), m)}
+    return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
 def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                 mask: torch.Tensor, config: LossConfig, normalizer: float, **kwargs,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -230,6 +230,11 @@ def apply_optimizer_state(trainer, tensors: dict[str, torch.Tensor], meta: dict[
 
 # --- resharding -------------------------------------------------------------------------------------
 
+LAST_STAGE_REPLICATED = ("value_head.",)
+"""Name prefixes of tensors a trainer adds beside the GPT model on its last pipeline stage, the same on
+every tensor-parallel rank (trainer/value.py's scalar head and its statistics): resharding moves them to
+the new layout's last stage as they are."""
+
 def reshard_file_kinds(files: list[list[str]], saved: MegatronLayout, layout: MegatronLayout,
                        tp_rank: int, pp_rank: int, where: str) -> dict[str, torch.Tensor]:
     """Tensors of one rank's shard at `layout` from the saved shard files (files[pp][tp]) written at
@@ -245,6 +250,19 @@ def reshard_file_kinds(files: list[list[str]], saved: MegatronLayout, layout: Me
     known = _megatron_names(saved)
     result: dict[str, torch.Tensor] = {}
     for kind, kind_shards in kinds.items():
+        prefix = f"{kind}/" if kind else ""
+        last = kind_shards[saved.pp - 1]
+        # a head beside the GPT model (the value head): whole on the last stage's every TP rank, moved as is
+        replicated = {name: tensor for name, tensor in last[0].items()
+                      if name.startswith(LAST_STAGE_REPLICATED) and name not in known[-1][0]}
+        for t, shard in enumerate(last):
+            missing = sorted(set(replicated) - set(shard))
+            if missing:
+                raise ConfigError(f"{where}: tensor {missing[0]!r} is missing from the last stage's shard tp={t}")
+            for name in replicated:
+                del shard[name]
+        if pp_rank == layout.pp - 1:
+            result.update({prefix + name: tensor for name, tensor in replicated.items()})
         for p, row in enumerate(kind_shards):
             for t, shard in enumerate(row):
                 unknown = sorted(set(shard) - known[p][t])
@@ -255,7 +273,6 @@ def reshard_file_kinds(files: list[list[str]], saved: MegatronLayout, layout: Me
         full = megatron_to_hf(kind_shards, saved)
         mine = hf_to_megatron(full, layout)[pp_rank][tp_rank]
         del full
-        prefix = f"{kind}/" if kind else ""
         result.update({prefix + name: tensor for name, tensor in mine.items()})
     return result
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from megatron_rl.algorithms.advantages import compute_advantages, overlong_penalty, token_advantages
+from megatron_rl.algorithms.advantages import compute_advantages, overlong_penalty, token_advantages, token_rewards
 from megatron_rl.algorithms.config import AdvantageConfig, OverlongConfig
 from megatron_rl.controller.episodes import Group
 from megatron_rl.types import TrainBatch
@@ -38,15 +38,20 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
     """`token_multiple`: FP8_TOKEN_MULTIPLE when the trainer runs FP8 GEMMs; the batch and every
     micro-batch the trainer trims from it then keep whole multiples of it in columns (TrainBatch).
     `overlong` (with the response budget `max_new_tokens`): DAPO's length penalty on the rewards before the
-    advantages, and truncated responses out of the loss (their rewards still count in their group)."""
+    advantages, and truncated responses out of the loss (their rewards still count in their group).
+    With `advantage.estimator: gae` the batch's advantages are each row's (shaped) reward on its last
+    response token, for the actor-critic objective to turn into GAE advantages with its critic's values."""
     samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok]
     rewards = torch.tensor([s.reward.reward for _, s in samples], dtype=torch.float64)
     response_lengths = torch.tensor([len(s.completion.output_ids) for _, s in samples], dtype=torch.float64)
     overlong = overlong or OverlongConfig()
     shaped = rewards + overlong_penalty(response_lengths, max_new_tokens, overlong.buffer_tokens, overlong.penalty)
     group_ids = torch.tensor([gi for gi, _ in samples])
-    advantages = (compute_advantages(shaped, group_ids, advantage, lengths=response_lengths).float() if samples
-                  else torch.zeros(0))
+    if advantage.estimator == "gae":
+        advantages = shaped.float()
+    else:
+        advantages = (compute_advantages(shaped, group_ids, advantage, lengths=response_lengths).float() if samples
+                      else torch.zeros(0))
 
     lengths = [len(s.completion.prompt_ids) + len(s.completion.output_ids) for _, s in samples]
     width = max(lengths, default=2)
@@ -62,7 +67,8 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
         if overlong.mask_truncated and c.finish_reason == "length":
             loss_mask[r] = 0.0
         behaviour[r, p:p + n] = torch.tensor(c.output_logprobs, dtype=torch.float32)
-    token_adv = token_advantages(advantages, loss_mask) if rows else torch.zeros(0, width)
+    spread = token_rewards if advantage.estimator == "gae" else token_advantages
+    token_adv = spread(advantages, loss_mask).float() if rows else torch.zeros(0, width)
     routed = routing_records([s.completion for _, s in samples], width)
 
     keep = torch.ones(rows, dtype=torch.bool)

@@ -14,6 +14,7 @@ from megatron_rl.trainer.config import ValueModelConfig
 # Objectives (controller/objectives.py): classes built as Class(config, tokenizer, model, policy=None).
 OBJECTIVES = Registry("objective", {
     "policy_gradient": "megatron_rl.controller.objectives:PolicyGradientObjective",
+    "ppo": "megatron_rl.controller.objectives:ActorCriticObjective",
     "jepo": "megatron_rl.recipes.jepo.objective:JepoObjective",
     "sft": "megatron_rl.recipes.jepo.objective:SftObjective",
 })

@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,7 @@ from megatron_rl import ranks
 from megatron_rl.checkpoint.manager import COMPLETE, CheckpointError, CheckpointManager, checkpoint_step
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.curriculum import load_executors, save_executors
+from megatron_rl.controller.objectives import objective_executors
 from megatron_rl.controller.producer import RolloutProducer
 from megatron_rl.controller.recipe import PolicyExecutor, RunParts, build_run_parts
 from megatron_rl.controller.reporter import RunReporter
@@ -261,14 +262,25 @@ class Controller:
         RUN_DIR/<name>/checkpoints, written at the same steps as the first policy's."""
         return CheckpointManager(os.path.join(self.config.run_dir, policy.name), self.config.checkpoint)
 
+    def _executor_checkpoints(self, policy: PolicyExecutor) -> dict[str, tuple[Any, CheckpointManager]]:
+        """The trainers `policy`'s objective owns besides the policy (PPO's critic), each with its
+        checkpoints under RUN_DIR/<name> (<policy>-<name> for a further policy)."""
+        prefix = "" if policy is self.policies[0] else f"{policy.name}-"
+        return {name: (trainer, CheckpointManager(os.path.join(self.config.run_dir, prefix + name), self.config.checkpoint))
+                for name, trainer in objective_executors(policy.objective).items()}
+
     def save_checkpoint(self, checkpoints: CheckpointManager, step: int, state: RunState,
                         metrics: dict[str, float]) -> None:
-        """Every rank writes its files of step `step`: the curriculum's executors and further policies
-        under RUN_DIR/<name>/checkpoints, then the run's own checkpoint, whose commit makes the step
-        resumable (model and optimizer shards, RNG, data cursor, rollout buffer, run state)."""
+        """Every rank writes its files of step `step`: the curriculum's executors, the objectives' own
+        trainers (PPO's critic) and further policies under RUN_DIR/<name>/checkpoints, then the run's own
+        checkpoint, whose commit makes the step resumable (model and optimizer shards, RNG, data cursor,
+        rollout buffer, run state)."""
         driver = self.is_driver
         if driver:  # before the run's own checkpoint, which commits the step
             save_executors(self.selector, self.config.run_dir, self.config.checkpoint, step, self.tokenizer)
+        for policy in self.policies:
+            for name, (trainer, manager) in self._executor_checkpoints(policy).items():
+                manager.save(step, trainer, {"executor": name}, tokenizer=self.tokenizer)
         checkpoints.save(step, self.policy, {
             "version": self.version, "policy_version": self.policies[0].version,
             "step_metrics": {k: float(v) for k, v in metrics.items()
@@ -285,7 +297,16 @@ class Controller:
         """Load checkpoint `latest` (a step directory) into every executor and the producer; return the
         step it resumes at, the run state and that step's metrics."""
         driver = self.is_driver
-        for policy in self.policies[1:]:  # before the first policy's load: its RNG state wins
+        for policy in self.policies:  # before the first policy's load: its RNG state wins
+            for name, (trainer, manager) in self._executor_checkpoints(policy).items():
+                path = os.path.join(manager.root, os.path.basename(os.path.normpath(latest)))
+                problem = (f"{path} is missing" if not os.path.isfile(os.path.join(path, COMPLETE))
+                           else CheckpointManager.validate(path))
+                if problem is not None:
+                    raise CheckpointError(f"--resume: the {name!r} of policy {policy.name!r} has no usable checkpoint "
+                                          f"for the step of {latest} ({problem}); it must resume from the same step")
+                manager.load(path, trainer)
+        for policy in self.policies[1:]:
             policy.version = self._load_policy_checkpoint(policy, latest)
         if driver:  # the curriculum's executors (PCL's value model; single-rank runs only)
             load_executors(self.selector, self.config.run_dir, self.config.checkpoint, latest)

@@ -14,16 +14,29 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import dataclasses
+
+import torch
+
+from megatron_rl.algorithms.advantages import gae_advantages
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
 from megatron_rl.controller.batching import FP8_TOKEN_MULTIPLE, StepBatch, build_step_batch
 from megatron_rl.controller.config import OBJECTIVES
 from megatron_rl.trainer.trainer import MegatronTrainer
+from megatron_rl.trainer.value import CriticTrainer, initial_weights
 
 
 class Objective(Protocol):
     def prepare_data(self, train, heldout) -> tuple[Any, Any]: ...
 
     def prepare_step(self, groups: list, trainer_version: int) -> tuple[StepBatch, Callable | None]: ...
+
+
+def objective_executors(objective) -> dict[str, MegatronTrainer]:
+    """The trainers an objective owns besides the policy (PPO's critic), by name: checkpointed with the
+    run at every step and restored on resume (controller/loop.py). Objectives without any have none."""
+    executors = getattr(objective, "executors", None)
+    return executors() if executors is not None else {}
 
 
 def resolve_objective(name: str) -> type:
@@ -47,21 +60,93 @@ class PolicyGradientObjective:
         return train, heldout
 
     def prepare_step(self, groups, trainer_version):
+        loss = self.config.algorithm.loss
+        step = self.build_batch(groups, trainer_version,
+                                drop_uninformative=self.config.rollout.drop_uninformative_groups and loss.kl_coef == 0
+                                and loss.entropy_coef == 0)
+        if step.batch is None:
+            return step, None
+        return step, self.loss_hook(step)
+
+    def build_batch(self, groups, trainer_version, *, drop_uninformative: bool) -> StepBatch:
         cfg = self.config
-        loss = cfg.algorithm.loss
-        step = build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=trainer_version,
+        return build_step_batch(groups, advantage=cfg.algorithm.advantage, trainer_version=trainer_version,
                                 micro_batch_size=cfg.trainer.micro_batch_size, pad_token_id=self.pad_token_id,
-                                drop_uninformative=cfg.rollout.drop_uninformative_groups and loss.kl_coef == 0
-                                and loss.entropy_coef == 0,
+                                drop_uninformative=drop_uninformative,
                                 # Transformer Engine's FP8 GEMMs need whole multiples of 16 tokens
                                 token_multiple=FP8_TOKEN_MULTIPLE if cfg.trainer.fp8 != "none" else 1,
                                 overlong=cfg.algorithm.overlong, max_new_tokens=cfg.rollout.max_new_tokens)
+
+    def loss_hook(self, step: StepBatch):
+        """The policy loss over `step.batch` (with its reference log-probs when there is a KL term)."""
+        algorithm = self.config.algorithm
+        if algorithm.loss.kl_coef > 0:
+            step.batch.reference_logprobs = reference_logprobs(self.reference_model, step.batch)
+        return make_loss_fn(algorithm.loss, compute_normalizer(step.full_loss_mask, algorithm.loss),
+                            correction=algorithm.rollout_correction)
+
+
+class ActorCriticObjective(PolicyGradientObjective):
+    """PPO with a learned critic and GAE (`algorithm.objective: ppo`, `algorithm.advantage.estimator: gae`;
+    Schulman et al. 2017; the default algorithm of verl and OpenRLHF). Each step, on every trainer rank:
+
+        V = critic.token_values(batch)                        # V(s_t) before each response token, current critic
+        A, R = GAE(rewards on each row's last token, V, gamma, lam), A whitened over the batch
+        critic.update(batch: returns R, clip centre V)        # the critic's optimizer step(s), its DP share
+        the policy loss (algorithm.loss, e.g. ppo_clip) on A  # unless the critic is still warming up
+
+    Values are recomputed at training time by the critic as it is then, for samples of any age: in the
+    asynchronous loop (`rollout.max_staleness >= 1`) the engine's behaviour log-probs mu correct the policy
+    loss for staleness, while the baseline is always the current critic's (there is no behaviour-time critic
+    to store; a value is a baseline, so its age biases nothing). The critic's weights and optimizer are
+    checkpointed with the run (`executors`) and resume with it, at the same layout or another."""
+
+    def __init__(self, config, tokenizer, model=None, policy=None):
+        super().__init__(config, tokenizer, model, policy)
+        self.critic = None
+        if policy is not None and model is not None:  # (an objective built only to filter data has none)
+            critic = config.algorithm.critic
+            arch, state = initial_weights(critic.init_from, model.arch, model.state, "algorithm.critic.init_from")
+            self.critic = CriticTrainer(arch, critic, hf_state=state, pg_collection=policy.pg)
+
+    def executors(self) -> dict[str, MegatronTrainer]:
+        return {"critic": self.critic} if self.critic is not None else {}
+
+    def prepare_step(self, groups, trainer_version):
+        algorithm = self.config.algorithm
+        # every sample teaches the critic, the uninformative groups included
+        step = self.build_batch(groups, trainer_version, drop_uninformative=False)
         if step.batch is None:
             return step, None
-        if loss.kl_coef > 0:
-            step.batch.reference_logprobs = reference_logprobs(self.reference_model, step.batch)
-        return step, make_loss_fn(loss, compute_normalizer(step.full_loss_mask, loss),
-                                  correction=cfg.algorithm.rollout_correction)
+        batch = step.batch
+        batch.values = self.critic.token_values(batch) * (batch.loss_mask != 0)
+        advantages, returns = gae_advantages(batch.advantages.double(), batch.values.double(), batch.loss_mask,
+                                             gamma=algorithm.advantage.gamma, lam=algorithm.advantage.lam)
+        batch.advantages, batch.returns = advantages.float(), returns.float()
+        step.metrics.update(value_metrics(batch))
+        critic = self.critic
+        micro = critic.config.micro_batch_size
+        share = batch.padded_rows(micro * critic.dp_size).data_parallel_share(critic.pg.dp.rank(), critic.dp_size,
+                                                                              micro)
+        step.metrics.update(critic.update(share, normalizer=max(float((batch.loss_mask != 0).sum()), 1.0)))
+        if trainer_version < algorithm.critic.warmup_steps:
+            step.metrics["critic/warmup"] = 1.0
+            return dataclasses.replace(step, batch=None), None
+        return step, self.loss_hook(step)
+
+
+def value_metrics(batch) -> dict[str, float]:
+    """critic/* statistics of the values the step's advantages were computed with: explained variance
+    1 - Var(R - V) / Var(R) over the loss tokens (1: V predicts the returns; <= 0: no better than their
+    mean), and the means of V and R."""
+    m = batch.loss_mask != 0
+    values, returns = batch.values[m].double(), batch.returns[m].double()
+    if values.numel() < 2:
+        return {}
+    variance = returns.var()
+    explained = 1.0 - (returns - values).var() / variance if variance > 0 else torch.tensor(float("nan"))
+    return {"critic/explained_variance": float(explained), "critic/values_mean": float(values.mean()),
+            "critic/returns_mean": float(returns.mean())}
 
 
 def frozen_reference(config, model, policy):

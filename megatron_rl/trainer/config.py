@@ -174,3 +174,38 @@ class ValueModelConfig:
         require(0 <= self.head_lr <= 1, "head_lr", f"must be a finite number in [0, 1], got {self.head_lr!r}")
         require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         require(self.replay_prompts >= 0, "replay_prompts", "must be >= 0 (0: no replay)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's learned critic (`algorithm.objective: ppo`): a Megatron value model V(s_t) per token on the
+    policy's ranks and process groups (same TP/PP/DP), trained in the same step as the policy and
+    checkpointed with it (trainer/value.py: CriticTrainer)."""
+
+    init_from: str = "policy"
+    """'policy': the policy's starting weights with a zero scalar head (V = 0 everywhere at first);
+    otherwise a model path (any form `model.path` accepts, e.g. a reward model's backbone) with the
+    policy's vocabulary."""
+    value_clip: float | None = 0.5
+    """c of the clipped value loss: V may move at most c from the values the step's advantages were
+    computed with (verl's cliprange_value 0.5). null: plain squared error."""
+    warmup_steps: int = 0
+    """Steps at the start of a run where only the critic trains (the policy waits for a useful baseline;
+    OpenRLHF's critic pretraining steps)."""
+    head_lr: float = 1e-4
+    """Adam learning rate of the scalar head (the backbone uses trainer.lr): a zero head moved at the
+    backbone's 1e-6..1e-5 would take hundreds of steps to reach the reward scale."""
+    updates_per_step: int = 1
+    """Critic optimizer steps on each step's batch."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(lr=1e-5))
+    """Backbone optimizer, precision and micro-batching; `trainer.parallel` is not used (the policy's groups)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.init_from.strip()), "init_from", "must be 'policy' or a model path")
+        require(self.value_clip is None or 0 < self.value_clip <= 1000, "value_clip",
+                f"must be in (0, 1000] (or null), got {self.value_clip!r}")
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
+        require(0 <= self.head_lr <= 1, "head_lr", f"must be a finite number in [0, 1], got {self.head_lr!r}")
+        require(self.updates_per_step >= 1, "updates_per_step", f"must be >= 1, got {self.updates_per_step!r}")
+        require(self.trainer.parallel == ParallelConfig(), "trainer.parallel",
+                "the critic runs on the policy's ranks and process groups: set the layout in trainer.parallel")

@@ -48,11 +48,13 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
+from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.algorithms.pcl import value_loss
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import hf_to_megatron
+from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.trainer import cpu_compat
-from megatron_rl.trainer.config import ValueModelConfig
+from megatron_rl.trainer.config import CriticConfig, ValueModelConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.types import TrainBatch
 
@@ -323,3 +325,75 @@ def _inverse(order: list[int]) -> torch.Tensor:
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     return inverse
+
+
+# --- PPO's critic: V(s_t) at every token ---------------------------------------------------------------
+
+class CriticTrainer(ValueTrainer):
+    """PPO's token-level critic on the policy's ranks: the same backbone and scalar head as the value
+    model above (a linear head, no feature statistics, no prior), read at every position instead of after
+    the prompt. V[b, t] is the value of the state before token t of row b, i.e. of hidden[b, t - 1], which
+    is token-aligned with the trainer's log-probs (entry t predicts token t; column 0 has no value).
+
+        critic = CriticTrainer(arch, CriticConfig(), hf_state=policy_state, pg_collection=policy.pg)
+        values = critic.token_values(batch)                           # [B, S], every rank of the replica
+        metrics = critic.update(share)                                # share.values, .returns: [B, S]
+    """
+
+    def __init__(self, arch: ModelArch, config: CriticConfig, *, hf_state: dict[str, torch.Tensor],
+                 pg_collection=None):
+        self.critic_config = config
+        super().__init__(arch, ValueModelConfig(init_from=config.init_from, head="linear", head_lr=config.head_lr,
+                                                updates_per_step=config.updates_per_step,
+                                                standardize_features=False, mean_reward_prior=False,
+                                                trainer=config.trainer),
+                         hf_state=hf_state, pg_collection=pg_collection)
+
+    def _token_values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, S] float32 values from hidden states [b, S-1, H] (column 0: no state before it, 0)."""
+        values = self._values(hidden)
+        return torch.cat([values.new_zeros(values.shape[0], 1), values], dim=1)
+
+    @torch.no_grad()
+    def token_values(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, S] float32 V of the state before each token (0 in column 0), on every rank of this replica."""
+        def on_hidden(hidden, tokens, mb):
+            return hidden.new_zeros(()), {"values": self._token_values(hidden)}
+
+        with cpu_compat.redirect_cuda_to_cpu():
+            result = self._forward_only(batch, on_hidden, "values")
+            return self._broadcast_from_last_stage(result, (batch.batch_size, batch.seq_length), torch.float32)
+
+    def update(self, batch: TrainBatch, normalizer: float) -> dict[str, float]:
+        """`updates_per_step` optimizer steps of the clipped value loss (algorithms/losses.py:
+        clipped_value_loss) on this data-parallel rank's rows: `batch.returns` are the targets,
+        `batch.values` the values the step's advantages came from (the clip's centre), `batch.loss_mask`
+        the token steps; `normalizer` the global count of loss tokens. Metrics under critic/."""
+        if batch.values is None or batch.returns is None:
+            raise ValueError("the critic's update needs the batch's values and returns")
+
+        def head_loss(hidden, tokens, mb):
+            values = self._token_values(hidden)
+            return clipped_value_loss(values, mb.values.to(values.device), mb.returns.to(values.device),
+                                      mb.loss_mask.to(values.device), self.critic_config.value_clip, normalizer)
+
+        steps = [self.train_step_on_hidden(batch, head_loss, trim=True)
+                 for _ in range(self.critic_config.updates_per_step)]
+        first, last = steps[0], steps[-1]
+        return {"critic/value_loss": first["train/value_loss"], "critic/value_clip_frac": first["train/value_clip_frac"],
+                "critic/value_loss_after": last["train/value_loss"], "critic/grad_norm": last["train/grad_norm"],
+                "critic/update_skipped": last["train/update_skipped"],
+                "critic/update_time": sum(m["perf/train_step_time"] for m in steps)}
+
+
+def initial_weights(init_from: str, policy_arch: ModelArch, policy_state: dict[str, torch.Tensor], field: str,
+                    ) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """A value model's starting backbone: the policy's own (`init_from: policy`) or a model path's, whose
+    vocabulary must be the policy's (the value model reads the policy's tokens)."""
+    if init_from == "policy":
+        return policy_arch, policy_state
+    source = load_pretrained(init_from)
+    if source.arch.vocab_size != policy_arch.vocab_size:
+        raise ValueError(f"{field}={init_from!r}: vocabulary {source.arch.vocab_size} differs from the policy's "
+                         f"{policy_arch.vocab_size} (the value model reads the policy's tokens)")
+    return source.arch, source.state

@@ -19,8 +19,7 @@ from megatron_rl.controller.curriculum import PromptSelector, scored_rewards
 from megatron_rl.controller.episodes import Group
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.sources import PromptStream
-from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.trainer.value import ValueTrainer
+from megatron_rl.trainer.value import ValueTrainer, initial_weights
 
 
 class PCLSelector(PromptSelector):
@@ -99,14 +98,7 @@ class PCLSelector(PromptSelector):
 
 def build_value_model(config, *, policy_arch, policy_state, pg_collection):
     """The value executor, initialised from the policy's starting weights or from `config.init_from`."""
-    arch, state = policy_arch, policy_state
-    if config.init_from != "policy":
-        source = load_pretrained(config.init_from)
-        if source.arch.vocab_size != policy_arch.vocab_size:
-            raise ValueError(f"curriculum.value.init_from={config.init_from!r}: vocabulary {source.arch.vocab_size} "
-                             f"differs from the policy's {policy_arch.vocab_size} (the value model reads the "
-                             "policy's prompt tokens)")
-        arch, state = source.arch, source.state
+    arch, state = initial_weights(config.init_from, policy_arch, policy_state, "curriculum.value.init_from")
     return ValueTrainer(arch, config, hf_state=state, pg_collection=pg_collection)
 
 
