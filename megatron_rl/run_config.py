@@ -10,6 +10,7 @@ import os
 
 from megatron_rl.algorithms.config import (
     AdvantageConfig,
+    DistillConfig,
     JepoConfig,
     LossConfig,
     OverlongConfig,
@@ -46,9 +47,13 @@ class AlgorithmConfig:
     """DAPO's soft overlong punishment of the rewards and masking of truncated responses."""
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     """PPO's learned critic (objective ppo): initial weights, value clip, warm-up, optimizer."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """On-policy distillation (objective distill): the teacher (a model path or a server URL) and the mix
+    of its per-token reverse KL with the reward's advantages."""
     objective: str = "policy_gradient"
     """How scored groups become the trainer's batch and loss (controller/objectives.py): policy_gradient
-    (rewards -> advantages -> policy loss), jepo (likelihood bound of reference answers, optionally
+    (rewards -> advantages -> policy loss), ppo (a learned critic and GAE), distill (on-policy
+    distillation from a teacher), jepo (likelihood bound of reference answers, optionally
     combined with a verifier), sft (NLL of the reference answers), or a user objective: a name registered
     with `OBJECTIVES.register` or 'package.module:Class' (docs/extending.md)."""
     jepo: JepoConfig = dataclasses.field(default_factory=JepoConfig)
@@ -59,6 +64,8 @@ class AlgorithmConfig:
         require((self.advantage.estimator == "gae") == (self.objective == "ppo"), "advantage.estimator",
                 "gae (a learned critic's advantages) goes with objective ppo, and objective ppo with gae; got "
                 f"estimator {self.advantage.estimator} with objective {self.objective}")
+        require(self.objective != "distill" or bool(self.distill.teacher.strip()), "distill.teacher",
+                "objective distill needs a teacher: a model path or an OpenAI-compatible server URL")
 
 
 @dataclasses.dataclass(kw_only=True)

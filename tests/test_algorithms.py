@@ -294,7 +294,7 @@ def test_advantages_grouped_tensor_and_config():
     a = compute_advantages(r, None, AdvantageConfig())
     assert a[1].abs().max() == 0  # all-equal group: no signal
     with pytest.raises(ConfigError, match="estimator"):
-        AdvantageConfig(estimator="gae")
+        AdvantageConfig(estimator="vtrace")
 
 
 def test_token_advantages():

@@ -237,7 +237,7 @@ def test_a_bf16_engine_samples_for_an_fp32_trainer(tmp_path, tiny_chat_model):
     assert len(mismatch) == 4 and all(1e-4 < m < 2e-2 for m in mismatch), mismatch
     stale = str(tmp_path / "stale")  # the control: the same run with a generator one version behind
     train(_config(tiny_chat_model, stale, "engine.dtype=bf16", "checkpoint.every_steps=0", "steps=4",
-                  "rollout.max_staleness=1", "rollout.placement=disaggregated"))
+                  "rollout.max_staleness=1", "rollout.placement=disaggregated", "rollout.deterministic=true"))
     behind = [r["train/logprob_mismatch"] for r in map(json.loads, open(os.path.join(stale, "metrics.jsonl")))
               if "rollout/reward_mean" in r and r["rollout/staleness_max"] == 1]
     assert behind and min(behind) > 2e-2, behind

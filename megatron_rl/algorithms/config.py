@@ -224,6 +224,42 @@ class OverlongConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class DistillConfig:
+    """On-policy distillation (`algorithm.objective: distill`; Agarwal et al. 2024, GKD, arXiv 2306.13649;
+    Qwen3's strong-to-weak distillation, arXiv 2505.09388): a frozen teacher scores the tokens the student
+    sampled, and the per-token reverse KL log mu - log pi_teacher enters the policy loss as a negative
+    advantage (controller/objectives.py: DistillationObjective)."""
+
+    teacher: str = ""
+    """The teacher: a model path (any form `model.path` accepts, any supported family and size, the
+    student's tokenizer), run forward-only on the policy's ranks; or the base URL of an OpenAI-compatible
+    server that returns prompt log-probs (`megatron-rl serve`, vLLM), e.g. http://host:8000/v1."""
+    teacher_model: str = ""
+    """With a URL teacher: the `model` field of its requests (empty: the server's only model)."""
+    coef: float = 1.0
+    """Weight of the distillation advantage coef * (log pi_teacher - log mu) per token."""
+    rl_coef: float = 0.0
+    """Weight of the reward's advantages (algorithm.advantage) added to it; 0: pure distillation."""
+    baseline: bool = True
+    """Subtract the step's mean distillation advantage over its loss tokens: a constant baseline, so the
+    gradient's expectation is unchanged (E[grad log pi] = 0) and its variance lower. A student far from its
+    teacher has every token's log-ratio strongly negative; without the baseline that shared part is pure
+    noise in a small batch. False: the raw per-token reverse KL as in GKD and Thinking Machines' recipe."""
+    timeout_s: float = 300.0
+    """With a URL teacher: seconds per scoring request."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.coef <= MAX_COEF, "coef", f"must be in [0, {MAX_COEF:g}], got {self.coef!r}")
+        require(0 <= self.rl_coef <= MAX_COEF, "rl_coef", f"must be in [0, {MAX_COEF:g}], got {self.rl_coef!r}")
+        require(self.coef > 0 or self.rl_coef > 0, "coef", "coef and rl_coef are both 0: nothing to learn from")
+        require(0 < self.timeout_s <= 86400, "timeout_s", f"must be in (0, 86400], got {self.timeout_s!r}")
+
+    @property
+    def teacher_is_url(self) -> bool:
+        return self.teacher.startswith(("http://", "https://"))
+
+
+@dataclasses.dataclass(kw_only=True)
 class JepoConfig:
     """JEPO's bound, advantages, answer marker and reference budget (used by the `jepo` objective)."""
 

@@ -15,6 +15,7 @@ from megatron_rl.trainer.config import ValueModelConfig
 OBJECTIVES = Registry("objective", {
     "policy_gradient": "megatron_rl.controller.objectives:PolicyGradientObjective",
     "ppo": "megatron_rl.controller.objectives:ActorCriticObjective",
+    "distill": "megatron_rl.controller.objectives:DistillationObjective",
     "jepo": "megatron_rl.recipes.jepo.objective:JepoObjective",
     "sft": "megatron_rl.recipes.jepo.objective:SftObjective",
 })

@@ -22,6 +22,8 @@ from megatron_rl.algorithms.advantages import gae_advantages
 from megatron_rl.algorithms.losses import compute_normalizer, make_loss_fn
 from megatron_rl.controller.batching import FP8_TOKEN_MULTIPLE, StepBatch, build_step_batch
 from megatron_rl.controller.config import OBJECTIVES
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.client import PromptLogprobScorer
 from megatron_rl.trainer.trainer import MegatronTrainer
 from megatron_rl.trainer.value import CriticTrainer, initial_weights
 
@@ -133,6 +135,83 @@ class ActorCriticObjective(PolicyGradientObjective):
             step.metrics["critic/warmup"] = 1.0
             return dataclasses.replace(step, batch=None), None
         return step, self.loss_hook(step)
+
+
+class DistillationObjective(PolicyGradientObjective):
+    """On-policy distillation (`algorithm.objective: distill`; GKD, Agarwal et al. 2024, arXiv 2306.13649;
+    Qwen3, arXiv 2505.09388; Thinking Machines' "On-Policy Distillation", 2025): the student samples, a
+    frozen teacher scores the sampled tokens, and each token's advantage is
+
+        A_t = coef * (log pi_teacher(y_t) - log mu(y_t) - b) + rl_coef * A_reward
+
+    (b: the step's mean of the log-ratio over its loss tokens with `baseline`, else 0)
+    (mu: the engine's log-prob of the token it sampled, the student's behaviour policy). With the configured
+    policy loss, the gradient is that of the per-token reverse KL(pi || pi_teacher) on the student's own
+    samples (discount 0: each token is charged its own divergence), importance-corrected for staleness like
+    any other advantage. The teacher runs forward-only on the policy's ranks (any supported family and
+    size with the student's tokenizer), or behind an OpenAI-compatible URL returning prompt log-probs.
+    Logged: distill/reverse_kl (mean of log mu - log pi_teacher over the loss tokens, a k1 estimate),
+    distill/teacher_logprob_mean."""
+
+    def __init__(self, config, tokenizer, model=None, policy=None):
+        super().__init__(config, tokenizer, model, policy)
+        distill = config.algorithm.distill
+        self.teacher = self.scorer = None
+        if distill.teacher_is_url:
+            self.scorer = PromptLogprobScorer(distill.teacher, model=distill.teacher_model, timeout=distill.timeout_s)
+        elif policy is not None and model is not None:
+            teacher = load_pretrained(distill.teacher)
+            if teacher.tokenizer is not None and tokenizer is not None and \
+                    teacher.tokenizer.hf_tokenizer.get_vocab() != tokenizer.hf_tokenizer.get_vocab():
+                raise ValueError(f"algorithm.distill.teacher={distill.teacher!r}: its tokenizer differs from the "
+                                 "student's (the teacher scores the student's token ids)")
+            if teacher.arch.vocab_size < model.arch.vocab_size:
+                raise ValueError(f"algorithm.distill.teacher={distill.teacher!r}: vocabulary {teacher.arch.vocab_size}"
+                                 f" is smaller than the student's {model.arch.vocab_size}")
+            self.teacher = MegatronTrainer(teacher.arch, policy.config, pg_collection=policy.pg,
+                                           hf_state=teacher.state, frozen=True)
+
+    def teacher_logprobs(self, batch) -> torch.Tensor:
+        """[B, S] log pi_teacher of every token of `batch` (0 in column 0)."""
+        if self.scorer is not None:
+            rows = self.scorer.score([row[:int(last) + 1].tolist() for row, last in
+                                      zip(batch.tokens, _last_columns(batch.loss_mask))])
+            out = torch.zeros(batch.tokens.shape)
+            for r, values in enumerate(rows):
+                out[r, :len(values)] = torch.tensor(values)
+            return out
+        if self.teacher is None:
+            raise RuntimeError("objective distill built without the policy trainer has no teacher to score with")
+        return self.teacher.compute_logprobs(batch)
+
+    def prepare_step(self, groups, trainer_version):
+        distill = self.config.algorithm.distill
+        # every sample carries the teacher's signal, whatever its reward
+        step = self.build_batch(groups, trainer_version, drop_uninformative=False)
+        if step.batch is None:
+            return step, None
+        batch = step.batch
+        m = batch.loss_mask != 0
+        teacher = self.teacher_logprobs(batch)
+        gap = torch.where(m, teacher - batch.behaviour_logprobs, torch.zeros_like(teacher))
+        count = max(int(m.sum()), 1)
+        step.metrics.update({"distill/reverse_kl": float(-gap.sum()) / count,
+                             "distill/teacher_logprob_mean": float(teacher[m].sum()) / count})
+        if distill.baseline:
+            gap = torch.where(m, gap - float(gap.sum()) / count, gap)
+        batch.advantages = distill.coef * gap + distill.rl_coef * batch.advantages
+        return step, self.loss_hook(step)
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+
+
+def _last_columns(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last column with a loss token (0 for a row without any)."""
+    m = mask != 0
+    return torch.where(m.any(-1), m.shape[1] - 1 - m.flip(-1).to(torch.int8).argmax(-1), torch.zeros_like(m[:, 0],
+                                                                                                        dtype=torch.long))
 
 
 def value_metrics(batch) -> dict[str, float]:

@@ -331,3 +331,39 @@ class SGLangServer:
         if version is not None:
             body["weight_version"] = str(version)
         self._post("/update_weights_from_distributed", body)
+
+
+class PromptLogprobScorer:
+    """Per-token log-probs of whole token sequences from an OpenAI-compatible server (`megatron-rl serve`,
+    vLLM): one /v1/completions request per sequence with the ids as the prompt, `echo` and `logprobs`, and
+    one generated token (servers refuse max_tokens 0), whose entry is dropped. The teacher of on-policy
+    distillation when it runs as a server."""
+
+    def __init__(self, base_url: str, *, model: str = "", api_key: str | None = None, timeout: float = 300.0,
+                 max_workers: int = 8):
+        url = base_url.rstrip("/")
+        self.http = HTTPEngine(url[:-len("/v1")] if url.endswith("/v1") else url, api_key=api_key, timeout=timeout,
+                               max_workers=max_workers)
+        self.model = model
+
+    def _score(self, ids: list[int]) -> list[float]:
+        body = {"prompt": [int(t) for t in ids], "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0.0}
+        if self.model:
+            body["model"] = self.model
+        _, response = self.http.request("POST", "/v1/completions", body)
+        try:
+            values = response["choices"][0]["logprobs"]["token_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise EngineHTTPError(200, f"{self.http.base_url}: the completion has no prompt log-probs "
+                                       "(logprobs.token_logprobs); the server must support echo with logprobs") from None
+        if len(values) < len(ids):
+            raise EngineHTTPError(200, f"{self.http.base_url}: {len(values)} log-probs for a prompt of {len(ids)} tokens")
+        return [0.0 if v is None else float(v) for v in values[:len(ids)]]
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token of each sequence (0.0 for the first)."""
+        futures = [self.http._pool.submit(self._score, list(ids)) for ids in sequences]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self.http.close()
