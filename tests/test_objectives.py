@@ -393,6 +393,9 @@ def test_build_step_batch_shapes_rewards_and_masks_truncated_samples():
     (RolloutCorrectionConfig, dict(reject={"token_k1": [2.0, 1.0]}), "reject"),
     (RolloutCorrectionConfig, dict(reject={"seq_max_k3": [0.1, 0.2]}), "reject"),
     (RolloutCorrectionConfig, dict(reject={"seq_max_k3": 0}), "reject"),
+    (AdvantageConfig, dict(gamma=0), "gamma"),
+    (AdvantageConfig, dict(gamma=1.5), "gamma"),
+    (AdvantageConfig, dict(lam=-0.1), "lam"),
     (OverlongConfig, dict(buffer_tokens=-1), "buffer_tokens"),
     (OverlongConfig, dict(penalty=-0.5), "penalty"),
 ])
