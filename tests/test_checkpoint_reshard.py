@@ -335,19 +335,25 @@ def _rl_train(rank, world, model_path, run_dir, extra, resume):
     return summary.final_metrics if summary is not None else None
 
 
+def tp2_run_resumed_on_one_rank(tmp_path, model_path, *extra) -> tuple[dict, dict, str]:
+    """Step 3's final metrics of an RL run at TP=2 (two gloo ranks) and of the same run stopped after step 2
+    and resumed at TP=1 on one rank; and the resumed run's directory."""
+    common = ["rollout.deterministic=true", "checkpoint.every_steps=1", "eval.before_training=false",
+              "eval.after_training=false", *extra]
+    straight = run_distributed(_rl_train, 2, model_path, str(tmp_path / "straight"),
+                               [*common, "steps=3", "trainer.parallel.tensor_parallel=2"], False)[0]
+    run_dir = str(tmp_path / "resumed")
+    run_distributed(_rl_train, 2, model_path, run_dir, [*common, "steps=2", "trainer.parallel.tensor_parallel=2"], False)
+    resumed = run_distributed(_rl_train, 1, model_path, run_dir, [*common, "steps=3"], True)[0]
+    return straight, resumed, run_dir
+
+
 @pytest.mark.slow
 def test_an_rl_run_checkpointed_at_tp2_resumes_on_one_rank(tmp_path, tiny_chat_model):
     """`megatron-rl train` at TP=2, stopped after step 2 and relaunched with tensor_parallel=1 on one
     rank: step 3 trains as it does in the uninterrupted TP=2 run (the controller's resume path: data
     cursor, rollout buffer and weights for the engine come back as well)."""
-    common = ["rollout.deterministic=true", "checkpoint.every_steps=1", "eval.before_training=false",
-              "eval.after_training=false"]
-    straight = run_distributed(_rl_train, 2, tiny_chat_model, str(tmp_path / "straight"),
-                               [*common, "steps=3", "trainer.parallel.tensor_parallel=2"], False)[0]
-    run_dir = str(tmp_path / "resumed")
-    run_distributed(_rl_train, 2, tiny_chat_model, run_dir, [*common, "steps=2", "trainer.parallel.tensor_parallel=2"],
-                    False)
-    resumed = run_distributed(_rl_train, 1, tiny_chat_model, run_dir, [*common, "steps=3"], True)[0]
+    straight, resumed, run_dir = tp2_run_resumed_on_one_rank(tmp_path, tiny_chat_model)
     assert resumed["train/grad_norm"] > 0
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], rel=1e-4, abs=1e-6)
     assert resumed["train/grad_norm"] == pytest.approx(straight["train/grad_norm"], rel=1e-4)

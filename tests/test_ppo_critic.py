@@ -180,26 +180,14 @@ def test_gae_and_the_ppo_objective_go_together():
     assert error.value.field == "trainer.parallel"
 
 
-def _ppo_rank(rank, world, model_path, run_dir, extra, resume):
-    summary = train(_config(model_path, run_dir, *PPO, *extra), resume=resume)
-    return summary.final_metrics if summary is not None else None
-
-
 @pytest.mark.slow
 def test_a_ppo_run_checkpointed_at_tp2_resumes_policy_and_critic_on_one_rank(tmp_path, tiny_chat_model):
     """Stopped after step 2 at TP=2 and relaunched at TP=1: the critic's backbone is resharded and its value
     head moved to the new last stage, so step 3's critic and policy losses are the uninterrupted run's
     (within the resharding tolerance: another TP reduces in another order)."""
-    from megatron_rl.placement.launch import run_distributed
+    from tests.test_checkpoint_reshard import tp2_run_resumed_on_one_rank
 
-    common = ["rollout.deterministic=true", "checkpoint.every_steps=1", "eval.before_training=false",
-              "eval.after_training=false"]
-    straight = run_distributed(_ppo_rank, 2, tiny_chat_model, str(tmp_path / "straight"),
-                               [*common, "steps=3", "trainer.parallel.tensor_parallel=2"], False)[0]
-    run_dir = str(tmp_path / "resumed")
-    run_distributed(_ppo_rank, 2, tiny_chat_model, run_dir, [*common, "steps=2", "trainer.parallel.tensor_parallel=2"],
-                    False)
-    resumed = run_distributed(_ppo_rank, 1, tiny_chat_model, run_dir, [*common, "steps=3"], True)[0]
+    straight, resumed, _ = tp2_run_resumed_on_one_rank(tmp_path, tiny_chat_model, *PPO)
     for key in ("critic/value_loss", "critic/explained_variance", "train/loss", "train/grad_norm"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-4, abs=1e-6), key
     assert resumed["critic/value_loss"] > 0
