@@ -159,6 +159,10 @@ class RunConfig:
                 require(section is None or self.recipe == name or self.recipe not in BUILTIN_RECIPES, "recipe",
                         f"recipe {self.recipe} does not use the `{name}:` section (recipe {name} does)")
         advantage = self.algorithm.advantage
+        require(advantage.estimator != "remax" or (self.recipe is None and self.waltz is None and self.agent is None
+                                                    and self.algorithm.objective == "policy_gradient"),
+                "algorithm.advantage.estimator", "remax generates a greedy baseline per prompt in the single-turn "
+                "policy-gradient loop; it is not available with recipes, agents or other objectives")
         group_relative = advantage.estimator in ("grpo", "rloo", "grpo_passk", "opo") or (
             advantage.estimator == "reinforce_pp" and advantage.group_baseline)
         # A group of one is its own baseline: every advantage is 0 (grpo, grpo_passk, opo) or undefined (rloo).

@@ -5,6 +5,7 @@ gradients to 1e-6; GSPO's sequence form and DAPO's overlong shaping against brut
 paper's formula; every new config field's bounds refused with the field named."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from megatron_rl.algorithms.config import AdvantageConfig, LossConfig, OverlongC
 from megatron_rl.algorithms.losses import clipped_value_loss, compute_normalizer, make_loss_fn, policy_loss
 from megatron_rl.algorithms.rollout_correction import correction_weights, rejection_mask
 from megatron_rl.config import ConfigError
+from megatron_rl.controller.loop import train
 from megatron_rl.types import Completion, TrainBatch
+from tests.test_loop import _config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 6, 11
@@ -195,6 +198,25 @@ def test_passk_and_opo_advantages_equal_verl():
         per_sequence = reference["advantages"].sum(-1) / mask.sum(-1)
         torch.testing.assert_close(mine, per_sequence, **TOL)
     assert any(bool((mine != 0).any()) for mine in ours)
+
+
+def test_remax_advantages_equal_verl():
+    g = torch.Generator().manual_seed(4)
+    rewards = torch.rand(8, generator=g, dtype=torch.float64)
+    baselines = torch.rand(8, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, S, (8,), generator=g)
+    mask = (torch.arange(S)[None, :] < lengths[:, None]).double()
+    token_level = torch.zeros(8, S, dtype=torch.float64)
+    token_level[torch.arange(8), lengths - 1] = rewards
+    ours = compute_advantages(rewards, torch.arange(8) // 2, AdvantageConfig(estimator="remax"), baselines=baselines)
+    (reference,) = verl([dict(kind="remax", token_level_rewards=token_level, reward_baselines=baselines,
+                              response_mask=mask)])
+    # verl's ReMax advantage is the reward-to-go minus the baseline on every token: r - b for an outcome reward
+    torch.testing.assert_close(ours[:, None] * mask, reference["advantages"], **TOL)
+    missing = baselines.clone()
+    missing[3] = float("nan")
+    partial = compute_advantages(rewards, torch.arange(8) // 2, AdvantageConfig(estimator="remax"), baselines=missing)
+    assert partial[3] == 0 and partial[2] == ours[2]
 
 
 def test_opo_needs_lengths_and_singletons_get_zero():
@@ -417,3 +439,46 @@ def test_a_yaml_config_selects_the_new_objectives(tmp_path):
     assert config.algorithm.loss.name == "gspo"
     assert config.algorithm.rollout_correction.reject == {"seq_mean_k1": [0.999, 1.001], "token_k3": 0.5}
     assert config.algorithm.overlong.buffer_tokens == 16
+
+
+# --- ReMax: a greedy baseline response per prompt ---------------------------------------------------------
+
+def test_remax_samples_a_greedy_baseline_per_prompt_and_trains_only_the_samples(tmp_path, tiny_chat_model):
+    from megatron_rl.controller.episodes import BASELINE_ROLE, GroupRequest, SingleTurnSampling
+    from megatron_rl.data.prompts import Prompt
+    from megatron_rl.models.pretrained import load_pretrained
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rewards.registry import Reward
+    from megatron_rl.rollout.config import NativeEngineConfig, RolloutConfig
+    from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.native import NativeEngine
+
+    model = load_pretrained(tiny_chat_model)
+    config = RolloutConfig(samples_per_prompt=3, max_new_tokens=6)
+    prompt = Prompt(prompt_id="p0", messages=[{"role": "user", "content": "What is 2 + 3?"}], question="What is 2 + 3?")
+    ids = model.tokenizer.encode_chat(prompt.messages)
+    with NativeEngine(model.arch, model.state, tokenizer=model.tokenizer,
+                      config=NativeEngineConfig(max_batch_size=8)) as engine:
+        producer = SingleTurnSampling(engine, model.tokenizer, Reward(RewardConfig(name="tests.test_loop:vowel_fraction")),
+                                      config, greedy_baseline=True)
+        (futures,) = producer.submit([GroupRequest(prompt, ids, "s0-p0-p0", seed=5)])
+        samples = producer.collect(prompt, futures)
+        greedy = engine.generate([GenerateRequest("g", ids, SamplingParams(max_new_tokens=6, temperature=0.0))])[0]
+    assert [s.role for s in samples] == ["policy"] * 3 + [BASELINE_ROLE]
+    assert samples[-1].completion.output_ids == greedy.output_ids
+
+    run_dir = str(tmp_path / "remax")
+    train(_config(tiny_chat_model, run_dir, "algorithm.advantage.estimator=remax", "steps=2",
+                  "checkpoint.every_steps=0"))
+    steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "rollout/trained_samples" in line]
+    assert [s["rollout/trained_samples"] for s in steps] == [8.0, 8.0]  # 2 prompts x 4 samples, no greedy row
+    assert all("train/loss" in s for s in steps)
+
+
+def test_remax_is_refused_where_no_greedy_baseline_is_generated():
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+    from tests.test_loop import QUICKSTART
+
+    with pytest.raises(ConfigError, match="remax generates a greedy baseline"):
+        load_yaml(RunConfig, QUICKSTART, ["algorithm.advantage.estimator=remax", "algorithm.objective=jepo"])

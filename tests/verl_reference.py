@@ -76,6 +76,11 @@ def run_case(case, core_algos, rollout_corr_helper, ActorConfig, PolicyLossConfi
         advantages, _ = fn(token_level_rewards=case["token_level_rewards"], response_mask=case["response_mask"],
                            index=case["index"], config=config)
         return {"advantages": advantages}
+    if kind == "remax":
+        advantages, _ = core_algos.compute_remax_outcome_advantage(
+            token_level_rewards=case["token_level_rewards"], reward_baselines=case["reward_baselines"],
+            response_mask=case["response_mask"])
+        return {"advantages": advantages}
     if kind == "gae":
         advantages, returns = core_algos.compute_gae_advantage_return(
             token_level_rewards=case["token_level_rewards"], values=case["values"], response_mask=case["response_mask"],

@@ -257,13 +257,32 @@ def opo_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig, *, 
     return opo_advantages(rewards, group_ids, lengths=lengths)
 
 
+def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2024, arXiv 2310.10505): REINFORCE with the reward of the greedy response to the same
+    prompt as the baseline, A_i = r_i - r(greedy). One greedy generation per prompt replaces a critic. A
+    sample whose group has no baseline (NaN: the greedy response's reward failed) gets 0."""
+    rewards = torch.as_tensor(rewards)
+    baselines = torch.as_tensor(baselines, dtype=rewards.dtype if rewards.is_floating_point() else torch.float64)
+    if baselines.shape != rewards.shape:
+        raise ValueError(f"{rewards.numel()} rewards but baselines of shape {tuple(baselines.shape)}")
+    return torch.where(torch.isnan(baselines), torch.zeros_like(baselines), rewards - baselines)
+
+
+def remax_estimator(rewards: torch.Tensor, group_ids, config: AdvantageConfig, *, baselines) -> torch.Tensor:
+    if baselines is None:
+        raise ValueError("advantage estimator remax needs each sample's baseline reward (its greedy response's)")
+    return remax_advantages(rewards, baselines)
+
+
 def compute_advantages(rewards: torch.Tensor, group_ids=None, config: AdvantageConfig | None = None, *,
-                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+                       lengths: torch.Tensor | None = None, baselines: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence advantages with the estimator `config` names (default GRPO); same shape as `rewards`.
-    `lengths`: response lengths in tokens, for estimators that declare a `lengths` parameter (opo)."""
+    `lengths`: response lengths in tokens, for estimators that declare a `lengths` parameter (opo);
+    `baselines`: each sample's baseline reward (NaN: none), for those that declare `baselines` (remax)."""
     config = config or AdvantageConfig()
     estimator = ADVANTAGE_ESTIMATORS.resolve(config.estimator)
-    extra = {"lengths": lengths} if "lengths" in inspect.signature(estimator).parameters else {}
+    declared = inspect.signature(estimator).parameters
+    extra = {name: value for name, value in (("lengths", lengths), ("baselines", baselines)) if name in declared}
     advantages = estimator(rewards, group_ids, config, **extra)
     if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__

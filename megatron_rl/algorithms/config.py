@@ -18,6 +18,7 @@ ADVANTAGE_ESTIMATORS = Registry("estimator", {
     "reinforce_pp": "megatron_rl.algorithms.advantages:reinforce_pp_estimator",
     "grpo_passk": "megatron_rl.algorithms.advantages:grpo_passk_estimator",
     "opo": "megatron_rl.algorithms.advantages:opo_estimator",
+    "remax": "megatron_rl.algorithms.advantages:remax_estimator",
 })
 # The `PolicyLoss` signature of losses.py; `losses.register_loss` is LOSSES.register.
 LOSSES = Registry("loss", {
@@ -50,7 +51,8 @@ class AdvantageConfig:
     """grpo: (r - group mean) / group std; rloo: r - mean of the other samples of the group;
     reinforce_pp: batch-normalised (r - batch mean) / batch std; grpo_passk: only each group's best sample
     gets an advantage, r_max - r_second (pass@k training); opo: r - the length-weighted group mean (the
-    optimal baseline); gae: generalised advantage estimation with a learned critic (objective ppo only);
+    optimal baseline); remax: r - the reward of a greedy response to the same prompt (one extra greedy
+    generation per prompt, single-turn runs); gae: generalised advantage estimation with a learned critic (objective ppo only);
     or a user estimator registered with `ADVANTAGE_ESTIMATORS.register` or 'package.module:function'
     (docs/extending.md)."""
     scale_by_std: bool = True

@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.algorithms.advantages import compute_advantages, overlong_penalty, token_advantages, token_rewards
 from megatron_rl.algorithms.config import AdvantageConfig, OverlongConfig
-from megatron_rl.controller.episodes import Group
+from megatron_rl.controller.episodes import BASELINE_ROLE, Group
 from megatron_rl.types import TrainBatch
 
 FP8_TOKEN_MULTIPLE = 16
@@ -41,8 +41,9 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
     advantages, and truncated responses out of the loss (their rewards still count in their group).
     With `advantage.estimator: gae` the batch's advantages are each row's (shaped) reward on its last
     response token, for the actor-critic objective to turn into GAE advantages with its critic's values."""
-    samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok]
+    samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples if s.reward.ok and s.role != BASELINE_ROLE]
     rewards = torch.tensor([s.reward.reward for _, s in samples], dtype=torch.float64)
+    baselines = group_baselines(groups)
     response_lengths = torch.tensor([len(s.completion.output_ids) for _, s in samples], dtype=torch.float64)
     overlong = overlong or OverlongConfig()
     shaped = rewards + overlong_penalty(response_lengths, max_new_tokens, overlong.buffer_tokens, overlong.penalty)
@@ -50,8 +51,9 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
     if advantage.estimator == "gae":
         advantages = shaped.float()
     else:
-        advantages = (compute_advantages(shaped, group_ids, advantage, lengths=response_lengths).float() if samples
-                      else torch.zeros(0))
+        baseline = torch.tensor([baselines.get(gi, float("nan")) for gi, _ in samples], dtype=torch.float64)
+        advantages = (compute_advantages(shaped, group_ids, advantage, lengths=response_lengths,
+                                         baselines=baseline).float() if samples else torch.zeros(0))
 
     lengths = [len(s.completion.prompt_ids) + len(s.completion.output_ids) for _, s in samples]
     width = max(lengths, default=2)
@@ -101,6 +103,13 @@ def build_step_batch(groups: list[Group], *, advantage: AdvantageConfig, trainer
     return StepBatch(batch, loss_mask, metrics)
 
 
+def group_baselines(groups: list[Group]) -> dict[int, float]:
+    """Group index -> the reward of its baseline response (ReMax's greedy one), for groups that have one
+    scored without error."""
+    return {gi: s.reward.reward for gi, g in enumerate(groups) for s in g.samples
+            if s.role == BASELINE_ROLE and s.reward.ok}
+
+
 def routing_records(completions: list, width: int) -> torch.Tensor | None:
     """[N, width, layers, top_k] int64 MoE routing records of the completions' tokens (`Completion.routed_experts`;
     -1 where a row has none), or None when no completion carries one (dense models, recording off)."""
@@ -125,7 +134,7 @@ def rollout_metrics(groups: list[Group], rewards: torch.Tensor, advantages: torc
     """rollout/* metrics of a step: `rewards` and `advantages` [N] of the samples whose reward is ok."""
     rows = rewards.numel()
     kept = trained_samples
-    all_samples = [s for g in groups for s in g.samples]
+    all_samples = [s for g in groups for s in g.samples if s.role != BASELINE_ROLE]
     ok = [s for s in all_samples if s.reward.ok]
     response_lengths = torch.tensor([len(s.completion.output_ids) for s in all_samples], dtype=torch.float32)
     staleness = torch.tensor([trainer_version - s.completion.weight_version for s in all_samples], dtype=torch.float32)

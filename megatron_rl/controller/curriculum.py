@@ -38,7 +38,7 @@ from typing import Any
 from megatron_rl.algorithms.pcl import has_mixed_rewards
 from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
 from megatron_rl.controller.config import SELECTORS, CurriculumConfig
-from megatron_rl.controller.episodes import Group
+from megatron_rl.controller.episodes import BASELINE_ROLE, Group
 from megatron_rl.data.prompts import Prompt, PromptDataset
 from megatron_rl.data.sources import PromptStream
 
@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 
 def scored_rewards(group: Group) -> list[float]:
-    """The rewards of a group's samples that were scored without error."""
-    return [s.reward.reward for s in group.samples if s.reward.ok]
+    """The rewards of a group's trained samples that were scored without error (not a baseline response's)."""
+    return [s.reward.reward for s in group.samples if s.reward.ok and s.role != BASELINE_ROLE]
 
 
 class PromptSelector:

@@ -100,17 +100,26 @@ class EpisodeProducer(Protocol):
         """Metrics gathered since the last call."""
 
 
+BASELINE_ROLE = "baseline"
+"""`Sample.role` of a response generated only for its reward, as a baseline (ReMax's greedy response):
+scored and kept with its group, never trained on (controller/batching.py)."""
+
+
 class SingleTurnSampling:
-    """n samples of each prompt from one engine (`rollout.samples_per_prompt`), scored by the reward."""
+    """n samples of each prompt from one engine (`rollout.samples_per_prompt`), scored by the reward; with
+    `greedy_baseline`, one more greedy response per prompt whose reward is ReMax's baseline (role
+    BASELINE_ROLE, generated in the same submission)."""
 
     keeps_in_flight_samples = True
 
-    def __init__(self, engine, tokenizer: ChatTokenizer, reward: Reward, config: RolloutConfig):
+    def __init__(self, engine, tokenizer: ChatTokenizer, reward: Reward, config: RolloutConfig, *,
+                 greedy_baseline: bool = False):
         self.engine = engine
         self.engines = [engine]
         self.tokenizer = tokenizer
         self.reward = reward
         self.config = config
+        self.greedy_baseline = greedy_baseline
         self.reward_time = 0.0
         self.generated_samples = 0
 
@@ -123,17 +132,26 @@ class SingleTurnSampling:
     def submit(self, groups: Sequence[GroupRequest]) -> list[list[Future]]:
         # One engine submission for all groups: one scheduling decision, so deterministic mode sees the
         # same batches on every run.
-        requests = [GenerateRequest(request_id=g.request_id, prompt_ids=g.prompt_ids,
-                                    sampling=SamplingParams.for_rollouts(self.config, g.seed), group_id=g.prompt.prompt_id)
-                    for g in groups]
+        requests = []
+        for g in groups:
+            requests.append(GenerateRequest(request_id=g.request_id, prompt_ids=g.prompt_ids,
+                                            sampling=SamplingParams.for_rollouts(self.config, g.seed),
+                                            group_id=g.prompt.prompt_id))
+            if self.greedy_baseline:
+                greedy = dataclasses.replace(SamplingParams.for_rollouts(self.config, g.seed), temperature=0.0, n=1)
+                requests.append(GenerateRequest(request_id=f"{g.request_id}-greedy", prompt_ids=g.prompt_ids,
+                                                sampling=greedy, group_id=g.prompt.prompt_id))
         futures = self.engine.submit(requests) if requests else []
         for future in futures:  # completion times, for the timeline's generation track
             future.add_done_callback(lambda f: setattr(f, "finished_at", time.perf_counter()))
-        n = self.config.samples_per_prompt
+        n = self.config.samples_per_prompt + self.greedy_baseline
         return [futures[i * n:(i + 1) * n] for i in range(len(groups))]
 
     def collect(self, prompt: Prompt, futures: Sequence[Future]) -> list[Sample]:
-        return self.score(prompt, self.engine.wait(futures))
+        samples = self.score(prompt, self.engine.wait(futures))
+        if self.greedy_baseline:
+            samples[-1] = dataclasses.replace(samples[-1], role=BASELINE_ROLE)
+        return samples
 
     def drain(self, futures: Sequence[Future]) -> None:
         try:

@@ -111,7 +111,8 @@ def build_single_policy(config, model) -> RunParts:
     reward = Reward(config.reward) if driver else None
     if driver:
         train_data, heldout = policy.objective.prepare_data(*build_datasets(config.data))
-        episodes = SingleTurnSampling(policy.engine, model.tokenizer, reward, config.rollout)
+        episodes = SingleTurnSampling(policy.engine, model.tokenizer, reward, config.rollout,
+                                      greedy_baseline=config.algorithm.advantage.estimator == "remax")
     else:  # trainer ranks receive scored groups from the driver
         train_data, heldout, episodes = [], [], None
     measure = heldout_metrics(config, engine=policy.engine, policy=policy.trainer, tokenizer=model.tokenizer,
