@@ -185,6 +185,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -
             raise ConfigError(f"{source.where(path)}: unknown key '{path}' in {section}{hint} "
                               f"(valid keys: {', '.join(sorted(fields))})")
         kwargs[key] = _convert(value, hints[key], path, source)
+        if fields[key].metadata.get(RECIPE_PATH_FIELD) and isinstance(kwargs[key], str):
+            kwargs[key] = recipe_relative(kwargs[key], path, source)
         if key in importing:
             import_modules(kwargs[key], path, source)
     try:
@@ -428,6 +430,22 @@ def import_object(spec: str, what: str):
 
 # Metadata key of a config field listing modules to import before the rest of its section is built.
 IMPORTS_FIELD = "megatron_rl.imports"
+
+# A field marked RECIPE_PATH_FIELD (metadata={RECIPE_PATH_FIELD: True}) holds a path to an input file that a
+# recipe may name relative to itself (recipe_relative).
+RECIPE_PATH_FIELD = "megatron_rl.recipe_path"
+
+
+def recipe_relative(value: str, path: str, source: Source) -> str:
+    """A relative path written in a recipe file names the file beside the recipe when one exists there (so
+    a recipe works from any directory); otherwise, and on the command line, it is relative to the working
+    directory as before. `~` is the home directory. Names that are not paths (a model preset) pass through."""
+    value = os.path.expanduser(value)
+    if (os.path.isabs(value) or "://" in value or source.file is None or path in source.overrides
+            or os.path.exists(value)):
+        return value
+    beside = os.path.join(os.path.dirname(os.path.abspath(source.file)), value)
+    return beside if os.path.exists(beside) else value
 
 
 def import_modules(modules: Sequence[str], path: str = "imports", source: Source | None = None) -> None:

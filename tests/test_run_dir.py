@@ -13,8 +13,11 @@ from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.controller.loop import train
 from megatron_rl.observability.run_log import PREVIOUS_RUNS, RUN_MANIFEST, config_difference, prepare_run_dir
+from megatron_rl.run_config import load_run_config
 from tests.test_bad_input_more import _one_line_error, _snapshot
 from tests.test_loop import QUICKSTART, _config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +223,24 @@ def test_tools_of_a_sigkilled_run_do_not_outlive_it(tmp_path):
     with Sandbox(parent_dir=str(tmp_path)):
         assert [n for n in os.listdir(tmp_path) if n.startswith("mrl-sandbox-")] != []  # only this one's
     assert not any(name.startswith("mrl-sandbox-") for name in os.listdir(tmp_path))
+
+
+def test_a_recipes_relative_paths_name_files_beside_it_from_any_directory(tmp_path, monkeypatch):
+    """`megatron-rl plan` of a shipped recipe from another directory finds its model shape (examples/configs/
+    models/, named relative to the recipe); a data file beside a user's recipe is found from anywhere; a
+    relative path that exists from the working directory, or given on the command line, stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", os.path.join(REPO, "examples", "configs", "llama3_8b.yaml")]) == 0
+    recipe_dir = tmp_path / "recipes"
+    recipe_dir.mkdir()
+    (recipe_dir / "prompts.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (recipe_dir / "run.yaml").write_text("data:\n  train: {kind: jsonl, path: prompts.jsonl}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_run_config(str(recipe_dir / "run.yaml"))
+    assert config.data.train.path == str(recipe_dir / "prompts.jsonl")
+    assert load_run_config(str(recipe_dir / "run.yaml"), ["data.train.path=prompts.jsonl"]).data.train.path == \
+        "prompts.jsonl"  # the command line is relative to the working directory
+    (elsewhere / "prompts.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
+    assert load_run_config(str(recipe_dir / "run.yaml")).data.train.path == "prompts.jsonl"

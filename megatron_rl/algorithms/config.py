@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config import Registry, require
+from megatron_rl.config import RECIPE_PATH_FIELD, Registry, require
 
 # The registries of advantages.py and losses.py, here so that a config names their parts without
 # importing torch; the built-ins are imported on first use (docs/extending.md).
@@ -232,7 +232,7 @@ class DistillConfig:
     sampled, and the per-token reverse KL log mu - log pi_teacher enters the policy loss as a negative
     advantage (controller/objectives.py: DistillationObjective)."""
 
-    teacher: str = ""
+    teacher: str = dataclasses.field(default="", metadata={RECIPE_PATH_FIELD: True})
     """The teacher: a model path (any form `model.path` accepts, any supported family and size, the
     student's tokenizer), run forward-only on the policy's ranks; or the base URL of an OpenAI-compatible
     server that returns prompt log-probs (`megatron-rl serve`, vLLM), e.g. http://host:8000/v1."""

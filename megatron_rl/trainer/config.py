@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config import ConfigError, require
+from megatron_rl.config import RECIPE_PATH_FIELD, ConfigError, require
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,7 +137,7 @@ class TrainerConfig:
 class ValueModelConfig:
     """PCL's value model: its initial weights, size, head and optimizer."""
 
-    init_from: str = "policy"
+    init_from: str = dataclasses.field(default="policy", metadata={RECIPE_PATH_FIELD: True})
     """'policy': a copy of the policy's starting weights; otherwise a model path (any form `model.path`
     accepts) with the policy's tokenizer and vocabulary."""
     num_layers: int = 0
@@ -182,7 +182,7 @@ class CriticConfig:
     policy's ranks and process groups (same TP/PP/DP), trained in the same step as the policy and
     checkpointed with it (trainer/value.py: CriticTrainer)."""
 
-    init_from: str = "policy"
+    init_from: str = dataclasses.field(default="policy", metadata={RECIPE_PATH_FIELD: True})
     """'policy': the policy's starting weights with a zero scalar head (V = 0 everywhere at first);
     otherwise a model path (any form `model.path` accepts, e.g. a reward model's backbone) with the
     policy's vocabulary."""
