@@ -12,9 +12,8 @@ the trainer, whose process groups such a copy shares).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
-
 import dataclasses
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -144,8 +143,8 @@ class DistillationObjective(PolicyGradientObjective):
 
         A_t = coef * (log pi_teacher(y_t) - log mu(y_t) - b) + rl_coef * A_reward
 
-    (b: the step's mean of the log-ratio over its loss tokens with `baseline`, else 0)
-    (mu: the engine's log-prob of the token it sampled, the student's behaviour policy). With the configured
+    (mu: the engine's log-prob of the token it sampled, the student's behaviour policy; b: with `baseline`,
+    the step's mean log-ratio over its loss tokens, else 0). With the configured
     policy loss, the gradient is that of the per-token reverse KL(pi || pi_teacher) on the student's own
     samples (discount 0: each token is charged its own divergence), importance-corrected for staleness like
     any other advantage. The teacher runs forward-only on the policy's ranks (any supported family and
@@ -173,11 +172,12 @@ class DistillationObjective(PolicyGradientObjective):
 
     def teacher_logprobs(self, batch) -> torch.Tensor:
         """[B, S] log pi_teacher of every token of `batch` (0 in column 0)."""
-        if self.scorer is not None:
-            rows = self.scorer.score([row[:int(last) + 1].tolist() for row, last in
-                                      zip(batch.tokens, _last_columns(batch.loss_mask))])
+        if self.scorer is not None:  # each row up to its last loss token; rows without any (padding) are not sent
+            rows = (batch.loss_mask != 0).any(-1).nonzero().flatten().tolist()
+            last = _last_columns(batch.loss_mask)
+            scored = self.scorer.score([batch.tokens[r, :int(last[r]) + 1].tolist() for r in rows])
             out = torch.zeros(batch.tokens.shape)
-            for r, values in enumerate(rows):
+            for r, values in zip(rows, scored):
                 out[r, :len(values)] = torch.tensor(values)
             return out
         if self.teacher is None:
