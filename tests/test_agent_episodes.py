@@ -307,3 +307,64 @@ def test_smollm2_multi_turn_episodes_are_token_exact_and_on_policy(smollm2):
     print(f"SmolLM2: {int(where.sum())} sampled tokens, max |trainer - engine| {float(diff.max()):.2e}; "
           f"re-tokenizing loop: {totals}")
     assert float(diff.max()) < 1e-4 and totals["turns"] == 16
+
+
+def _strip_reasoning(text: str) -> str:
+    """The text without `<think>...</think>` blocks and the blank lines after them (what Qwen3's template
+    drops from turns before the last user message, and writes empty when thinking is off)."""
+    import re
+
+    return re.sub(r"<think>.*?</think>\n*", "", text, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("family,kwargs", [("smollm2", {}), ("qwen2.5", {}), ("llama-3.1", {}),
+                                           ("qwen3", {"enable_thinking": True}), ("qwen3", {"enable_thinking": False})])
+def test_multi_turn_prompts_follow_each_published_template(tmp_path, family, kwargs):
+    """Three turns with tool results and a new user message on each family's published template: no drift;
+    every turn's prompt (the previous prompt, the sampled ids, the template's ids for what is new) is, as
+    text, the template's full render of the conversation so far, except that Qwen3 keeps the reasoning
+    its template drops from earlier turns (the policy keeps what it sampled in its context)."""
+    from megatron_rl.data.tokenizer import ChatTokenizer
+    from megatron_rl.models.gguf import read_gguf_tokenizer
+    from megatron_rl.models.pretrained import smollm2_gguf_path
+    import gguf
+
+    from tests.chat_families import FAMILIES, save_family_tokenizer
+
+    path = smollm2_gguf_path()
+    vocabulary = ChatTokenizer.from_spec(read_gguf_tokenizer(gguf.GGUFReader(path), path)).hf_tokenizer \
+        .backend_tokenizer.to_str()
+    if family == "smollm2":
+        tokenizer = ChatTokenizer.from_spec(read_gguf_tokenizer(gguf.GGUFReader(path), path))
+    else:
+        save_family_tokenizer(tmp_path / family, FAMILIES[family], vocabulary)
+        tokenizer = ChatTokenizer.from_hf_dir(str(tmp_path / family))
+    tokenizer.use_template(None, kwargs)
+    thinking = family == "qwen3" and kwargs.get("enable_thinking", True)
+    messages = [{"role": "user", "content": "What is 17 * 23? Use the calculator."}]
+    answers = ["I will compute it.\n<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"x\": \"17*23\"}}\n</tool_call>",
+               "17 * 23 = 391.", "Twice that is 782."]
+    replies = [[{"role": "tool", "content": "391"}], [{"role": "user", "content": "And twice that?"}], []]
+    renderer = TurnRenderer(tokenizer, messages)
+    ids = renderer.prompt_ids()
+    conversation = list(messages)
+    eos = tokenizer.eos_token_id
+    for k, (answer, reply) in enumerate(zip(answers, replies)):
+        text = f"<think>\nstep {k}\n</think>\n\n{answer}" if thinking else answer
+        sampled = tokenizer.encode(text) + [eos]
+        ids = ids + sampled
+        conversation += [{"role": "assistant", "content": text}]
+        if not reply:
+            break
+        ids = ids + renderer.next_ids(sampled, text, reply)
+        conversation += reply
+        full = tokenizer.render_chat(conversation, add_generation_prompt=True)
+        ours = tokenizer.decode(ids, skip_special_tokens=False)
+        if family == "qwen3":  # the template drops earlier reasoning, and writes an empty block when it is off
+            assert _strip_reasoning(ours) == _strip_reasoning(full), (k, ours, full)
+            opening = "<|im_start|>assistant"  # the next generation prompt is the template's own, exactly
+            assert ours[ours.rindex(opening):] == full[full.rindex(opening):]
+        else:
+            assert ours == full, (k, ours, full)
+    if thinking:  # the earlier turns' reasoning is still in the prompt the policy sees
+        assert "step 0" in tokenizer.decode(ids, skip_special_tokens=False)

@@ -9,10 +9,13 @@ One episode of prompt p with environment E (environment.py):
 
 `delta_k` is the template's text after the assistant message (its end-of-turn marker, minus the
 end-of-turn token the model sampled itself), the new messages and the next generation prompt, found
-by rendering the conversation with and without them (`TurnRenderer`) and tokenized alone. The text of
-the conversation is never tokenized again, so each turn's prompt holds exactly the ids the engine
-sampled before: the trainer scores the tokens the policy produced, and the engine's behaviour
-log-probs stay valid (a re-tokenizing loop changes tokens: `retokenization_changes` measures how many).
+by rendering the conversation with a probe in place of the assistant's content (`TurnRenderer`) and
+tokenized alone. The text of the conversation is never tokenized again, so each turn's prompt holds
+exactly the ids the engine sampled before: the trainer scores the tokens the policy produced, and the
+engine's behaviour log-probs stay valid (a re-tokenizing loop changes tokens: `retokenization_changes`
+measures how many). A template that rewrites earlier turns once more messages follow (Qwen3 drops the
+reasoning of turns before the last user message) is followed for everything new and never applied to
+the history: the policy keeps its earlier reasoning in context and is trained on the context it saw.
 
 The episode is one sample: a `Completion` whose `output_ids` hold every token after the first prompt,
 with `output_mask` 1 on sampled tokens and 0 on environment tokens (log-prob 0, no loss;
@@ -78,22 +81,21 @@ class TurnRenderer:
     def next_ids(self, sampled_ids: Sequence[int], assistant_text: str,
                  new_messages: Sequence[dict[str, Any]]) -> list[int]:
         """Ids to append after the sampled ids of an assistant turn so that the next turn's prompt is
-        the conversation with `assistant_text` and `new_messages`, plus the generation prompt."""
-        opened = self._render(self.messages, True)
-        probe = self._render(self.messages + [{"role": "assistant", "content": _CONTENT_PROBE}], False)
-        if not probe.startswith(opened + _CONTENT_PROBE):
-            raise TemplateDriftError("the chat template does not render an assistant message after the "
-                                     "generation prompt verbatim")
-        closing = probe[len(opened) + len(_CONTENT_PROBE):]
-        closing = closing[len(self._sampled_end(sampled_ids, closing)):]
-        answered = self.messages + [{"role": "assistant", "content": assistant_text}]
-        closed = self._render(answered, False)
-        following = self._render(answered + list(new_messages), True)
-        if not following.startswith(closed):
-            raise TemplateDriftError("the chat template renders a conversation differently once messages "
-                                     "follow it")
-        self.messages = answered + [dict(m) for m in new_messages]
-        return self.tokenizer.encode(closing + following[len(closed):])
+        the conversation with `assistant_text` and `new_messages`, plus the generation prompt.
+
+        One render of the conversation with a probe as this turn's content: the text after the probe is the
+        template's own closing of the turn, the new messages and the next generation prompt, whatever it
+        does to earlier turns. The history is never rendered again: a template that rewrites it (Qwen3 drops
+        the reasoning of turns before the last user message) does not rewrite the trajectory, so the policy
+        keeps the context it sampled in, and is trained on exactly that."""
+        rendered = self._render(self.messages + [{"role": "assistant", "content": _CONTENT_PROBE}]
+                                + list(new_messages), True)
+        if rendered.count(_CONTENT_PROBE) != 1:
+            raise TemplateDriftError("the chat template does not render an assistant message's content verbatim")
+        tail = rendered[rendered.index(_CONTENT_PROBE) + len(_CONTENT_PROBE):]
+        tail = tail[len(self._sampled_end(sampled_ids, tail)):]
+        self.messages = self.messages + [{"role": "assistant", "content": assistant_text}] + [dict(m) for m in new_messages]
+        return self.tokenizer.encode(tail)
 
     def _sampled_end(self, sampled_ids: Sequence[int], closing: str) -> str:
         """The start of `closing` the model already wrote: its end-of-turn special token, when it
