@@ -14,6 +14,7 @@ REWARDS = Registry("reward", {
     "math": "megatron_rl.rewards.registry:math_reward",
     "exact_match": "megatron_rl.rewards.registry:exact_match_reward",
     "soft_match": "megatron_rl.rewards.registry:soft_match_reward",
+    "judge": "megatron_rl.rewards.judge:judge_reward",
 })
 
 
@@ -22,7 +23,8 @@ class RewardConfig:
     """Which reward function scores the responses."""
 
     name: str = "reasoning_gym"
-    """A registered reward (reasoning_gym, math, exact_match, soft_match, or one a module of `imports:`
+    """A registered reward (reasoning_gym, math, exact_match, soft_match, judge (an LLM judge at an
+    OpenAI-compatible URL, rewards/judge.py), or one a module of `imports:`
     registers with `register_reward`) or a user function 'package.module:function'."""
     extract: ExtractMode = "auto"
     """How the final answer is found in the response (auto: answer tag, boxed, last number when the

@@ -13,7 +13,8 @@ start of the response. The loop counts such samples (`num_errors`) and leaves th
 Built-in rewards:
 - `reasoning_gym`: the task's own `score_answer` on the extracted answer (needs a reasoning-gym prompt);
 - `math`: math final-answer equivalence with math-verify (sympy), against `prompt.answer`;
-- `exact_match`: normalised string equality of the extracted answer with `prompt.answer`.
+- `exact_match`: normalised string equality of the extracted answer with `prompt.answer`;
+- `judge`: an LLM judge behind any OpenAI-compatible endpoint grades with a rubric (rewards/judge.py).
 """
 from __future__ import annotations
 
@@ -98,6 +99,15 @@ class Reward:
     def __call__(self, response: str, prompt: Any) -> RewardResult:
         try:
             value = self.fn(response, prompt, **self.kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure of user code is reported, not raised
+            value = exc
+        return self._result(value, response, prompt)
+
+    def _result(self, value: Any, response: str, prompt: Any) -> RewardResult:
+        """A function's return value (or the exception it raised) as a checked RewardResult."""
+        try:
+            if isinstance(value, Exception):
+                raise value
             if isinstance(value, RewardResult):
                 result = value
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -118,9 +128,20 @@ class Reward:
             return RewardResult(reward=0.0, correct=False, error=message)
 
     def score_batch(self, responses: Sequence[str], prompts: Sequence[Any]) -> list[RewardResult]:
+        """Every response scored; a function with a `score_batch` attribute (e.g. the LLM judge, which asks
+        concurrently) scores the batch at once, returning per sample a value or the exception it raised."""
         if len(responses) != len(prompts):
             raise ValueError(f"{len(responses)} responses but {len(prompts)} prompts")
-        return [self(r, p) for r, p in zip(responses, prompts)]
+        batch = getattr(self.fn, "score_batch", None)
+        if batch is None:
+            return [self(r, p) for r, p in zip(responses, prompts)]
+        try:
+            values = list(batch(list(responses), list(prompts), **self.kwargs))
+            if len(values) != len(responses):
+                raise ValueError(f"score_batch returned {len(values)} results for {len(responses)} responses")
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: each sample's reward error
+            values = [exc] * len(responses)
+        return [self._result(v, r, p) for v, r, p in zip(values, responses, prompts)]
 
 
 # --- built-in rewards -------------------------------------------------------------------------------------
