@@ -15,6 +15,7 @@ REWARDS = Registry("reward", {
     "exact_match": "megatron_rl.rewards.registry:exact_match_reward",
     "soft_match": "megatron_rl.rewards.registry:soft_match_reward",
     "judge": "megatron_rl.rewards.judge:judge_reward",
+    "reward_model": "megatron_rl.rewards.reward_model:reward_model_reward",
 })
 
 
@@ -24,7 +25,8 @@ class RewardConfig:
 
     name: str = "reasoning_gym"
     """A registered reward (reasoning_gym, math, exact_match, soft_match, judge (an LLM judge at an
-    OpenAI-compatible URL, rewards/judge.py), or one a module of `imports:`
+    OpenAI-compatible URL, rewards/judge.py), reward_model (an HF *ForSequenceClassification checkpoint,
+    rewards/reward_model.py), or one a module of `imports:`
     registers with `register_reward`) or a user function 'package.module:function'."""
     extract: ExtractMode = "auto"
     """How the final answer is found in the response (auto: answer tag, boxed, last number when the

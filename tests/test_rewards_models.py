@@ -1,7 +1,7 @@
-"""The LLM-judge reward against `megatron-rl serve` with a scripted judge model: the rubric reaches the judge,
+"""Rewards from models. The LLM-judge reward against `megatron-rl serve` with a scripted judge model: the rubric reaches the judge,
 its last `Score: N` over max_score is the reward, replies are cached, a reply without a score or a judge that
 stays down is a counted reward error; against a plain HTTP server: a batch is asked concurrently, and 503s
-are retried."""
+are retried. A Bradley-Terry reward model scores batches as transformers scores each conversation alone."""
 from __future__ import annotations
 
 import http.server
@@ -118,3 +118,53 @@ def test_503s_are_retried():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --- a Bradley-Terry reward model --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(smollm2, tmp_path_factory):
+    """A random LlamaForSequenceClassification with one output and SmolLM2's tokenizer (its chat template)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=smollm2.arch.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      num_labels=1, pad_token_id=smollm2.tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("rm") / "hf"
+    transformers.LlamaForSequenceClassification(config).save_pretrained(path)
+    smollm2.tokenizer.hf_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_reward_model_scores_batches_like_transformers_one_by_one(tiny_reward_model):
+    """Batched, right-padded scoring equals transformers' forward of each conversation alone (rendered with the
+    reward model's own template); sigmoid and standardize are those functions of the logits."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_reward_model)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, torch_dtype=torch.float32)
+    prompts = [_prompt(f"What is {k} + {k}?", str(2 * k)) for k in range(5)]
+    responses = ["2", "The answer is 4, since 2 + 2 = 4.", "", "6", "I am not sure about this one at all."]
+    expected = []
+    for response, prompt in zip(responses, prompts):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.question},
+                                             {"role": "assistant", "content": response}], tokenize=False)
+        with torch.no_grad():
+            expected.append(float(model(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0]))
+    for scale, transform in (("raw", lambda x: x), ("sigmoid", lambda x: torch.sigmoid(x)),
+                             ("standardize", lambda x: (x - x.mean()) / (x.std() + 1e-6))):
+        reward = Reward(RewardConfig(name="reward_model", kwargs={"path": tiny_reward_model, "batch_size": 2,
+                                                                  "scale": scale}))
+        got = [r.reward for r in reward.score_batch(responses, prompts)]
+        want = transform(torch.tensor(expected, dtype=torch.float64)).tolist()
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), scale
+        assert reward.num_errors == 0
+    assert len(set(round(e, 6) for e in expected)) == len(expected)  # the conversations score apart
+
+
+def test_a_reward_model_without_a_path_is_a_reward_error():
+    result = Reward(RewardConfig(name="reward_model")).score_batch(["x"], [_prompt("Q?", None)])[0]
+    assert result.error and "reward.kwargs.path" in result.error
