@@ -1,7 +1,8 @@
-"""Rewards from models. The LLM-judge reward against `megatron-rl serve` with a scripted judge model: the rubric reaches the judge,
-its last `Score: N` over max_score is the reward, replies are cached, a reply without a score or a judge that
-stays down is a counted reward error; against a plain HTTP server: a batch is asked concurrently, and 503s
-are retried. A Bradley-Terry reward model scores batches as transformers scores each conversation alone."""
+"""Rewards from models. The LLM judge against `megatron-rl serve` with a scripted judge model: the rubric
+reaches the judge, its last `Score: N` over max_score is the reward, replies are cached, a reply without a
+score or a judge that stays down is a counted reward error; against a plain HTTP server: a batch is asked
+concurrently, and 503s are retried. A Bradley-Terry reward model scores batches as transformers scores each
+conversation alone."""
 from __future__ import annotations
 
 import http.server
