@@ -10,6 +10,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.rewards.config import RewardConfig
@@ -169,3 +170,37 @@ def test_a_reward_model_scores_batches_like_transformers_one_by_one(tiny_reward_
 def test_a_reward_model_without_a_path_is_a_reward_error():
     result = Reward(RewardConfig(name="reward_model")).score_batch(["x"], [_prompt("Q?", None)])[0]
     assert result.error and "reward.kwargs.path" in result.error
+
+
+def test_a_weighted_sum_combines_a_rule_with_the_judge_and_logs_each_term(judge_url):
+    from megatron_rl.controller.batching import rollout_metrics
+    from megatron_rl.controller.episodes import Group, Sample
+    from megatron_rl.types import Completion
+
+    reward = Reward(RewardConfig(name="weighted_sum", kwargs={"terms": [
+        {"name": "exact_match"}, {"name": "judge", "weight": 0.5, "kwargs": {"url": judge_url, "model": "judge"}}]}))
+    prompts = [_prompt("What is 40 + 2?", "42")] * 2
+    results = reward.score_batch(["42", "41"], prompts)
+    assert [r.reward for r in results] == [1.0 + 0.5 * 0.9, 0.0 + 0.5 * 0.2]
+    assert [r.terms for r in results] == [{"exact_match": 1.0, "judge": 0.9}, {"exact_match": 0.0, "judge": 0.2}]
+    assert [r.correct for r in results] == [True, False]  # the rule-based first term decides
+    completion = Completion("r", [1], [2], [-0.1], [0], "stop")
+    group = Group(prompt=None, samples=[Sample(completion, "", r) for r in results], requested_at_version=0)
+    metrics = rollout_metrics([group], torch.tensor([r.reward for r in results]), torch.zeros(2), 0, 2)
+    assert metrics["rollout/reward_term/exact_match"] == 0.5
+    assert metrics["rollout/reward_term/judge"] == pytest.approx(0.55)
+    failing = reward.score_batch(["no score please"], [_prompt("Q?", "1")])[0]
+    assert failing.error and "no 'Score: N'" in failing.error
+
+
+@pytest.mark.parametrize("terms,field", [
+    ([], "kwargs.terms"), ([{"weight": 1.0}], "kwargs.terms[0]"), ([{"name": "nope"}], "kwargs.terms[0].name"),
+    ([{"name": "math", "weight": "heavy"}], "kwargs.terms[0].weight"),
+    ([{"name": "weighted_sum"}], "kwargs.terms[0].name"),
+])
+def test_weighted_sum_terms_are_checked_by_name(terms, field):
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        RewardConfig(name="weighted_sum", kwargs={"terms": terms})
+    assert error.value.field == field

@@ -153,4 +153,9 @@ def rollout_metrics(groups: list[Group], rewards: torch.Tensor, advantages: torc
         "rollout/staleness_max": float(staleness.max()) if len(all_samples) else 0.0,
         "rollout/response_tokens": float(response_lengths.sum()),
     }
+    terms: dict[str, list[float]] = {}
+    for sample in ok:  # a weighted sum's terms, each averaged over the samples that have it
+        for name, value in (sample.reward.terms or {}).items():
+            terms.setdefault(name, []).append(value)
+    metrics.update({f"rollout/reward_term/{name}": sum(values) / len(values) for name, values in terms.items()})
     return metrics

@@ -14,7 +14,9 @@ Built-in rewards:
 - `reasoning_gym`: the task's own `score_answer` on the extracted answer (needs a reasoning-gym prompt);
 - `math`: math final-answer equivalence with math-verify (sympy), against `prompt.answer`;
 - `exact_match`: normalised string equality of the extracted answer with `prompt.answer`;
-- `judge`: an LLM judge behind any OpenAI-compatible endpoint grades with a rubric (rewards/judge.py).
+- `judge`: an LLM judge behind any OpenAI-compatible endpoint grades with a rubric (rewards/judge.py);
+- `reward_model`: a Bradley-Terry `*ForSequenceClassification` checkpoint (rewards/reward_model.py);
+- `weighted_sum`: sum_i weight_i * term_i over other rewards (`kwargs.terms`), each term logged.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ class RewardResult:
     """The final answer the reward read from the response, when it extracts one."""
     error: str | None = None
     """Set when the reward function failed on this sample: the message names reward, prompt and error."""
+    terms: dict[str, float] | None = None
+    """A weighted sum's terms by name, unweighted (`weighted_sum`; logged as rollout/reward_term/<name>)."""
 
     @property
     def ok(self) -> bool:
@@ -210,3 +214,36 @@ def soft_match_reward(response: str, prompt: Any, *, extract: ExtractMode = "aut
         raise ValueError("no verifiable short answer and no judge configured (reward.kwargs.judge)")
     value = resolve_reward(judge)(response, prompt, **judge_kwargs)
     return value if isinstance(value, RewardResult) else RewardResult(reward=float(value))
+
+
+def weighted_sum_batch(responses: Sequence[str], prompts: Sequence[Any], *, terms: Sequence[dict[str, Any]],
+                       extract: ExtractMode = "auto") -> list[RewardResult | Exception]:
+    """sum_i weight_i * r_i over the rewards `terms` names ([{name, weight, kwargs}], checked by RewardConfig),
+    each scored as a whole batch by its own `Reward` (a judge or reward model asks once per batch). A sample
+    any term failed on is that term's error; `correct` is the first term's (the rule-based check, when it
+    comes first), else the threshold on the sum."""
+    parts = [(term["name"], float(term.get("weight", 1.0)),
+              Reward(RewardConfig(name=term["name"], extract=extract, kwargs=dict(term.get("kwargs", {})))))
+             for term in terms]
+    scored = [(name, weight, reward.score_batch(responses, prompts)) for name, weight, reward in parts]
+    results = []
+    for i in range(len(responses)):
+        failed = next((s[i].error for _, _, s in scored if not s[i].ok), None)
+        if failed is not None:
+            results.append(ValueError(failed))
+            continue
+        values = {name: s[i].reward for name, _, s in scored}
+        total = sum(weight * s[i].reward for _, weight, s in scored)
+        results.append(RewardResult(reward=total, correct=scored[0][2][i].correct, extracted=scored[0][2][i].extracted,
+                                    terms=values))
+    return results
+
+
+def weighted_sum_reward(response: str, prompt: Any, **kwargs: Any) -> RewardResult:
+    result = weighted_sum_batch([response], [prompt], **kwargs)[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+weighted_sum_reward.score_batch = weighted_sum_batch  # type: ignore[attr-defined]
