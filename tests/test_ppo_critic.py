@@ -113,6 +113,7 @@ def test_the_critic_warms_up_before_the_policy_trains(tmp_path, tiny_chat_model)
     assert critic_0["value_head.weight"].abs().max() > 0  # the critic trained in step 1
 
 
+@pytest.mark.slow
 def test_a_sigkilled_ppo_run_resumes_policy_and_critic_bit_exactly(tmp_path, tiny_chat_model):
     from tests.test_reliability import _last_step, _overrides
 
