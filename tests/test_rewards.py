@@ -160,8 +160,10 @@ def test_registry_and_config_errors():
 def test_config_names_match_the_registry():
     """The reward section validates names without importing the reward functions: its registry's built-ins
     are the functions of rewards/registry.py."""
-    from megatron_rl.rewards import registry
+    from megatron_rl.rewards import judge, registry, reward_model
 
     assert {name: registry.resolve_reward(name) for name in REWARDS} == {
         "reasoning_gym": registry.reasoning_gym_reward, "math": registry.math_reward,
-        "exact_match": registry.exact_match_reward, "soft_match": registry.soft_match_reward}
+        "exact_match": registry.exact_match_reward, "soft_match": registry.soft_match_reward,
+        "judge": judge.judge_reward, "reward_model": reward_model.reward_model_reward,
+        "weighted_sum": registry.weighted_sum_reward}
