@@ -329,7 +329,7 @@ def test_config_names_match_the_registries():
     assert {name: ADVANTAGE_ESTIMATORS.resolve(name) for name in ADVANTAGE_ESTIMATORS} == {
         "grpo": advantages.grpo_estimator, "rloo": advantages.rloo_estimator,
         "reinforce_pp": advantages.reinforce_pp_estimator, "grpo_passk": advantages.grpo_passk_estimator,
-        "opo": advantages.opo_estimator}
+        "opo": advantages.opo_estimator, "remax": advantages.remax_estimator}
     assert {name: losses.get_loss(name) for name in LOSSES} == {
         "pg": losses.pg_loss, "ppo_clip": losses.ppo_clip_loss, "aipo": losses.aipo_loss, "tis": losses.tis_loss,
         "gspo": losses.gspo_loss, "cispo": losses.cispo_loss, "gmpo": losses.gmpo_loss, "sapo": losses.sapo_loss,
