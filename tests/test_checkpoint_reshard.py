@@ -154,7 +154,7 @@ def _checkpoint_with_an_extra_tensor(arch, run_dir):
     path = CheckpointManager(run_dir, CheckpointConfig()).save(1, trainer, {"version": 1})
     shard = os.path.join(path, "model", "mp_rank_00_000", "model.safetensors")
     weights = load_file(shard)
-    weights["value_head.weight"] = torch.zeros(1, arch.hidden_size)
+    weights["mystery_head.weight"] = torch.zeros(1, arch.hidden_size)
     save_file(weights, shard)
     _rewrite_manifest(path)
 
@@ -319,9 +319,9 @@ def test_another_model_at_another_layout_is_refused_in_one_line(runs):
 
 
 def test_a_tensor_without_a_reshard_rule_is_named(runs):
-    """An extra tensor in a shard (e.g. a value head's) is not silently dropped by a reshard."""
+    """An extra tensor in a shard (one no trainer of ours writes) is not silently dropped by a reshard."""
     _, _, results = runs
-    assert "tensor 'value_head.weight' has no rule to reshard it to another layout; resume at the checkpoint's " \
+    assert "tensor 'mystery_head.weight' has no rule to reshard it to another layout; resume at the checkpoint's " \
            "own layout (tensor_parallel=1, pipeline_parallel=1)" in results["extra_at_tp2"]
 
 

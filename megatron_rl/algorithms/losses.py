@@ -162,13 +162,13 @@ def _finish(pg_token: torch.Tensor, metrics: dict[str, torch.Tensor], logprobs: 
         metrics.setdefault("is_weight_mean", mean)
         metrics.setdefault("is_weight_max", hi)
         metrics.setdefault("is_weight_min", lo)
-        rows = m.sum(-1) > 0
-        if rows.any():  # the geometric mean of each sequence's ratios: GSPO's sequence ratio
-            seq_ratio = torch.exp(((diff.sum(-1) / m.sum(-1).clamp(min=1))[rows]).clamp(
-                -config.log_ratio_clamp, config.log_ratio_clamp))
-            metrics["seq_is_weight_mean"] = seq_ratio.mean()
-            metrics["seq_is_weight_max"] = seq_ratio.max()
-            metrics["seq_is_weight_min"] = seq_ratio.min()
+        # the geometric mean of each sequence's ratios (GSPO's sequence ratio); 0 for a micro-batch without
+        # loss tokens, as the token statistics (every micro-batch reports the same metrics)
+        rows = (m.sum(-1) > 0).to(m.dtype)
+        seq_ratio = torch.exp((diff.sum(-1) / m.sum(-1).clamp(min=1)).clamp(-config.log_ratio_clamp,
+                                                                            config.log_ratio_clamp))
+        metrics["seq_is_weight_mean"], metrics["seq_is_weight_max"], metrics["seq_is_weight_min"] = \
+            _masked_stats(seq_ratio, rows)
         metrics["logprob_mismatch"] = _mean(diff.abs(), m)
         # k3 estimate of KL(mu || pi) from tokens sampled by mu: r - 1 - log r with r = pi/mu.
         metrics["approx_kl"] = _mean(ratio - 1.0 - diff, m)
