@@ -235,9 +235,7 @@ class Controller:
         started = time.perf_counter()
         if step.batch is not None and self.trains(policy, self.version):
             trainer = policy.trainer
-            micro = trainer.config.micro_batch_size
-            batch = step.batch.padded_rows(micro * trainer.dp_size).data_parallel_share(
-                trainer.pg.dp.rank(), trainer.dp_size, micro)
+            batch = trainer.data_parallel_share(step.batch)
             if self.offload:
                 metrics.update(self._memory_to_trainer())
             with self.timeline.span("train", version=policy.version, rows=batch.batch_size, policy=policy.name):

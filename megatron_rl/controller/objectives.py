@@ -125,11 +125,8 @@ class ActorCriticObjective(PolicyGradientObjective):
                                              gamma=algorithm.advantage.gamma, lam=algorithm.advantage.lam)
         batch.advantages, batch.returns = advantages.float(), returns.float()
         step.metrics.update(value_metrics(batch))
-        critic = self.critic
-        micro = critic.config.micro_batch_size
-        share = batch.padded_rows(micro * critic.dp_size).data_parallel_share(critic.pg.dp.rank(), critic.dp_size,
-                                                                              micro)
-        step.metrics.update(critic.update(share, normalizer=max(float((batch.loss_mask != 0).sum()), 1.0)))
+        share = self.critic.data_parallel_share(batch)
+        step.metrics.update(self.critic.update(share, normalizer=max(float((batch.loss_mask != 0).sum()), 1.0)))
         if trainer_version < algorithm.critic.warmup_steps:
             step.metrics["critic/warmup"] = 1.0
             return dataclasses.replace(step, batch=None), None

@@ -74,7 +74,16 @@ class TrainerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
     micro_batch_size: int = 4
-    """Rows per forward/backward micro-batch on each data-parallel rank."""
+    """Rows per forward/backward micro-batch on each data-parallel rank (without a token budget)."""
+    sequence_packing: bool = False
+    """Pack each micro-batch's rows into one row without padding (positions restart and attention stays
+    inside each row: Transformer Engine's THD attention on GPU, a variable-length path on the local layers),
+    each row up to its last loss position. Log-probs, losses and gradients equal the padded computation;
+    compute follows the real tokens. docs/performance.md (bench packing)."""
+    max_tokens_per_micro_batch: int = 0
+    """Fill micro-batches by tokens instead of rows: at most this many packed tokens each (first-fit
+    decreasing; a longer row gets a micro-batch of its own), and data-parallel ranks get equal token counts,
+    not equal rows. Needs sequence_packing. 0: micro_batch_size rows per micro-batch."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
     recompute_activations: bool = False
@@ -118,6 +127,12 @@ class TrainerConfig:
         require(0 <= self.weight_decay <= 1, "weight_decay", f"must be in [0, 1], got {self.weight_decay!r}")
         require(0 < self.adam_eps < 1, "adam_eps", f"must be in (0, 1), got {self.adam_eps!r}")
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0: rows)")
+        require(not self.max_tokens_per_micro_batch or self.sequence_packing, "max_tokens_per_micro_batch",
+                "fills packed micro-batches; set trainer.sequence_packing: true")
+        require(not self.sequence_packing or self.parallel.pipeline_parallel == 1 or self.max_tokens_per_micro_batch,
+                "sequence_packing", "with pipeline_parallel > 1 needs max_tokens_per_micro_batch (pipeline stages "
+                "exchange packed rows of that one length)")
         require(0 <= self.clip_grad < float("inf"), "clip_grad", "must be a finite number >= 0 (0 disables clipping)")
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")

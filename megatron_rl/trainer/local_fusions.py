@@ -132,12 +132,37 @@ def fused_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> t
     return _RotaryFunction.apply(t, cos, sin)
 
 
+class _PackedFreqsCache:
+    """The RoPE frequencies of a packed row, positions restarting at each document: built once per forward
+    (every layer's q and k share the frequency tensor and the `cu_seqlens` tensor of the micro-batch)."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        key = (weakref.ref(freqs), weakref.ref(cu_seqlens), freqs._version, cu_seqlens._version)
+        if self._key is not None and all(a() is b() for a, b in zip(self._key[:2], key[:2])) \
+                and self._key[2:] == key[2:]:
+            return self._value
+        bounds = cu_seqlens.tolist()
+        self._key, self._value = key, torch.cat([freqs[:end - start] for start, end in zip(bounds, bounds[1:])])
+        return self._value
+
+
+_packed_freqs = _PackedFreqsCache()
+
+
 def _apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
-    """Megatron's `apply_rotary_pos_emb` with the plain case (bshd, full rotary dim, not interleaved, no
-    TE fusion, no multi-latent attention) fused; every other case goes to Megatron's own."""
-    if (cu_seqlens is None and not config.apply_rope_fusion and not config.rotary_interleaved
-            and not config.multi_latent_attention and freqs.shape[-1] == t.shape[-1] and freqs.dim() == t.dim()):
+    """Megatron's `apply_rotary_pos_emb` with the plain case (full rotary dim, not interleaved, no TE fusion,
+    no multi-latent attention; bshd, or a packed thd row without context parallelism) fused; every other
+    case goes to Megatron's own."""
+    plain = (not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
+             and freqs.shape[-1] == t.shape[-1])
+    if plain and cu_seqlens is None and freqs.dim() == t.dim():
         return fused_rotary(t, freqs, mscale)
+    if plain and cu_seqlens is not None and t.dim() == 3 and (cp_group is None or cp_group.size() == 1):
+        return fused_rotary(t.unsqueeze(1), _packed_freqs.get(freqs, cu_seqlens), mscale).squeeze(1)
     return _original_apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale,
                                           cp_group=cp_group)
 

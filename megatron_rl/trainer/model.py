@@ -32,6 +32,7 @@ from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_la
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.trainer import local_fusions
 from megatron_rl.trainer.moe import sequence_parallel_block_spec
+from megatron_rl.trainer.packing import varlen_causal_attention
 
 logger = logging.getLogger(__name__)
 
@@ -174,14 +175,22 @@ def _sdpa_attention_class():
     scaled_dot_product_attention. The local class materialises the [b, heads, s, s] scores and keeps
     the probabilities of every layer for backward: ~17 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
     which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
-    and GPU) keep O(s) per layer. Masks, windows, attention offsets and biases keep the local path."""
+    and GPU) keep O(s) per layer. Packed rows (THD, `PackedSeqParams`) run one SDPA call per document
+    (trainer/packing.py). Masks, windows, attention offsets and biases keep the local path."""
     class SDPADotProductAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            if (attention_mask is not None or mask_type != AttnMaskType.causal or attention_bias is not None
-                    or packed_seq_params is not None or self.softmax_offset is not None
-                    or self.config.window_size is not None):
+            plain = (attention_mask is None and mask_type == AttnMaskType.causal and attention_bias is None
+                     and self.softmax_offset is None and self.config.window_size is None)
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                if not plain:
+                    raise ValueError("sequence packing on the local layers supports causal attention without a mask, "
+                                     "bias, window or softmax offset")
+                return varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                               scale=self.softmax_scale,
+                                               dropout_p=self.attention_dropout.p if self.training else 0.0)
+            if not plain or packed_seq_params is not None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
             sq, b = query.shape[0], query.shape[1]

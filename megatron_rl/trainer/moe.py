@@ -146,14 +146,14 @@ class MoERouting:
             replay.clear_router_replay_action()
         if routed is None:
             return
-        routed = self._fit(routed, seq_len)
+        routed = self.fit_record(routed, seq_len)
         for i, router in enumerate(self.routers):
             target = self._tokens_first(routed[:, :, self.first_layer + i], rows).reshape(-1, self.top_k)
             router.router_replay.set_target_indices(target)
             if self.replay:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def _fit(self, routed: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def fit_record(self, routed: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The record cropped or padded (NO_RECORD) to seq_len positions."""
         if routed.shape[-1] != self.top_k:
             raise ValueError(f"routed_experts has top-k {routed.shape[-1]}, the model routes to {self.top_k}")

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -63,7 +64,12 @@ from megatron_rl.trainer.model import (
     resolve_layer_spec,
     transformer_config,
 )
-from megatron_rl.trainer.moe import MoERouting
+from megatron_rl.trainer.moe import NO_RECORD, MoERouting
+from megatron_rl.trainer.packing import (
+    balanced_rows,
+    pack_micro_batch,
+    token_budget_micro_batches,
+)
 from megatron_rl.trainer.parallel import setup_model_parallel
 from megatron_rl.types import TrainBatch
 
@@ -332,25 +338,65 @@ class MegatronTrainer:
         pad = logprobs.new_zeros(tokens.shape[0], 1)
         return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
 
-    def _run_schedule(self, batch: TrainBatch, on_hidden, forward_only: bool, trim: bool = False):
-        """Run Megatron's schedule; `on_hidden(hidden, tokens, micro_batch) -> (loss, outputs)` runs on
-        the last stage (hidden: final hidden states [b, S-1, H] of the micro-batch) for each
-        micro-batch. Returns the per-micro-batch outputs (last stage only). `trim`: drop each
-        micro-batch's columns after its last loss token (without pipeline parallelism)."""
+    def _packs(self, trim: bool) -> bool:
+        """Whether a schedule packs its micro-batches (`trainer.sequence_packing`, for the passes that read only
+        loss positions: `trim`)."""
+        return self.config.sequence_packing and trim
+
+    def _micro_batches(self, batch: TrainBatch, trim: bool) -> tuple[list[TrainBatch], torch.Tensor | None]:
+        """The schedule's micro-batches: `micro_batch_size` rows each, or filled by tokens up to
+        `max_tokens_per_micro_batch` when packing. `trim`: each ends at its last loss column (without pipeline
+        parallelism, whose stages exchange activations of one fixed shape, unless packed to a fixed length).
+        Also returns the batch's row index of the micro-batches' rows in order (None: the batch's own order)."""
+        if self._packs(trim) and self.config.max_tokens_per_micro_batch:
+            return token_budget_micro_batches(batch, self.config.max_tokens_per_micro_batch)
         micro = list(batch.micro_batches(self.config.micro_batch_size))
-        if trim and self.pp_size == 1:  # (pipeline stages exchange activations of one fixed shape)
+        if trim and (self.pp_size == 1 or self._packs(trim)):
             micro = [mb.trimmed() for mb in micro]
+        return micro, None
+
+    def data_parallel_share(self, batch: TrainBatch) -> TrainBatch:
+        """This data-parallel rank's rows of a global batch: micro-batch i of `micro_batch_size` rows to rank
+        i mod DP (the batch padded with empty rows to a whole number of micro-batches per rank), or, with a
+        token budget, near-equal token counts per rank (`packing.balanced_rows`)."""
+        rank = self.pg.dp.rank()
+        if self.config.max_tokens_per_micro_batch:
+            batch = batch.padded_rows(self.dp_size) if batch.batch_size < self.dp_size else batch
+            return batch.select(balanced_rows(batch, self.dp_size)[rank])
+        micro = self.config.micro_batch_size
+        return batch.padded_rows(micro * self.dp_size).data_parallel_share(rank, self.dp_size, micro)
+
+    def _run_schedule(self, micro: list[TrainBatch], on_hidden, forward_only: bool, packed: bool = False):
+        """Run Megatron's schedule over `micro` (from `_micro_batches`); `on_hidden(hidden, tokens,
+        micro_batch) -> (loss, outputs)` runs on the last stage (hidden: final hidden states [b, S-1, H] of the
+        micro-batch) for each micro-batch. Returns the per-micro-batch outputs (last stage only). `packed`:
+        each micro-batch runs as one packed row (trainer/packing.py); `on_hidden` still sees [b, S-1, H]."""
         # Sequence parallelism (MoE at TP > 1) splits the sequence over TP: inputs are padded to a multiple
         # of TP at the end (a causal model's earlier positions do not see them) and the padding dropped again.
         multiple = self.tp_size if self.sequence_parallel else 1
-        seq = -(-(batch.seq_length - 1) // multiple) * multiple
+        fixed = None
+        if packed and self.pp_size > 1:  # pipeline stages exchange one shape: every packed row the budget's length
+            fixed = -(-self.config.max_tokens_per_micro_batch // math.lcm(multiple, micro[0].token_multiple))
+            fixed *= math.lcm(multiple, micro[0].token_multiple)
+        seq = fixed or -(-(max(mb.seq_length for mb in micro) - 1) // multiple) * multiple
         device = self._device()
+        sp_rank = self.tp_rank if multiple > 1 else 0
 
         def forward_step(data_iterator, model):
             mb: TrainBatch = next(data_iterator)
             if self.between_layers is not None:
                 self.between_layers()
             tokens = mb.tokens.to(device)
+            if packed:
+                rows = pack_micro_batch(mb, multiple=math.lcm(multiple, mb.token_multiple), length=fixed, device=device)
+                if self.routing is not None:
+                    record = None if mb.routed_experts is None else rows.pack(
+                        self.routing.fit_record(mb.routed_experts, rows.columns), NO_RECORD)
+                    self.routing.set_micro_batch(record, rows.valid, rows.length, sp_rank, multiple)
+                output = model(rows.inputs, rows.positions, None, packed_seq_params=rows.params)
+                if self.routing is not None:
+                    self.routing.finish_micro_batch()
+                return output, lambda hidden: on_hidden(rows.unpack(hidden), tokens, mb)
             inputs = tokens[:, :-1]
             width = inputs.shape[1]
             if width % multiple:
@@ -358,7 +404,7 @@ class MegatronTrainer:
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             if self.routing is not None:
                 self.routing.set_micro_batch(mb.routed_experts, _routed_positions(mb, inputs.shape[1]),
-                                             inputs.shape[1], self.tp_rank if multiple > 1 else 0, multiple)
+                                             inputs.shape[1], sp_rank, multiple)
             output = model(inputs, positions, None)
             if self.routing is not None:
                 self.routing.finish_micro_batch()
@@ -369,28 +415,28 @@ class MegatronTrainer:
         schedule = get_forward_backward_func()
         return schedule(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                         num_microbatches=len(micro), seq_length=seq,
-                        micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+                        micro_batch_size=1 if packed else self.config.micro_batch_size, forward_only=forward_only)
 
     def _forward_only(self, batch: TrainBatch, on_hidden, key: str, trim: bool = False) -> torch.Tensor | None:
         """Concatenated `key` outputs of a forward-only pass (last stage; None elsewhere). Pads the batch
-        with copies of its first row up to a multiple of micro_batch_size (pipelines need equal
-        micro-batches) and drops them again. `trim` as in `_run_schedule` (`on_hidden` then sees each
-        micro-batch's columns up to its last loss position only)."""
+        with empty rows up to a multiple of micro_batch_size (pipelines need equal micro-batches) and drops
+        them again. `trim` as in `_micro_batches` (`on_hidden` then sees each
+        micro-batch's columns up to its last loss position only, packed with `trainer.sequence_packing`)."""
         rows = batch.batch_size
-        padded_rows = -(-rows // self.config.micro_batch_size) * self.config.micro_batch_size
-        if padded_rows != rows:
-            routed = batch.routed_experts
-            if routed is not None:
-                routed = torch.cat([routed, routed.new_full((padded_rows - rows, *routed.shape[1:]), -1)])
-            batch = TrainBatch(tokens=torch.cat([batch.tokens, batch.tokens[:1].expand(padded_rows - rows, -1)]),
-                               loss_mask=torch.zeros(padded_rows, batch.seq_length), routed_experts=routed)
+        batch = batch.padded_rows(self.config.micro_batch_size)
         self._check_batch(batch)
         self.model.eval()
         try:
-            outputs = self._run_schedule(batch, on_hidden, forward_only=True, trim=trim)
+            micro, order = self._micro_batches(batch, trim)
+            outputs = self._run_schedule(micro, on_hidden, forward_only=True, packed=self._packs(trim))
         finally:
             self.model.train()
-        return torch.cat([o[key] for o in outputs])[:rows] if self.is_last_stage else None
+        if not self.is_last_stage:
+            return None
+        result = torch.cat([o[key] for o in outputs])
+        if order is not None:
+            result = torch.empty_like(result).index_copy_(0, order.to(result.device), result)
+        return result[:rows]
 
     def _broadcast_from_last_stage(self, result: torch.Tensor | None, shape, dtype) -> torch.Tensor:
         if self.pp_size == 1:
@@ -400,7 +446,7 @@ class MegatronTrainer:
         return buffer.cpu()
 
     def _check_batch(self, batch: TrainBatch) -> None:
-        if batch.batch_size % self.config.micro_batch_size:
+        if not self.config.max_tokens_per_micro_batch and batch.batch_size % self.config.micro_batch_size:
             raise ValueError(f"batch of {batch.batch_size} rows is not a multiple of micro_batch_size="
                              f"{self.config.micro_batch_size} (pipeline schedules need equal micro-batches)")
         if batch.seq_length > self.arch.max_position_embeddings:
@@ -409,12 +455,17 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Token-aligned log pi(tokens) [B, S] (float32, CPU) on every rank of this DP replica."""
+        """Token-aligned log pi(tokens) [B, S] (float32, CPU) on every rank of this DP replica; with
+        `trainer.sequence_packing`, at the batch's loss positions only (0 elsewhere), packed like training."""
+        packing = self.config.sequence_packing
+        width = batch.seq_length
+
         def on_hidden(hidden, tokens, mb):
-            return hidden.new_zeros(()), {"logprobs": self._token_logprobs(hidden, tokens)[0]}
+            logprobs = self._token_logprobs(hidden, tokens, where=mb.loss_positions() if packing else None)[0]
+            return hidden.new_zeros(()), {"logprobs": F.pad(logprobs, (0, width - logprobs.shape[1]))}
 
         with cpu_compat.redirect_cuda_to_cpu():
-            result = self._forward_only(batch, on_hidden, "logprobs")
+            result = self._forward_only(batch, on_hidden, "logprobs", trim=packing)
             return self._broadcast_from_last_stage(result, (batch.batch_size, batch.seq_length), torch.float32)
 
     @torch.no_grad()
@@ -492,7 +543,8 @@ class MegatronTrainer:
         if self.frozen:
             raise RuntimeError("a frozen trainer (forward only) cannot take an optimizer step")
         self._check_batch(batch)
-        num_micro = batch.batch_size // self.config.micro_batch_size
+        micro, _ = self._micro_batches(batch, trim)
+        num_micro = len(micro)
         # Megatron divides each micro-batch loss by their count and averages gradients over DP; the
         # hook's loss is already a share of the global loss, so scale those back out (module doc).
         scale = num_micro * self.dp_size
@@ -510,7 +562,7 @@ class MegatronTrainer:
         with cpu_compat.redirect_cuda_to_cpu():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(batch, on_hidden, forward_only=False, trim=trim)
+            outputs = self._run_schedule(micro, on_hidden, forward_only=False, packed=self._packs(trim))
             finite = self._loss_and_grads_finite(outputs)
             # A NaN/Inf loss or gradient would poison the weights and Adam's moments for good: skip
             # the update (weights, optimizer state and LR schedule untouched) and report it.

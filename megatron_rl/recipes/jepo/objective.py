@@ -116,6 +116,9 @@ class JepoObjective(_ReferenceObjective):
         require(config.trainer.micro_batch_size % n == 0, "trainer.micro_batch_size",
                 f"must be a multiple of rollout.samples_per_prompt={n}: JEPO's advantages need every sample "
                 f"of a prompt in the same micro-batch")
+        require(not config.trainer.max_tokens_per_micro_batch, "trainer.max_tokens_per_micro_batch",
+                "JEPO's advantages need every sample of a prompt in the same micro-batch; token-budget "
+                "micro-batches split groups (use sequence_packing with micro_batch_size instead)")
         require(not self.jepo.normalize_advantages or n >= 2, "algorithm.jepo.normalize_advantages",
                 "needs rollout.samples_per_prompt >= 2 (the std of one advantage is undefined)")
         if self.jepo.mode != "jepo":
