@@ -208,3 +208,21 @@ def test_configurations_packing_cannot_honour_are_refused():
     with pytest.raises(ConfigError, match="pipeline_parallel"):
         TrainerConfig(sequence_packing=True, parallel=ParallelConfig(pipeline_parallel=2))
     TrainerConfig(sequence_packing=True, max_tokens_per_micro_batch=4096, parallel=ParallelConfig(pipeline_parallel=2))
+
+
+def test_the_loop_trains_on_packed_token_budget_micro_batches(tmp_path, tiny_chat_model):
+    """The RL loop with packing and a token budget: the trainer's packed log-probs equal the engine's (same
+    weights, on-policy), and the packed reference model's KL is 0 at the first step."""
+    import json
+    import os
+
+    from megatron_rl.controller.loop import train
+    from tests.test_loop import _config
+
+    run_dir = str(tmp_path / "run")
+    train(_config(tiny_chat_model, run_dir, "trainer.sequence_packing=true", "trainer.max_tokens_per_micro_batch=64",
+                  "algorithm.loss.kl_coef=0.1", "steps=2", "checkpoint.every_steps=0"))
+    steps = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "train/loss" in r]
+    assert len(steps) == 2
+    assert all(r["train/logprob_mismatch"] < 1e-4 for r in steps)
+    assert steps[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6) and steps[1]["train/kl_ref"] > 1e-7
