@@ -63,6 +63,16 @@ def test_layout_rules_name_the_field(overrides, field, text):
     assert info.value.field == field and text in str(info.value)
 
 
+def test_a_token_budget_plans_like_the_rows_that_fill_it():
+    """trainer.max_tokens_per_micro_batch: the planner takes the worst case, every row at full length, so a
+    budget of two full rows plans the memory and micro-batches of micro_batch_size 2 (seq_len 2,560 here)."""
+    rows = make_plan(load_yaml(RunConfig, RECIPE_405B, ["trainer.micro_batch_size=2"]))
+    budget = make_plan(load_yaml(RunConfig, RECIPE_405B, ["trainer.sequence_packing=true",
+                                                          f"trainer.max_tokens_per_micro_batch={2 * rows.seq_len + 7}"]))
+    assert budget.micro_batches == rows.micro_batches
+    assert budget.trainer_memory == rows.trainer_memory
+
+
 def test_recipes_model_shapes_match_presets():
     from megatron_rl.models import families
     from megatron_rl.models.arch import preset

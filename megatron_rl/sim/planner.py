@@ -163,12 +163,17 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     if placement != "disaggregated" and arch.is_moe:  # a colocated replica spans its EP group: every expert
         num_engines = world // (tp * pp * ep)
     sequences = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
-    mbs = config.trainer.micro_batch_size
-    if sequences % (dp * mbs):
-        _fail("trainer.micro_batch_size", f"{sequences} rollouts per step (prompts_per_step x samples_per_prompt) do "
-                                          f"not split into DP={dp} ranks x micro-batches of {mbs}")
-    micro_batches = sequences // (dp * mbs)
     seq_len = a.prompt_tokens + config.rollout.max_new_tokens
+    budget = config.trainer.max_tokens_per_micro_batch
+    if budget:  # packed micro-batches of up to `budget` tokens; the worst case: every row at full length
+        mbs = max(1, budget // seq_len)
+        micro_batches = math.ceil(sequences / (dp * mbs))
+    else:
+        mbs = config.trainer.micro_batch_size
+        if sequences % (dp * mbs):
+            _fail("trainer.micro_batch_size", f"{sequences} rollouts per step (prompts_per_step x samples_per_prompt) "
+                                              f"do not split into DP={dp} ranks x micro-batches of {mbs}")
+        micro_batches = sequences // (dp * mbs)
     if seq_len > arch.max_position_embeddings:
         _fail("rollout.max_new_tokens", f"prompt ({a.prompt_tokens}) + max_new_tokens ({config.rollout.max_new_tokens}) "
                                         f"exceeds the model's context of {arch.max_position_embeddings}")
