@@ -128,6 +128,7 @@ def test_every_section_runs_at_tiny_shapes(tmp_path):
     assert results["decode"]["tokens_per_s"] > 0 and results["decode"]["hf_tokens_per_s"] > 0
     assert results["decode"]["weight_bytes"] == results["weight_sync"]["bytes"]
     assert results["train_bf16"]["tokens_per_s"] > 0 and 0 < results["train_bf16"]["mfu"] < 1.5
+    assert results["packing"]["max_logprob_diff"] <= 1e-5 * max(1.0, results["packing"]["max_abs_logprob"])
     for name in ("logprob", "sglang", "te_fp8"):  # GPU-only here
         assert "skipped" in results[name]
 

@@ -48,8 +48,9 @@ SECTIONS = (
     Section("train_bf16", 90, "Megatron trainer step, bf16, local layers, 8 x 2048 tokens: tokens/s, MFU"),
     Section("logprob", 60, "fused Triton log-prob kernel against torch: time, peak memory"),
     Section("weight_sync", 60, "trainer -> engine weight update on the device: GB/s"),
-    Section("sglang", 150, "SGLang server: start, generate, one weight update through our sender, read-back"),
-    Section("te_fp8", 65, "Transformer Engine FP8 trainer step (where TE passes its self-test)"),
+    Section("sglang", 135, "SGLang server: start, generate, one weight update through our sender, read-back"),
+    Section("te_fp8", 60, "Transformer Engine FP8 trainer step (where TE passes its self-test)"),
+    Section("packing", 20, "packed (THD) rows against padded rows: log-probs and a training step"),
 )
 REHEARSALS = ("ok", "fail", "timeout", "crash", "mixed")
 

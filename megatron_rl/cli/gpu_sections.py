@@ -363,9 +363,47 @@ def section_te_fp8(s: Shapes, facts: dict, budget_s: float) -> dict:
     return stats
 
 
+def section_packing(s: Shapes, facts: dict, budget_s: float) -> dict:
+    """Sequence packing on the device: log-probs of rows of uneven lengths packed into one THD row (Transformer
+    Engine's variable-length attention where TE is usable, else the local layers) against the padded rows,
+    and one packed training step's time against the padded one's."""
+    device = _device()
+    layer_spec = "te" if transformer_engine_problem() is None else "local"
+    g = torch.Generator().manual_seed(0)
+    lengths = [s.train_seq + 1 - (s.train_seq * r) // (2 * s.train_rows) for r in range(s.train_rows)]
+    tokens = torch.randint(0, s.arch.vocab_size, (s.train_rows, s.train_seq + 1), generator=g)
+    loss_mask = torch.zeros(tokens.shape)
+    for r, n in enumerate(lengths):
+        loss_mask[r, n // 4:n] = 1.0
+    batch = TrainBatch(tokens=tokens, loss_mask=loss_mask)
+    result: dict = {"layer_spec": layer_spec, "device": device, "real_tokens": int(loss_mask.sum())}
+    logprobs = {}
+    for name, packing in (("padded", {}), ("packed", {"sequence_packing": True})):
+        config = TrainerConfig(precision="bf16" if device == "cuda" else "fp32", micro_batch_size=s.micro_batch,
+                               layer_spec=layer_spec, lr=0.0, seed=0, **packing)
+        trainer = MegatronTrainer(s.arch, config)
+        logprobs[name] = trainer.compute_logprobs(batch).float() * loss_mask
+
+        def loss_fn(lp, mb, entropy):
+            return -(lp * mb.loss_mask.to(lp.device)).sum() / loss_mask.sum(), {}
+
+        trainer.train_step(batch, loss_fn)  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        trainer.train_step(batch, loss_fn)
+        _sync(device)
+        result[f"{name}_step_s"] = time.perf_counter() - start
+    result["max_logprob_diff"] = float((logprobs["packed"] - logprobs["padded"]).abs().max())
+    result["max_abs_logprob"] = float(logprobs["padded"].abs().max())
+    print(f"[packing] {layer_spec} layers: packed vs padded log-probs differ by at most {result['max_logprob_diff']:.3g} "
+          f"(|log-prob| up to {result['max_abs_logprob']:.1f}); step {result['packed_step_s']:.3f} s packed, "
+          f"{result['padded_step_s']:.3f} s padded", flush=True)
+    return result
+
+
 SECTIONS = {"env": section_env, "decode": section_decode, "train_bf16": section_train_bf16,
             "logprob": section_logprob, "weight_sync": section_weight_sync, "sglang": section_sglang,
-            "te_fp8": section_te_fp8}
+            "te_fp8": section_te_fp8, "packing": section_packing}
 
 
 def main(argv=None) -> int:

@@ -70,8 +70,9 @@ class PackedMicroBatch:
         on the padding document."""
         flat = per_position[:, :self.columns].reshape(self.rows * self.columns, *per_position.shape[2:])
         out = flat.new_full((self.length, *per_position.shape[2:]), fill)
-        real = self.source >= 0
-        out[real] = flat[self.source[real].to(flat.device)]
+        source = self.source.to(flat.device)
+        real = source >= 0
+        out[real] = flat[source[real]]
         return out.unsqueeze(0)
 
 
