@@ -92,19 +92,16 @@ def bench_packing(options: dict) -> dict:
         return MegatronTrainer(model.arch, config, hf_state=model.state)
 
     sides = {"padded": trainer(), "packed": trainer(sequence_packing=True, max_tokens_per_micro_batch=budget)}
-    micro_batches = {"padded": len(sides["padded"]._micro_batches(batch, True)[0]),
-                     "packed": len(sides["packed"]._micro_batches(batch, True)[0])}
-    computed = {"padded": sum(mb.batch_size * (mb.seq_length - 1) for mb in sides["padded"]._micro_batches(batch, True)[0]),
-                "packed": real_tokens}
+    padded_micro = sides["padded"]._micro_batches(batch, True)[0]
+    micro_batches = {"padded": len(padded_micro), "packed": len(sides["packed"]._micro_batches(batch, True)[0])}
+    computed = {"padded": sum(mb.batch_size * (mb.seq_length - 1) for mb in padded_micro), "packed": real_tokens}
     saved = {}
 
-    def loss_for(name):
-        def loss_fn(logprobs, mb, entropy):
-            return -(logprobs * mb.loss_mask).sum() / normalizer, {}
-        return loss_fn
+    def loss_fn(logprobs, mb, entropy):
+        return -(logprobs * mb.loss_mask).sum() / normalizer, {}
 
     def step(name):
-        return sides[name].train_step(batch, loss_for(name))
+        return sides[name].train_step(batch, loss_fn)
 
     # untimed: activation memory per micro-batch, and the two sides' results on the same weights
     results = {}

@@ -68,6 +68,7 @@ from megatron_rl.trainer.moe import NO_RECORD, MoERouting
 from megatron_rl.trainer.packing import (
     balanced_rows,
     pack_micro_batch,
+    row_extents,
     token_budget_micro_batches,
 )
 from megatron_rl.trainer.parallel import setup_model_parallel
@@ -617,9 +618,7 @@ class MegatronTrainer:
 def _routed_positions(mb: TrainBatch, width: int) -> torch.Tensor:
     """[b, width] bool: input positions up to each row's last loss position (the router statistics skip
     right padding and rows without loss)."""
-    loss = mb.loss_positions()[:, 1:width + 1]
-    last = torch.where(loss.any(dim=1), loss.shape[1] - 1 - loss.flip(1).float().argmax(dim=1), -1)
-    return torch.arange(width).unsqueeze(0) <= last.unsqueeze(1)
+    return torch.arange(width).unsqueeze(0) < row_extents(mb).unsqueeze(1)
 
 
 def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, pretrained=None) -> MegatronTrainer:
