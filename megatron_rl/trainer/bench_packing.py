@@ -81,6 +81,9 @@ def bench_packing(options: dict) -> dict:
     steps, threads, seed = int(options.get("steps", 2)), int(options.get("threads", 2)), int(options.get("seed", 0))
     if min(rows, median, min_len, micro, budget, steps, threads) < 1 or not min_len <= median <= max_len:
         raise ConfigError("bench packing: sizes must be >= 1 and min_len <= median <= max_len")
+    if rows % micro:
+        raise ConfigError(f"bench packing: rows={rows} must be a multiple of micro_batch_size={micro} (the padded side "
+                          f"takes whole micro-batches)")
     torch.set_num_threads(threads)
     model = load_pretrained(str(options.get("model", "smollm2-135m")))
     batch = skewed_batch(rows, median, min_len, max_len, model.arch.vocab_size, seed)
