@@ -58,7 +58,9 @@ setup(
                 # lm-eval's local-completions / local-chat-completions / sglang-generate against the server
                 "lm-eval[api]>=0.4.13,<0.5",
                 # property-based fuzzing of configs and data through the CLI (tests/test_fuzz_inputs.py)
-                "hypothesis>=6.100"],
+                "hypothesis>=6.100",
+                # the reference of the LoRA tests (tests/test_lora.py): adapters loaded onto transformers models
+                "peft>=0.17"],
         "parquet": ["pyarrow>=14"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -45,6 +45,40 @@ class ParallelConfig:
         return data
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the policy's linear layers, with the base weights frozen:
+    only the adapters get gradients and optimizer state (trainer/lora.py, docs/lora.md)."""
+
+    rank: int = 0
+    """Rank r of each adapter (0: no adapters, the whole model trains)."""
+    alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (PEFT's `lora_dropout`)."""
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    """Megatron's linears that get adapters: linear_qkv (the fused q/k/v projection), linear_proj (attention
+    output), linear_fc1 (MLP in: fused gate/up) and linear_fc2 (MLP out); in a mixture-of-experts layer the
+    last two are every expert's."""
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 0, "rank", f"must be >= 0 (0: no adapters), got {self.rank!r}")
+        require(0 < self.alpha < float("inf"), "alpha", f"must be a finite number > 0, got {self.alpha!r}")
+        require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout!r}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            require(False, "targets", f"unknown target {unknown[0]!r} (choose from {', '.join(LORA_TARGETS)})")
+        require(bool(self.targets) and len(set(self.targets)) == len(self.targets), "targets",
+                "must name at least one linear, each once")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     """The Megatron policy trainer: parallel layout, precision, optimizer."""
@@ -119,6 +153,8 @@ class TrainerConfig:
     moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
     """Megatron's MoE token dispatcher: auto is alltoall on CUDA and allgather on CPU (Megatron's alltoall
     dispatcher needs CUDA streams)."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """Low-rank adapters with the base frozen (`rank: 0`, the default: full fine-tuning). docs/lora.md."""
 
     def __post_init__(self) -> None:
         # Adam's step is about lr per weight: above 1 every weight is rewritten each step.
@@ -140,6 +176,10 @@ class TrainerConfig:
         require(self.max_nonfinite_steps_in_a_row >= 1, "max_nonfinite_steps_in_a_row", "must be >= 1")
         require(self.fp8 == "none" or self.layer_spec != "local", "fp8",
                 "FP8 runs through Transformer Engine layers; set layer_spec to auto or te")
+        require(not self.lora.enabled or self.layer_spec != "te", "lora",
+                "adapters run beside Megatron's local linears; set trainer.layer_spec to auto or local")
+        require(not self.lora.enabled or self.fp8 == "none", "lora",
+                "adapters run on the local layers, without Transformer Engine's FP8; set trainer.fp8: none")
         require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")

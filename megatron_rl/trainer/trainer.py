@@ -45,6 +45,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_rl.config import ConfigError
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.lora_layout import megatron_to_peft
 from megatron_rl.models.megatron_layout import (
     MegatronLayout,
     hf_to_megatron,
@@ -57,7 +58,7 @@ from megatron_rl.models.pretrained import (
     read_megatron_layout,
     resolve_model_path,
 )
-from megatron_rl.trainer import cpu_compat, local_fusions
+from megatron_rl.trainer import cpu_compat, local_fusions, lora
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.model import (
     build_gpt_model,
@@ -124,8 +125,10 @@ class MegatronTrainer:
         if cfg.moe_routing_replay and cfg.recompute_activations:
             raise ConfigError("trainer.moe_routing_replay with trainer.recompute_activations is not supported "
                              "(the recomputed forward would route by itself)")
+        self.lora = cfg.lora if cfg.lora.enabled and not self.frozen else None
+        # LoRA's low-rank path runs beside Megatron's local linears (its Transformer Engine path is not built).
         self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
-                                     layer_spec=resolve_layer_spec(cfg.layer_spec),
+                                     layer_spec="local" if self.lora else resolve_layer_spec(cfg.layer_spec),
                                      vocab_divisible_by=cfg.vocab_divisible_by, ep=self.ep_size)
         self.params_dtype = params_dtype(cfg)
         torch.manual_seed(cfg.seed)
@@ -160,6 +163,12 @@ class MegatronTrainer:
                     gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False, group=self.pg.tp))
         if hf_state is not None:
             self.load_hf_state(hf_state)
+        if self.lora is not None:
+            adapted = lora.add_adapters(model, self.lora, seed=cfg.seed,
+                                        first_layer=self.pp_rank * self.layout.layers_per_stage,
+                                        first_expert=self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0)
+            if not adapted:
+                raise ConfigError(f"trainer.lora.targets {self.lora.targets} match no linear of this model")
         self._hook_layer_boundaries(model)
         model = self._network(model)
         if self.params_dtype != torch.float32:
@@ -231,8 +240,17 @@ class MegatronTrainer:
         """Copy this rank's shard of HF-named weights into the model (and the optimizer's master copy)."""
         self.load_shard(hf_to_megatron(hf_state, self.layout)[self.pp_rank][self.layout.shard_index(self.tp_rank, self.ep_rank)])
 
+    def _base_state(self) -> dict[str, torch.Tensor]:
+        """This rank's Megatron-named model weights without adapters (views)."""
+        return {k: v for k, v in self.gpt.state_dict().items()
+                if "_extra_state" not in k and v is not None and not lora.is_adapter_tensor(k)}
+
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
-        own = {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k}
+        """Copy Megatron-named model weights (no adapters) into this rank's model."""
+        self._base_checksum = None
+        self._load_into(self._base_state(), shard)
+
+    def _load_into(self, own: dict[str, torch.Tensor], shard: dict[str, torch.Tensor]) -> None:
         missing = sorted(set(own) - set(shard))
         unexpected = sorted(set(shard) - set(own))
         if missing or unexpected:
@@ -248,8 +266,31 @@ class MegatronTrainer:
             self.optimizer.reload_model_params()
 
     def shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's Megatron-named weights (views, not copies)."""
-        return {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k and v is not None}
+        """This rank's Megatron-named weights as the policy computes with them (views, not copies; with LoRA,
+        each adapted weight merged with its adapter: W + scaling * B A)."""
+        base = self._base_state()
+        return lora.merged_weights(self.gpt, base) if self.lora is not None else base
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this rank's model: its weights, or with LoRA the adapters alone (the
+        frozen base is named by `base_checksum`)."""
+        if self.lora is None:
+            return self.shard_state()
+        return {k: v for k, v in self.gpt.state_dict().items() if lora.is_adapter_tensor(k)}
+
+    def load_checkpoint_state(self, shard: dict[str, torch.Tensor]) -> None:
+        """Inverse of `checkpoint_state`."""
+        self._load_into(self.checkpoint_state(), shard)
+
+    def base_checksum(self) -> str:
+        """Checksum of this rank's frozen base weights (LoRA), computed once."""
+        if getattr(self, "_base_checksum", None) is None:
+            self._base_checksum = lora.base_checksum(self._base_state())
+        return self._base_checksum
+
+    def adapters_disabled(self):
+        """Context: the frozen base model (LoRA's adapters off), e.g. to score the KL reference policy."""
+        return lora.adapters_disabled(self.gpt)
 
     def export_hf_state(self) -> dict[str, torch.Tensor]:
         """HF-named weights for a colocated engine. With one trainer rank these are views of the live
@@ -264,9 +305,23 @@ class MegatronTrainer:
     def gather_hf_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """All shards gathered to global rank `dst` and converted to HF names (None elsewhere).
         For export and tests; weight sync to engines uses the bucketed, resharded path instead."""
+        shards = self._gather_shards(self.shard_state(), dst)
+        return None if shards is None else megatron_to_hf(shards, self.layout)
+
+    def gather_peft_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """LoRA: the adapters of every rank gathered to global rank `dst` under PEFT's names (None elsewhere)."""
+        if self.lora is None:
+            raise RuntimeError("this trainer has no adapters (trainer.lora.rank is 0)")
+        shards = self._gather_shards(self.checkpoint_state(), dst)
+        return None if shards is None else megatron_to_peft(shards, self.layout, self.lora.targets)
+
+    def _gather_shards(self, state: dict[str, torch.Tensor], dst: int) -> list[list[dict]] | None:
+        """Every rank's `state` on global rank `dst` as shards[pp_rank][shard_index] (None elsewhere)."""
         world = dist.get_world_size()
         shard = {k: v.detach().float().cpu() if v.dtype == torch.float32 else v.detach().cpu()
-                 for k, v in self.shard_state().items()}
+                 for k, v in state.items()}
+        if world == 1:
+            return [[shard]]
         gathered: list = [None] * world if dist.get_rank() == dst else None
         # With expert parallelism a stage's shards differ over (TP, EP) ranks; the expert-data-parallel
         # replicas (and, without EP, the data-parallel ones) hold copies.
@@ -279,7 +334,7 @@ class MegatronTrainer:
         for index, pp_rank, replica, state in gathered:
             if replica == 0:
                 shards[pp_rank][index] = state
-        return megatron_to_hf(shards, self.layout)
+        return shards
 
     # --- colocated offload ------------------------------------------------------------------------
     def _optimizer_state(self) -> list[dict]:
