@@ -3,7 +3,9 @@ cursor, the rollout buffer, the step and weight version, and the controller's ow
 
 Layout of one checkpoint (`run_dir/checkpoints/step_00000010/`):
     model/                                        a Megatron checkpoint directory (`megatron-rl convert`
-                                                  and `model.path` read it): one shard per TP x PP rank
+                                                  and `model.path` read it): one shard per TP x PP rank;
+                                                  a LoRA run's holds the adapters only, with lora.json
+                                                  naming the frozen base (docs/lora.md)
     optimizer_state/mp_rank_TT_PPP/optimizer.safetensors
                                                   Adam's moments (and fp32 master weights of a bf16
                                                   model) in the shapes and names of that shard's weights,
@@ -63,8 +65,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_tensor_shapes
 from megatron_rl.models.pretrained import (
+    read_lora_meta,
     read_megatron_layout,
     shard_file,
+    write_lora_meta,
     write_megatron_meta,
 )
 from megatron_rl.ranks import all_ranks_agree, barrier
@@ -185,10 +189,11 @@ class CheckpointManager:
                    os.path.join(tmp, "optimizer", f"rank_{rank:05d}.pt"))
         if trainer.pg.dp.rank() != 0:  # one data-parallel replica holds every shard once
             return
-        shard = {k: v.detach().contiguous().cpu() for k, v in trainer.shard_state().items()}
+        # a LoRA run keeps its adapters only; the frozen base is named by the checksum of this rank's shard
+        shard = {k: v.detach().contiguous().cpu() for k, v in trainer.checkpoint_state().items()}
         model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
         os.makedirs(os.path.dirname(model_file))
-        save_file(shard, model_file)
+        save_file(shard, model_file, metadata={BASE_CHECKSUM: trainer.base_checksum()} if getattr(trainer, "lora", None) else None)
         tensors, meta = optimizer_state if optimizer_state is not None else gather_optimizer_state(trainer)
         state_file = optimizer_state_file(tmp, trainer.tp_rank, trainer.pp_rank)
         os.makedirs(os.path.dirname(state_file))
@@ -200,6 +205,8 @@ class CheckpointManager:
                 tensors: dict[str, tuple[dict[str, torch.Tensor], Any]] | None) -> None:
         """Rank 0, after every rank wrote its files: run-level records, manifest, COMPLETE, rename, pointer."""
         write_megatron_meta(os.path.join(tmp, "model"), trainer.layout, tokenizer)
+        if getattr(trainer, "lora", None) is not None:
+            write_lora_meta(os.path.join(tmp, "model"), lora_meta(trainer))
         for name, (named, metadata) in (tensors or {}).items():
             save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, f"{name}.safetensors"),
                       metadata={"json": json.dumps(metadata)})
@@ -346,6 +353,7 @@ class CheckpointManager:
         else:
             saved = read_megatron_layout(os.path.join(path, "model"))
             same_layout = _same_layout(saved, trainer.layout)
+            _check_same_adapters(path, read_lora_meta(os.path.join(path, "model")), trainer, same_layout)
             if same_layout:
                 shard = load_file(shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank))
                 state_file = optimizer_state_file(path, trainer.tp_rank, trainer.pp_rank)
@@ -356,9 +364,11 @@ class CheckpointManager:
                 state_file = optimizer_state_file(path, 0, 0)
             with safe_open(state_file, framework="pt") as f:
                 optimizer_meta = json.loads((f.metadata() or {})["json"])
-            _check_same_model(path, shard, trainer.shard_state())
+            _check_same_model(path, shard, trainer.checkpoint_state())
             prepare_optimizer_state(trainer, optimizer_meta)
-            trainer.load_shard(shard)
+            if getattr(trainer, "lora", None) is not None:
+                _check_same_base(path, trainer)
+            trainer.load_checkpoint_state(shard)
             try:
                 apply_optimizer_state(trainer, optimizer_tensors, optimizer_meta, state_file)
             except ConfigError as exc:
@@ -428,6 +438,48 @@ def _rank_file(path: str, sub: str, rank: int) -> str:
     (the scheduler and the default RNG stream are the same on every rank)."""
     own = os.path.join(path, sub, f"rank_{rank:05d}.pt")
     return own if os.path.isfile(own) else os.path.join(path, sub, "rank_00000.pt")
+
+
+BASE_CHECKSUM = "lora_base_sha256"
+"""Metadata key of a LoRA checkpoint's shard file: `MegatronTrainer.base_checksum()` of the rank that wrote it."""
+
+
+def lora_meta(trainer) -> dict[str, Any]:
+    """The `model/lora.json` record of a LoRA run's checkpoint."""
+    config = trainer.lora
+    return {"rank": config.rank, "alpha": config.alpha, "dropout": config.dropout, "targets": list(config.targets),
+            "base_model": trainer.base_model, "base_dtype": str(trainer.params_dtype).removeprefix("torch.")}
+
+
+def _check_same_adapters(path: str, saved: dict[str, Any] | None, trainer, same_layout: bool) -> None:
+    """A LoRA checkpoint resumes a LoRA run with the same adapters, at the layout that wrote it; a full one, a
+    full run. Anything else is refused, naming the difference."""
+    current = getattr(trainer, "lora", None)
+    if saved is None and current is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"{path} holds the whole model, but this run trains LoRA adapters (trainer.lora.rank "
+                              f"{current.rank}): resume with trainer.lora.rank 0, or start a new run directory with "
+                              f"model.path: {os.path.join(path, 'model')}")
+    if current is None:
+        raise CheckpointError(f"{path} holds LoRA adapters (rank {saved['rank']}) on a frozen base, but this run "
+                              "trains the whole model (trainer.lora.rank 0): set trainer.lora as the run that wrote it")
+    for field in ("rank", "alpha", "targets"):
+        if saved[field] != (list(current.targets) if field == "targets" else getattr(current, field)):
+            raise CheckpointError(f"{path}: its adapters have trainer.lora.{field} {saved[field]!r}, this run "
+                                  f"{getattr(current, field)!r}")
+    if not same_layout:
+        raise CheckpointError(f"{path}: LoRA adapters resume at the layout that wrote them; set trainer.parallel as "
+                              "it was (model/megatron_rl_checkpoint.json: tp, pp)")
+
+
+def _check_same_base(path: str, trainer) -> None:
+    file = shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank)
+    with safe_open(file, framework="pt") as f:
+        saved = (f.metadata() or {}).get(BASE_CHECKSUM)
+    if saved != trainer.base_checksum():
+        raise CheckpointError(f"{file}: its adapters were trained on another base model (base checksum {saved}, "
+                              f"this run's model.path {trainer.base_model} gives {trainer.base_checksum()})")
 
 
 def _same_layout(saved: MegatronLayout, layout: MegatronLayout) -> bool:

@@ -231,8 +231,20 @@ def frozen_reference(config, model, policy):
     None without a KL term. A resumed run rebuilds it from `model`, the starting weights again."""
     if config.algorithm.loss.kl_coef <= 0 or policy is None:  # (an objective built only to filter data)
         return None
-
+    if getattr(policy, "lora", None) is not None:  # the frozen base is the policy with its adapters off: no second copy
+        return AdapterFreeBase(policy)
     return MegatronTrainer(model.arch, policy.config, pg_collection=policy.pg, hf_state=model.state, frozen=True)
+
+
+class AdapterFreeBase:
+    """pi_ref of a LoRA policy: the policy's own frozen base, scored with its adapters switched off."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def compute_logprobs(self, batch):
+        with self.policy.adapters_disabled():
+            return self.policy.compute_logprobs(batch)
 
 
 def reference_logprobs(reference_model, batch):

@@ -119,3 +119,20 @@ def peft_adapter_config(*, rank: int, alpha: float, dropout: float, targets: lis
             "target_modules": peft_target_modules(targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
             "inference_mode": True, "base_model_name_or_path": base_model}
+
+
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
+                   scaling: float) -> dict[str, torch.Tensor]:
+    """One rank's Megatron-named `base` weights with each adapted weight W replaced by W + scaling * B A (computed
+    in float32, rounded once to W's dtype): what the trained policy computes with. `adapters` holds that rank's
+    `<linear>.adapter.lora_A` / `.lora_B`."""
+    merged = dict(base)
+    for name, lora_a in adapters.items():
+        if not name.endswith(".adapter.lora_A"):
+            continue
+        linear = name.removesuffix(".adapter.lora_A")
+        lora_b = adapters[f"{linear}.adapter.lora_B"]
+        weight = base[f"{linear}.weight"]
+        delta = (lora_b.detach().float() @ lora_a.detach().float()) * scaling
+        merged[f"{linear}.weight"] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return merged

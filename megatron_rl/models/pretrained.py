@@ -29,6 +29,9 @@ from megatron_rl.models.gguf import read_gguf
 from megatron_rl.models.megatron_layout import MegatronLayout, canonical_hf_state, megatron_to_hf
 
 MEGATRON_META = "megatron_rl_checkpoint.json"
+LORA_META = "lora.json"
+"""Beside MEGATRON_META in a directory whose shards hold LoRA adapters, not a model (a LoRA run's checkpoint):
+the adapters' rank, alpha, dropout and targets, and the base model they were trained on."""
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded HF model's tensor -> shard file map
 
 
@@ -86,6 +89,8 @@ def load_pretrained(path: str, *, lazy: bool = False) -> Pretrained:
     if not os.path.isdir(path):
         raise ConfigError(f"model path not found: {path}")
     if os.path.isfile(os.path.join(path, MEGATRON_META)):
+        refuse_adapter_dir(path)
+
         def megatron_state() -> dict[str, torch.Tensor]:
             layout, shards = load_megatron(path)
             return megatron_to_hf(shards, layout)
@@ -179,6 +184,34 @@ def write_megatron_shards(path: str, layout: MegatronLayout, shards: list[list[d
             os.makedirs(os.path.join(path, shard_dir_name(tp_rank, pp_rank, ep)))
             save_file({k: v.contiguous() for k, v in shard.items()}, shard_file(path, tp_rank, pp_rank, ep))
     write_megatron_meta(path, layout, tokenizer)
+
+
+def refuse_adapter_dir(path: str) -> None:
+    """A directory of LoRA adapters given where a model is expected is refused in one line that says what to do."""
+    lora = read_lora_meta(path)
+    if lora is not None:
+        raise ConfigError(f"{path} holds LoRA adapters (rank {lora['rank']}), not a model: `megatron-rl convert "
+                          f"{path} OUTPUT --to hf --merge-lora` writes the merged model, `--to peft` the adapter")
+
+
+def write_lora_meta(path: str, meta: dict) -> None:
+    with open(os.path.join(path, LORA_META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+
+
+def read_lora_meta(path: str) -> dict | None:
+    """The LoRA record of a Megatron directory (None: it holds a model)."""
+    file = os.path.join(path, LORA_META)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+        for key in ("rank", "alpha", "targets"):
+            meta[key]  # noqa: B018 - presence check
+        return meta
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{file}: corrupt LoRA metadata ({type(exc).__name__}: {exc})") from None
 
 
 def read_megatron_layout(path: str) -> MegatronLayout:

@@ -229,6 +229,7 @@ class ValueModelConfig:
         require(0 <= self.head_lr <= 1, "head_lr", f"must be a finite number in [0, 1], got {self.head_lr!r}")
         require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         require(self.replay_prompts >= 0, "replay_prompts", "must be >= 0 (0: no replay)")
+        require(not self.trainer.lora.enabled, "trainer.lora", "the value model trains all its weights (no adapters)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -262,5 +263,6 @@ class CriticConfig:
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
         require(0 <= self.head_lr <= 1, "head_lr", f"must be a finite number in [0, 1], got {self.head_lr!r}")
         require(self.updates_per_step >= 1, "updates_per_step", f"must be >= 1, got {self.updates_per_step!r}")
+        require(not self.trainer.lora.enabled, "trainer.lora", "the critic trains all its weights (no adapters)")
         require(self.trainer.parallel == ParallelConfig(), "trainer.parallel",
                 "the critic runs on the policy's ranks and process groups: set the layout in trainer.parallel")

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from megatron_rl.models.lora_layout import merge_adapters
 from megatron_rl.trainer.config import LoraConfig
 
 ADAPTER = "adapter"
@@ -92,10 +93,6 @@ class LoraAdapter(torch.nn.Module):
         if split and self.sequence_parallel:
             out = scatter_to_sequence_parallel_region(out, group=self.tp_group)
         return out
-
-    def delta(self) -> torch.Tensor:
-        """scaling * B A, shaped like this rank's shard of the base weight (float32)."""
-        return (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
 
 
 def _add_low_rank_path(module, args, output):
@@ -159,14 +156,11 @@ def is_adapter_tensor(name: str) -> bool:
     return f".{ADAPTER}." in name
 
 
-def merged_weights(gpt: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`base` (this rank's Megatron-named base weights) with every adapted weight replaced by W + scaling * B A,
-    computed in float32 and rounded once to W's dtype: the weights an engine or an HF export computes with."""
-    merged = dict(base)
-    for linear, adapter in adapters(gpt):
-        weight = base[f"{linear}.weight"]
-        merged[f"{linear}.weight"] = (weight.float() + adapter.delta().to(weight.device)).to(weight.dtype)
-    return merged
+def merged_weights(gpt: torch.nn.Module, base: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
+    """`base` (this rank's Megatron-named base weights) with every adapted weight merged with its adapter
+    (`lora_layout.merge_adapters`): the weights an engine or an HF export computes with."""
+    tensors = {k: v for k, v in gpt.state_dict().items() if is_adapter_tensor(k)}
+    return merge_adapters(base, tensors, config.alpha / config.rank)
 
 
 @contextlib.contextmanager

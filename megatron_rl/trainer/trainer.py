@@ -56,6 +56,7 @@ from megatron_rl.models.pretrained import (
     load_megatron_shard,
     load_pretrained,
     read_megatron_layout,
+    refuse_adapter_dir,
     resolve_model_path,
 )
 from megatron_rl.trainer import cpu_compat, local_fusions, lora
@@ -102,6 +103,8 @@ class MegatronTrainer:
         self.config = config
         self.frozen = frozen
         self.step_count = 0
+        # the model path the weights came from (`load_policy`): recorded beside LoRA adapters
+        self.base_model: str | None = None
         # Called before each micro-batch and before each transformer layer's forward and backward: a CPU
         # trainer that shares its host's cores with a generator process re-takes its thread count here.
         # Per layer (tens of ms), not per micro-batch (seconds): a trainer still running on a core the
@@ -269,7 +272,7 @@ class MegatronTrainer:
         """This rank's Megatron-named weights as the policy computes with them (views, not copies; with LoRA,
         each adapted weight merged with its adapter: W + scaling * B A)."""
         base = self._base_state()
-        return lora.merged_weights(self.gpt, base) if self.lora is not None else base
+        return lora.merged_weights(self.gpt, base, self.lora) if self.lora is not None else base
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of this rank's model: its weights, or with LoRA the adapters alone (the
@@ -682,8 +685,10 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
     (from `pretrained`, a `load_pretrained(model_path, lazy=True)` the caller also uses, when given)."""
     path = resolve_model_path(model_path)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, MEGATRON_META)):
+        refuse_adapter_dir(path)
         saved = read_megatron_layout(path)
         trainer = MegatronTrainer(saved.arch, config, pg_collection=pg_collection)
+        trainer.base_model = model_path
         if (saved.tp, saved.pp, saved.ep, saved.layer_spec, saved.padded_vocab_size) == (
                 trainer.tp_size, trainer.pp_size, trainer.ep_size, trainer.layout.layer_spec,
                 trainer.layout.padded_vocab_size):
@@ -693,4 +698,6 @@ def load_policy(model_path: str, config: TrainerConfig, *, pg_collection=None, p
         trainer.load_hf_state((pretrained or load_pretrained(path)).state)
         return trainer
     model = pretrained or load_pretrained(path)
-    return MegatronTrainer(model.arch, config, pg_collection=pg_collection, hf_state=model.state)
+    trainer = MegatronTrainer(model.arch, config, pg_collection=pg_collection, hf_state=model.state)
+    trainer.base_model = model_path
+    return trainer
