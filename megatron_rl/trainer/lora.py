@@ -22,7 +22,6 @@ Initialisation as PEFT's default: B = 0 (the adapted model starts as the base) a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import zlib
 from typing import Iterator, Literal
@@ -174,14 +173,3 @@ def adapters_disabled(gpt: torch.nn.Module):
     finally:
         for adapter in switched:
             adapter.enabled = True
-
-
-def base_checksum(base: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the base weights' names, shapes, dtypes and bytes (in name order): which base a
-    checkpoint's adapters were trained on."""
-    digest = hashlib.sha256()
-    for name in sorted(base):
-        tensor = base[name].detach().contiguous().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
-    return digest.hexdigest()

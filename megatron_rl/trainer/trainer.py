@@ -45,7 +45,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_rl.config import ConfigError
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.lora_layout import megatron_to_peft
+from megatron_rl.models.lora_layout import base_checksum, megatron_to_peft
 from megatron_rl.models.megatron_layout import (
     MegatronLayout,
     hf_to_megatron,
@@ -288,7 +288,7 @@ class MegatronTrainer:
     def base_checksum(self) -> str:
         """Checksum of this rank's frozen base weights (LoRA), computed once."""
         if getattr(self, "_base_checksum", None) is None:
-            self._base_checksum = lora.base_checksum(self._base_state())
+            self._base_checksum = base_checksum(self._base_state())
         return self._base_checksum
 
     def adapters_disabled(self):
