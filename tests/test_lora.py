@@ -17,6 +17,7 @@ from megatron_rl.cli import parity
 from megatron_rl.models.lora_layout import megatron_to_peft, peft_adapter_config, peft_to_megatron
 from megatron_rl.models.megatron_layout import MegatronLayout
 from megatron_rl.placement.launch import run_distributed
+from megatron_rl.sim.cost import lora_layer_parameters
 from megatron_rl.types import TrainBatch
 
 peft = pytest.importorskip("peft")
@@ -93,6 +94,9 @@ def _peft_reference(model, peft_state, batch):
 def _check(arch, result, layout, hf_model, batch):
     logits_meg, base_logits_meg, adapter_shards, grad_shards, frozen, trained = result
     assert frozen, "a base weight moved"
+    # the planner's adapter count (sim/cost.py) is what one rank holds
+    held = sum(v.numel() for v in adapter_shards[0].values())
+    assert held == lora_layer_parameters(arch, RANK, tuple(TARGETS), layout.tp)[0] * arch.num_layers
     assert trained and all(".adapter.lora_" in n for n in trained), trained
     peft_state = megatron_to_peft([adapter_shards], layout, TARGETS)
     reference = parity.reference_logits(hf_model, batch.tokens)
@@ -225,3 +229,78 @@ def test_peft_export_and_merged_export_give_the_trained_model(lora_checkpoint, q
     save_hf(other, arch, {k: v + 1e-3 for k, v in state.items()}, None)
     with pytest.raises(ConfigError, match="not the model the adapters"):
         convert(path, str(tmp_path / "wrong"), to="hf", merge_lora=True, base=other)
+
+
+def test_training_continues_from_an_exported_peft_adapter(lora_checkpoint, qwen2, tmp_path):
+    """`trainer.lora.init_from` starts the adapters from a PEFT adapter (here the export of a run, at TP=1),
+    whatever the layout: the same model; a config that does not match is refused by field."""
+    from megatron_rl.checkpoints_tools.convert import convert
+    from megatron_rl.config import ConfigError
+    from megatron_rl.trainer.config import LoraConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import load_policy
+
+    trainer, path, base, _ = lora_checkpoint
+    _, _, _, batch = qwen2
+    adapter = convert(path, str(tmp_path / "adapter"), to="peft")
+    config = TrainerConfig(lr=LR, vocab_divisible_by=1, micro_batch_size=2,
+                           lora=LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS, init_from=adapter))
+    continued = load_policy(base, config)
+    assert all(torch.equal(v, trainer.checkpoint_state()[k]) for k, v in continued.checkpoint_state().items())
+    assert torch.equal(continued.compute_logits(batch), trainer.compute_logits(batch))
+    with pytest.raises(ConfigError, match="field 'r'"):
+        load_policy(base, TrainerConfig(vocab_divisible_by=1, lora=LoraConfig(rank=2, alpha=ALPHA, init_from=adapter)))
+
+
+def test_bench_lora_reports_adapter_state_and_sync_bytes(tiny_chat_model):
+    """`megatron-rl bench lora` on a tiny model: the LoRA side trains the planner's adapter count, holds
+    gradients and Adam state for those alone, and its adapters are that many float32 numbers."""
+    from megatron_rl.models.pretrained import load_pretrained
+    from megatron_rl.trainer.bench_lora import bench_lora
+
+    arch = load_pretrained(tiny_chat_model, lazy=True).arch
+    result = bench_lora({"model": tiny_chat_model, "batch": 2, "seq": 16, "steps": 1, "threads": 1, "rank": 4})
+    adapters = lora_layer_parameters(arch, 4, tuple(TARGETS))[0] * arch.num_layers
+    assert result["lora_trainable_params"] == adapters
+    assert result["sync_adapter_bytes"] == 4 * adapters
+    assert result["lora_optimizer_bytes"] == 2 * 4 * adapters  # Adam's m and v, float32
+    assert result["full_optimizer_bytes"] == 2 * 4 * result["full_trainable_params"]
+    assert result["sync_merged_bytes"] >= 4 * result["full_trainable_params"] - 4 * arch.vocab_size * arch.hidden_size
+    assert result["ratio"] > 0
+
+
+def _save_at_tp2_worker(rank, world_size, base, run_dir, batch):
+    from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.trainer.config import LoraConfig, ParallelConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import load_policy
+
+    torch.set_num_threads(1)
+    config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=2), lr=LR, vocab_divisible_by=1,
+                           micro_batch_size=2, lora=LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS))
+    trainer = load_policy(base, config)
+    trainer.train_step(batch, _loss(batch))
+    CheckpointManager(run_dir, CheckpointConfig()).save(1, trainer, {"version": 1})
+    return trainer.gather_peft_state()
+
+
+def test_lora_checkpoint_written_at_tp2_resumes_at_tp1(qwen2, tmp_path):
+    """Adapters and their Adam moments are resharded through PEFT's unfused layout: the TP=1 run holds exactly
+    the TP=2 run's adapters."""
+    from megatron_rl.checkpoint.config import CheckpointConfig
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.trainer.config import LoraConfig, TrainerConfig
+    from megatron_rl.trainer.trainer import load_policy
+
+    _, arch, state, batch = qwen2
+    base = str(tmp_path / "base")
+    save_hf(base, arch, state, None)
+    run_dir = str(tmp_path / "run")
+    written = run_distributed(_save_at_tp2_worker, 2, base, run_dir, batch)[0]
+    trainer = load_policy(base, TrainerConfig(lr=LR, vocab_divisible_by=1, micro_batch_size=2,
+                                              lora=LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS)))
+    manager = CheckpointManager(run_dir, CheckpointConfig())
+    manager.load(manager.latest(), trainer)
+    resumed = trainer.gather_peft_state()
+    assert set(resumed) == set(written) and all(torch.equal(resumed[k], written[k]) for k in written)
+    assert trainer.step_count == 1 and trainer.optimizer.state  # Adam's moments came along

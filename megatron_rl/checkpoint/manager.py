@@ -366,7 +366,7 @@ class CheckpointManager:
                 optimizer_meta = json.loads((f.metadata() or {})["json"])
             _check_same_model(path, shard, trainer.checkpoint_state())
             prepare_optimizer_state(trainer, optimizer_meta)
-            if getattr(trainer, "lora", None) is not None:
+            if getattr(trainer, "lora", None) is not None and same_layout:
                 _check_same_base(path, trainer)
             trainer.load_checkpoint_state(shard)
             try:
@@ -468,9 +468,9 @@ def _check_same_adapters(path: str, saved: dict[str, Any] | None, trainer, same_
         if saved[field] != (list(current.targets) if field == "targets" else getattr(current, field)):
             raise CheckpointError(f"{path}: its adapters have trainer.lora.{field} {saved[field]!r}, this run "
                                   f"{getattr(current, field)!r}")
-    if not same_layout:
-        raise CheckpointError(f"{path}: LoRA adapters resume at the layout that wrote them; set trainer.parallel as "
-                              "it was (model/megatron_rl_checkpoint.json: tp, pp)")
+    if not same_layout and saved.get("base_model") != trainer.base_model:
+        raise CheckpointError(f"{path}: its adapters were trained on base model {saved.get('base_model')!r}, this "
+                              f"run's model.path is {trainer.base_model!r}")
 
 
 def _check_same_base(path: str, trainer) -> None:
@@ -498,9 +498,10 @@ def _resharded(path: str, saved: MegatronLayout, trainer) -> tuple[dict[str, tor
     model = [[shard_file(os.path.join(path, "model"), t, p) for t in range(saved.tp)] for p in range(saved.pp)]
     state = [[optimizer_state_file(path, t, p) for t in range(saved.tp)] for p in range(saved.pp)]
     where = f"{path} (written at tensor_parallel={saved.tp}, pipeline_parallel={saved.pp})"
+    targets = list(trainer.lora.targets) if getattr(trainer, "lora", None) is not None else None
     try:
-        weights = reshard_file_kinds(model, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where)
-        optimizer = reshard_file_kinds(state, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where)
+        weights = reshard_file_kinds(model, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where, targets)
+        optimizer = reshard_file_kinds(state, saved, trainer.layout, trainer.tp_rank, trainer.pp_rank, where, targets)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     return weights, optimizer

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models.lora_layout import megatron_to_peft, peft_to_megatron
 from megatron_rl.models.megatron_layout import (
     MegatronLayout,
     hf_tensor_shapes,
@@ -236,10 +237,12 @@ every tensor-parallel rank (trainer/value.py's scalar head and its statistics): 
 the new layout's last stage as they are."""
 
 def reshard_file_kinds(files: list[list[str]], saved: MegatronLayout, layout: MegatronLayout,
-                       tp_rank: int, pp_rank: int, where: str) -> dict[str, torch.Tensor]:
+                       tp_rank: int, pp_rank: int, where: str,
+                       lora_targets: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Tensors of one rank's shard at `layout` from the saved shard files (files[pp][tp]) written at
     `saved`. A file's tensors named `kind/<megatron name>` are converted per kind; plain Megatron names
-    are the weights. One kind at a time is held whole in memory."""
+    are the weights. One kind at a time is held whole in memory. `lora_targets`: the files hold LoRA
+    adapters on these linears (through PEFT's unfused layout, `models/lora_layout.py`)."""
     shards = [[load_file(f) for f in row] for row in files]
     kinds: dict[str, list[list[dict[str, torch.Tensor]]]] = {}
     for p, row in enumerate(shards):
@@ -247,8 +250,14 @@ def reshard_file_kinds(files: list[list[str]], saved: MegatronLayout, layout: Me
             for key, tensor in shard.items():
                 kind, _, name = key.rpartition("/")
                 kinds.setdefault(kind, [[{} for _ in range(saved.tp)] for _ in range(saved.pp)])[p][t][name] = tensor
-    known = _megatron_names(saved)
     result: dict[str, torch.Tensor] = {}
+    if lora_targets is not None:
+        for kind, kind_shards in kinds.items():
+            unfused = megatron_to_peft(kind_shards, saved, lora_targets)
+            mine = peft_to_megatron(unfused, layout, lora_targets)[pp_rank][tp_rank]
+            result.update({(f"{kind}/" if kind else "") + name: tensor for name, tensor in mine.items()})
+        return result
+    known = _megatron_names(saved)
     for kind, kind_shards in kinds.items():
         prefix = f"{kind}/" if kind else ""
         last = kind_shards[saved.pp - 1]

@@ -27,6 +27,7 @@ from megatron_rl.config import ConfigError
 BENCHMARKS: dict[str, str] = {
     "trainer": "megatron_rl.trainer.bench_train_step:bench_trainer",
     "packing": "megatron_rl.trainer.bench_packing:bench_packing",
+    "lora": "megatron_rl.trainer.bench_lora:bench_lora",
     "rollout": "megatron_rl.rollout.bench_generate:bench_rollout",
     "serve": "megatron_rl.rollout.bench_serve:bench_serve",
     "serve-memory": "megatron_rl.rollout.bench_serve_memory:bench_serve_memory",

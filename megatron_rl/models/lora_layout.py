@@ -10,8 +10,11 @@ fused linear holds (adapters this project exported do).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 
 import torch
+from safetensors.torch import load_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.megatron_layout import (
@@ -112,6 +115,30 @@ def peft_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout,
         raise ConfigError(f"PEFT adapter tensor '{extra[0]}' is not on trainer.lora.targets {targets} "
                           f"({len(extra)} such tensor(s))")
     return shards
+
+
+def read_peft_adapter(path: str, *, rank: int, alpha: float, targets: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the PEFT adapter directory `path` (PEFT's names, `PEFT_PREFIX` included), after checking that
+    its config is these adapters': LoRA of rank `rank`, scale `alpha`, on `targets`' projections."""
+    config_file = os.path.join(path, "adapter_config.json")
+    weights_file = os.path.join(path, "adapter_model.safetensors")
+    for file in (config_file, weights_file):
+        if not os.path.isfile(file):
+            raise ConfigError(f"{path}: not a PEFT adapter directory (no {os.path.basename(file)})")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_file}: unreadable ({type(exc).__name__}: {exc})") from None
+    checks = [("peft_type", config.get("peft_type"), "LORA"), ("r", config.get("r"), rank),
+              ("lora_alpha", config.get("lora_alpha"), alpha), ("use_rslora", bool(config.get("use_rslora")), False),
+              ("use_dora", bool(config.get("use_dora")), False),
+              ("target_modules", sorted(config.get("target_modules") or []), peft_target_modules(targets))]
+    for field, found, wanted in checks:
+        if found != wanted:
+            raise ConfigError(f"{config_file}: field '{field}' is {found!r}, but trainer.lora needs {wanted!r}")
+    state = load_file(weights_file)
+    return {(k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k): v for k, v in state.items()}
 
 
 def peft_adapter_config(*, rank: int, alpha: float, dropout: float, targets: list[str],

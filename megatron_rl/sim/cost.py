@@ -112,6 +112,24 @@ def stage_parameter_split(arch: ModelArch, tp: int, pp: int, stage: int, vocab_d
     return dense, experts
 
 
+def lora_layer_parameters(arch: ModelArch, rank: int, targets: tuple[str, ...], tp: int = 1, ep: int = 1,
+                          etp: int = 1) -> tuple[float, float]:
+    """(dense, expert) adapter parameters of one layer on one GPU (trainer/lora.py): a column-parallel linear's
+    A [r, in] is replicated and B [out / TP, r] split; a row-parallel one's A [r, in / TP] split and B [out, r]
+    replicated. In an MoE layer linear_fc1 / linear_fc2 are every local expert's."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qkv = arch.q_size + 2 * arch.kv_size
+    attention = {"linear_qkv": rank * (h + qkv / tp), "linear_proj": rank * (arch.q_size / tp + h)}
+    dense = sum(v for t, v in attention.items() if t in targets)
+    if arch.is_moe:
+        i = arch.moe_ffn_hidden_size
+        per_expert = (rank * (h + 2 * i / etp) if "linear_fc1" in targets else 0) + \
+            (rank * (i / etp + h) if "linear_fc2" in targets else 0)
+        return dense, arch.num_experts / ep * per_expert
+    mlp = {"linear_fc1": rank * (h + 2 * f / tp), "linear_fc2": rank * (f / tp + h)}
+    return dense + sum(v for t, v in mlp.items() if t in targets), 0.0
+
+
 def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128, *,
                      ep: int = 1, etp: int | None = None) -> float:
     """Parameters held by one GPU of pipeline stage `stage` (layers + embedding / output / final norm)."""
@@ -145,6 +163,9 @@ class TrainerLayout:
     """Expert-parallel size (MoE): each GPU holds num_experts / EP experts."""
     etp: int = 0
     """Expert tensor-parallel size (MoE); 0 = the trainer's TP (Megatron's default)."""
+    lora_rank: int = 0
+    """LoRA (trainer.lora): adapters of this rank on `lora_targets`, the base frozen (0: full training)."""
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def expert_tp(self) -> int:
@@ -215,16 +236,23 @@ def trainer_memory(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssu
         params, experts = stage_parameter_split(arch, layout.tp, layout.pp, stage, layout.vocab_divisible_by,
                                                 ep=layout.ep, etp=layout.expert_tp)
         optimizer_bytes = 12 if layout.params_bytes == 2 else 8  # fp32 master (bf16 only) + Adam m, v
+        trained, trained_experts = params, experts
+        weights, expert_weights = params, experts
+        if layout.lora_rank:  # only the adapters train; the frozen base keeps its weights alone
+            adapters = lora_layer_parameters(arch, layout.lora_rank, layout.lora_targets, layout.tp, layout.ep,
+                                             layout.expert_tp)
+            trained, trained_experts = (a * arch.num_layers / layout.pp for a in adapters)
+            weights, expert_weights = params + trained, experts + trained_experts
         terms = {
-            "weights": params * layout.params_bytes,
-            "gradients": params * 4,
-            "optimizer": params * optimizer_bytes / (layout.dp if layout.distributed_optimizer else 1),
+            "weights": weights * layout.params_bytes,
+            "gradients": trained * 4,
+            "optimizer": trained * optimizer_bytes / (layout.dp if layout.distributed_optimizer else 1),
         }
         if arch.is_moe:
-            terms["expert_weights"] = experts * layout.params_bytes
-            terms["expert_gradients"] = experts * 4
-            terms["expert_optimizer"] = experts * optimizer_bytes / (layout.expert_dp if layout.distributed_optimizer
-                                                                     else 1)
+            terms["expert_weights"] = expert_weights * layout.params_bytes
+            terms["expert_gradients"] = trained_experts * 4
+            terms["expert_optimizer"] = trained_experts * optimizer_bytes / (
+                layout.expert_dp if layout.distributed_optimizer else 1)
         terms.update(_activations(arch, layout, assumptions, stage, on_gpu))
         if sum(terms.values()) > sum(worst.values()):
             worst = terms

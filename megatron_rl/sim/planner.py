@@ -184,7 +184,8 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     layout = cost.TrainerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, micro_batches=micro_batches,
                                 seq_len=seq_len, params_bytes=params_bytes, recompute=config.trainer.recompute_activations,
                                 distributed_optimizer=config.trainer.use_distributed_optimizer,
-                                vocab_divisible_by=config.trainer.vocab_divisible_by, ep=ep, etp=etp)
+                                vocab_divisible_by=config.trainer.vocab_divisible_by, ep=ep, etp=etp,
+                                lora_rank=config.trainer.lora.rank, lora_targets=tuple(config.trainer.lora.targets))
     usable = hw.hbm_bytes * a.memory_fraction
     trainer_mem = cost.trainer_memory(arch, layout, a)
     trainer_hint = _expert_parallel_hint(arch, layout, a, trainer_gpus, usable) if arch.is_moe else ""

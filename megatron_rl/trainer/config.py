@@ -63,6 +63,10 @@ class LoraConfig:
     """Megatron's linears that get adapters: linear_qkv (the fused q/k/v projection), linear_proj (attention
     output), linear_fc1 (MLP in: fused gate/up) and linear_fc2 (MLP out); in a mixture-of-experts layer the
     last two are every expert's."""
+    init_from: str = dataclasses.field(default="", metadata={RECIPE_PATH_FIELD: True})
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g. from `convert --to peft`)
+    to start the adapters from, instead of PEFT's initialisation (B = 0); its r, lora_alpha and target modules
+    must be this section's."""
 
     def __post_init__(self) -> None:
         require(self.rank >= 0, "rank", f"must be >= 0 (0: no adapters), got {self.rank!r}")

@@ -45,7 +45,12 @@ from megatron.core.transformer.module import Float16Module
 from megatron_rl.config import ConfigError
 from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.lora_layout import base_checksum, megatron_to_peft
+from megatron_rl.models.lora_layout import (
+    base_checksum,
+    megatron_to_peft,
+    peft_to_megatron,
+    read_peft_adapter,
+)
 from megatron_rl.models.megatron_layout import (
     MegatronLayout,
     hf_to_megatron,
@@ -172,6 +177,11 @@ class MegatronTrainer:
                                         first_expert=self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0)
             if not adapted:
                 raise ConfigError(f"trainer.lora.targets {self.lora.targets} match no linear of this model")
+            if self.lora.init_from:
+                peft_state = read_peft_adapter(self.lora.init_from, rank=self.lora.rank, alpha=self.lora.alpha,
+                                               targets=self.lora.targets)
+                shards = peft_to_megatron(peft_state, self.layout, self.lora.targets)
+                self._load_into(self.checkpoint_state(), shards[self.pp_rank][self.tp_rank])
         self._hook_layer_boundaries(model)
         model = self._network(model)
         if self.params_dtype != torch.float32:
