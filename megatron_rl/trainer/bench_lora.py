@@ -13,9 +13,9 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.trainer.bench_train_step import language_model_batch
 from megatron_rl.trainer.config import LoraConfig, TrainerConfig
 from megatron_rl.trainer.trainer import MegatronTrainer
-from megatron_rl.types import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ def bench_lora(options: dict) -> dict:
         raise ConfigError("bench lora: batch, steps, threads and rank must be >= 1 and seq >= 2")
     torch.set_num_threads(threads)
     model = load_pretrained(str(options.get("model", "smollm2-135m")))
-    tokens = torch.randint(0, model.arch.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
-    batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(rows, length).index_fill_(1, torch.tensor([0]), 0.0))
+    batch = language_model_batch(model.arch.vocab_size, rows, length)
     normalizer = batch.loss_mask.sum()
 
     def loss(logprobs, mb, entropy):

@@ -39,6 +39,12 @@ def _seconds(step) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu_start
 
 
+def language_model_batch(vocab_size: int, rows: int, length: int) -> TrainBatch:
+    """The benches' batch: random tokens (seed 0), a loss on every position but the first."""
+    tokens = torch.randint(0, vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
+    return TrainBatch(tokens=tokens, loss_mask=torch.ones(rows, length).index_fill_(1, torch.tensor([0]), 0.0))
+
+
 def bench_trainer(options: dict) -> dict:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -50,9 +56,8 @@ def bench_trainer(options: dict) -> dict:
         raise ConfigError("bench trainer: batch, steps and threads must be >= 1 and seq >= 2")
     torch.set_num_threads(threads)
     model = load_pretrained(str(options.get("model", "smollm2-135m")))
-    tokens = torch.randint(0, model.arch.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
-    batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(rows, length).index_fill_(1, torch.tensor([0]), 0.0))
-    normalizer = batch.loss_mask.sum()
+    batch = language_model_batch(model.arch.vocab_size, rows, length)
+    tokens, normalizer = batch.tokens, batch.loss_mask.sum()
     lr = 1e-6
 
     trainer = MegatronTrainer(model.arch, TrainerConfig(micro_batch_size=rows, lr=lr, clip_grad=1.0),
