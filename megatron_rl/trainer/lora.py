@@ -102,8 +102,9 @@ def _add_low_rank_path(module, args, output):
     return out + adapter(args[0]).to(out.dtype), bias
 
 
-def _initial_A(config: LoraConfig, seed: int, key: str, rank: int, in_features: int) -> torch.Tensor:
-    """PEFT's default A (kaiming-uniform with a = sqrt(5)) for the whole unsharded [rank, in_features]."""
+def _initial_A(seed: int, key: str, rank: int, in_features: int) -> torch.Tensor:
+    """PEFT's default A distribution (kaiming-uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) for the whole
+    unsharded [rank, in_features], from a generator seeded by `seed` and the adapter's global name `key`."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2 ** 63))
     bound = 1.0 / math.sqrt(in_features)
     return (torch.rand(rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1).mul_(bound).float()
@@ -130,10 +131,10 @@ def add_adapters(gpt: torch.nn.Module, config: LoraConfig, *, seed: int, first_l
         if leaf not in config.targets or not hasattr(module, "weight") or hasattr(module, ADAPTER):
             continue
         parallel = _PARALLEL[leaf]
-        out_features, in_features = module.weight.shape
+        in_features = module.weight.shape[1]
         tp = module.tp_group.size() if module.tp_group is not None else 1
         full_in = in_features * tp if parallel == "row" else in_features
-        a = _initial_A(config, seed, _global_key(name, first_layer, first_expert), config.rank, full_in)
+        a = _initial_A(seed, _global_key(name, first_layer, first_expert), config.rank, full_in)
         if parallel == "row" and tp > 1:
             a = a.chunk(tp, dim=1)[module.tp_group.rank()].contiguous()
         module.adapter = LoraAdapter(module, parallel=parallel, config=config, lora_A=a)

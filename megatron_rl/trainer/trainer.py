@@ -292,8 +292,11 @@ class MegatronTrainer:
         return {k: v for k, v in self.gpt.state_dict().items() if lora.is_adapter_tensor(k)}
 
     def load_checkpoint_state(self, shard: dict[str, torch.Tensor]) -> None:
-        """Inverse of `checkpoint_state`."""
-        self._load_into(self.checkpoint_state(), shard)
+        """Inverse of `checkpoint_state` (`load_shard` without LoRA, which subclasses extend)."""
+        if self.lora is None:
+            self.load_shard(shard)
+        else:
+            self._load_into(self.checkpoint_state(), shard)
 
     def base_checksum(self) -> str:
         """Checksum of this rank's frozen base weights (LoRA), computed once."""
