@@ -65,6 +65,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_tensor_shapes
 from megatron_rl.models.pretrained import (
+    LORA_BASE_CHECKSUM,
     read_lora_meta,
     read_megatron_layout,
     shard_file,
@@ -193,7 +194,8 @@ class CheckpointManager:
         shard = {k: v.detach().contiguous().cpu() for k, v in trainer.checkpoint_state().items()}
         model_file = shard_file(os.path.join(tmp, "model"), trainer.tp_rank, trainer.pp_rank)
         os.makedirs(os.path.dirname(model_file))
-        save_file(shard, model_file, metadata={BASE_CHECKSUM: trainer.base_checksum()} if getattr(trainer, "lora", None) else None)
+        lora = getattr(trainer, "lora", None) is not None
+        save_file(shard, model_file, metadata={LORA_BASE_CHECKSUM: trainer.base_checksum()} if lora else None)
         tensors, meta = optimizer_state if optimizer_state is not None else gather_optimizer_state(trainer)
         state_file = optimizer_state_file(tmp, trainer.tp_rank, trainer.pp_rank)
         os.makedirs(os.path.dirname(state_file))
@@ -440,10 +442,6 @@ def _rank_file(path: str, sub: str, rank: int) -> str:
     return own if os.path.isfile(own) else os.path.join(path, sub, "rank_00000.pt")
 
 
-BASE_CHECKSUM = "lora_base_sha256"
-"""Metadata key of a LoRA checkpoint's shard file: `MegatronTrainer.base_checksum()` of the rank that wrote it."""
-
-
 def lora_meta(trainer) -> dict[str, Any]:
     """The `model/lora.json` record of a LoRA run's checkpoint."""
     config = trainer.lora
@@ -476,7 +474,7 @@ def _check_same_adapters(path: str, saved: dict[str, Any] | None, trainer, same_
 def _check_same_base(path: str, trainer) -> None:
     file = shard_file(os.path.join(path, "model"), trainer.tp_rank, trainer.pp_rank)
     with safe_open(file, framework="pt") as f:
-        saved = (f.metadata() or {}).get(BASE_CHECKSUM)
+        saved = (f.metadata() or {}).get(LORA_BASE_CHECKSUM)
     if saved != trainer.base_checksum():
         raise CheckpointError(f"{file}: its adapters were trained on another base model (base checksum {saved}, "
                               f"this run's model.path {trainer.base_model} gives {trainer.base_checksum()})")

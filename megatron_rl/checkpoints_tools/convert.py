@@ -26,6 +26,7 @@ from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.lora_layout import base_checksum, megatron_to_peft, merge_adapters, peft_adapter_config
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.models.pretrained import (
+    LORA_BASE_CHECKSUM,
     MEGATRON_META,
     SAFE_WEIGHTS_INDEX,
     load_megatron,
@@ -268,7 +269,7 @@ def merged_lora_model(source: str, base: str | None = None):
     for p in range(layout.pp):
         for t in range(layout.tp):
             with safe_open(shard_file(path, t, p), framework="pt") as f:
-                saved = (f.metadata() or {}).get("lora_base_sha256")
+                saved = (f.metadata() or {}).get(LORA_BASE_CHECKSUM)
             if saved is not None and saved != base_checksum(base_shards[p][t]):
                 raise ConfigError(f"--base {base} is not the model the adapters in {path} were trained on "
                                   f"(shard tp={t} pp={p}: base checksum differs)")

@@ -137,7 +137,10 @@ def read_peft_adapter(path: str, *, rank: int, alpha: float, targets: list[str])
     for field, found, wanted in checks:
         if found != wanted:
             raise ConfigError(f"{config_file}: field '{field}' is {found!r}, but trainer.lora needs {wanted!r}")
-    state = load_file(weights_file)
+    try:
+        state = load_file(weights_file)
+    except Exception as exc:  # noqa: BLE001 - safetensors reports a damaged file in several error types
+        raise ConfigError(f"{weights_file}: unreadable ({type(exc).__name__}: {exc})") from None
     return {(k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k): v for k, v in state.items()}
 
 

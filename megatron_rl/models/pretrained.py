@@ -32,6 +32,8 @@ MEGATRON_META = "megatron_rl_checkpoint.json"
 LORA_META = "lora.json"
 """Beside MEGATRON_META in a directory whose shards hold LoRA adapters, not a model (a LoRA run's checkpoint):
 the adapters' rank, alpha, dropout and targets, and the base model they were trained on."""
+LORA_BASE_CHECKSUM = "lora_base_sha256"
+"""Metadata key of such a directory's shard files: the SHA-256 of the base shard its adapters were trained on."""
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded HF model's tensor -> shard file map
 
 

@@ -110,6 +110,7 @@ class MegatronTrainer:
         self.step_count = 0
         # the model path the weights came from (`load_policy`): recorded beside LoRA adapters
         self.base_model: str | None = None
+        self._base_checksum: str | None = None  # of the frozen base (LoRA), computed on first use
         # Called before each micro-batch and before each transformer layer's forward and backward: a CPU
         # trainer that shares its host's cores with a generator process re-takes its thread count here.
         # Per layer (tens of ms), not per micro-batch (seconds): a trainer still running on a core the
@@ -172,16 +173,19 @@ class MegatronTrainer:
         if hf_state is not None:
             self.load_hf_state(hf_state)
         if self.lora is not None:
-            adapted = lora.add_adapters(model, self.lora, seed=cfg.seed,
-                                        first_layer=self.pp_rank * self.layout.layers_per_stage,
-                                        first_expert=self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0)
+            first_expert = self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0
+            adapted = lora.add_adapters(model, self.lora, seed=cfg.seed, first_expert=first_expert,
+                                        first_layer=self.pp_rank * self.layout.layers_per_stage)
             if not adapted:
                 raise ConfigError(f"trainer.lora.targets {self.lora.targets} match no linear of this model")
             if self.lora.init_from:
                 peft_state = read_peft_adapter(self.lora.init_from, rank=self.lora.rank, alpha=self.lora.alpha,
                                                targets=self.lora.targets)
                 shards = peft_to_megatron(peft_state, self.layout, self.lora.targets)
-                self._load_into(self.checkpoint_state(), shards[self.pp_rank][self.tp_rank])
+                try:
+                    self._load_into(self.checkpoint_state(), shards[self.pp_rank][self.tp_rank])
+                except ValueError as exc:  # another model's adapter: its shapes do not fit
+                    raise ConfigError(f"trainer.lora.init_from {self.lora.init_from}: {exc}") from None
         self._hook_layer_boundaries(model)
         model = self._network(model)
         if self.params_dtype != torch.float32:
@@ -300,7 +304,7 @@ class MegatronTrainer:
 
     def base_checksum(self) -> str:
         """Checksum of this rank's frozen base weights (LoRA), computed once."""
-        if getattr(self, "_base_checksum", None) is None:
+        if self._base_checksum is None:
             self._base_checksum = base_checksum(self._base_state())
         return self._base_checksum
 
