@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import uuid
 from typing import Iterable, Mapping
 
@@ -31,7 +32,9 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 # Every file this module creates is named for its owner's pid, so that a later run can tell the files of
 # a dead run (SIGKILLed with its whole process group: nobody left to unlink them) from a live one's.
 _WEIGHTS_PREFIX = "megatron_rl_weights_"
-_OWNED_NAME = re.compile(r"^(?:megatron_rl_weights_|sem\.mp-megatron_rl-)(\d+)[_-]")
+# Directories of weights staged for an external engine to read (rollout/vllm_engine.py), named the same way.
+OWNED_DIR_PREFIX = "megatron_rl_staging_"
+_OWNED_NAME = re.compile(r"^(?:megatron_rl_weights_|megatron_rl_staging_|sem\.mp-megatron_rl-)(\d+)[_-]")
 
 
 def shm_directory() -> str:
@@ -49,7 +52,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reclaim_stale(directory: str | None = None) -> list[str]:
-    """Remove the shared weight files and semaphores (`sem.mp-megatron_rl-PID-*`, see
+    """Remove the shared weight files, staging directories and semaphores (`sem.mp-megatron_rl-PID-*`, see
     placement/generator_process.py) whose owner pid is no longer alive; one line on stderr says what
     was freed. Returns the removed paths."""
     directory = directory or shm_directory()
@@ -64,8 +67,12 @@ def reclaim_stale(directory: str | None = None) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            size = os.path.getsize(path)
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+                shutil.rmtree(path)
+            else:
+                size = os.path.getsize(path)
+                os.unlink(path)
         except OSError:
             continue  # another process reclaimed it first
         removed.append(path)
