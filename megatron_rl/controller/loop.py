@@ -120,7 +120,8 @@ class Controller:
             if prepare_selection:
                 self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
-        remote_generators = bool(config.cluster.generator.launch_ranks or config.cluster.generator.urls)
+        generator = config.cluster.generator  # engines in other processes hold their own memory
+        remote_generators = bool(generator.launch_ranks or generator.urls or generator.backend == "vllm")
         self.offload = (rollout.offload_idle and rollout.placement == "colocated" and not rollout.is_async
                         and len(self.policies) == 1 and not remote_generators)
         self._host = "cpu"

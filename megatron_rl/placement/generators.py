@@ -5,6 +5,7 @@ on the launch's own generator ranks (`cluster.generator.launch_ranks`), or on SG
 whichever it is."""
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -16,6 +17,8 @@ from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_e
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.sglang_engine import SGLangEngine
+from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, launch_model_dir, vllm_python
+from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 from megatron_rl.weight_sync.channel import make_weight_channel
 from megatron_rl.weight_sync.fp8 import generator_weights
 
@@ -37,6 +40,8 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
     routing = (arch.num_layers, arch.moe_top_k) if engine_config.record_routing and arch.is_moe else None
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
         return generator_rank_pool(config)
+    if generator.backend == "vllm":
+        return vllm_engines(config, model)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
         return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
@@ -57,10 +62,43 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
                         config=engine_config)
 
 
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "auto": "auto"}
+
+
+def vllm_engines(config, model):
+    """backend vllm: clients of the servers in `cluster.generator.urls`, or `num_engines` servers launched here
+    from the run's initial weights (written once to tmpfs; logs in RUN_DIR/vllm_<i>.log), as one engine."""
+    generator = config.cluster.generator
+    tied = bool(model.arch.tie_word_embeddings)
+    if generator.urls:
+        engines = [VLLMEngine(url, tied_embeddings=tied) for url in generator.urls]
+    else:
+        python = vllm_python(generator.vllm_python)
+        model_dir = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model")
+        tied = launch_model_dir(model_dir, model.arch, model.state, model.tokenizer)
+        args = ["--dtype", VLLM_DTYPES[config.engine.dtype], "--max-model-len", str(engine_context(config, model.arch)),
+                "--max-num-seqs", str(config.engine.max_batch_size), "--seed", str(config.seed),
+                "--tensor-parallel-size", str(generator.engine_tp if torch.cuda.is_available() else 1),
+                *(["--quantization", "fp8"] if generator.precision == "fp8" else []), *generator.vllm_args]
+        threads = config.engine.num_threads or os.cpu_count() or 1
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}"}
+        servers = [VLLMServer(model_dir, python=python, args=args, env=env,
+                              log_path=os.path.join(config.run_dir, f"vllm_{i}.log")) for i in range(generator.num_engines)]
+        try:
+            for server in servers:
+                server.wait_ready(generator.ready_timeout_s)
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
+    return engines[0] if len(engines) == 1 else EnginePool(engines)
+
+
 def policy_weight_channel(config, trainer, engine):
     """The weight channel from `trainer` to the generator `engine` (weight_sync/channel.py): engines that
     run fp8 weights without fp8 GEMMs get them rounded through block-wise fp8 on every sync."""
     generator = config.cluster.generator
-    fp8_engine = generator.precision == "fp8" and generator.backend != "sglang"
+    fp8_engine = generator.precision == "fp8" and generator.backend == "native"  # SGLang and vLLM quantize themselves
     return make_weight_channel(trainer, engine, transform=(
         (lambda state: generator_weights(state, generator)) if fp8_engine else None))

@@ -141,9 +141,11 @@ class GeneratorGroupConfig:
     """The generator executor group on a cluster: inference engines on their own GPUs (disaggregated)
     or sharing the trainer's GPUs (colocated, where num_engines and engine_tp are derived)."""
 
-    backend: Literal["native", "sglang"] = "native"
-    """Engine implementation: the native engine, or SGLang (rollout/sglang_engine.py in this process, with
-    engine_tp GPUs; or the servers listed in `urls`, which the Slurm scripts start)."""
+    backend: Literal["native", "sglang", "vllm"] = "native"
+    """Engine implementation: the native engine, SGLang (rollout/sglang_engine.py in this process, with
+    engine_tp GPUs; or the servers listed in `urls`, which the Slurm scripts start), or vLLM
+    (rollout/vllm_engine.py: num_engines `vllm serve` processes the run launches, or the servers in `urls`;
+    docs/vllm.md)."""
     num_engines: int = 1
     """Independent engine replicas in the disaggregated group (each serves its share of the prompts)."""
     engine_tp: int = 8
@@ -163,6 +165,16 @@ class GeneratorGroupConfig:
     urls: list[str] = dataclasses.field(default_factory=list)
     """Base URLs of the engines' SGLang servers (set by examples/slurm_common.sh on a cluster); empty:
     the engine runs inside this process as rollout.placement says."""
+    vllm_python: str = ""
+    """backend vllm: the Python of vLLM's own environment (default: $MEGATRON_RL_VLLM_PYTHON, else
+    .venv-vllm/bin/python, which scripts/setup_vllm_cpu.sh creates)."""
+    vllm_args: list[str] = dataclasses.field(default_factory=list)
+    """backend vllm: more `vllm serve` flags for the servers the run launches (e.g. ["--enforce-eager"] on CPU:
+    starts in about 25 s instead of 70 to 90 s of graph compilation, about 15% slower decoding)."""
+    vllm_kv_cache_gib: float = 2.0
+    """backend vllm on CPU: the KV cache of each launched server (VLLM_CPU_KVCACHE_SPACE)."""
+    ready_timeout_s: float = 600.0
+    """How long a launched engine server may take to answer /health before the run stops with its log's tail."""
     launch_ranks: int = 0
     """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
     world each run a native engine (one device each) and serve the driver over torch.distributed,
@@ -177,3 +189,9 @@ class GeneratorGroupConfig:
         require(self.engine_tp >= 1, "engine_tp", "must be >= 1")
         require(self.fp8_block_size >= 1, "fp8_block_size", "must be >= 1")
         require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        require(self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
+        require(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+        require(self.backend == "vllm" or not (self.vllm_python or self.vllm_args), "vllm_python",
+                f"vllm_python / vllm_args are settings of backend vllm, not {self.backend}")
+        require(not (self.backend == "vllm" and self.launch_ranks), "launch_ranks",
+                "generator ranks run the native engine; backend vllm runs vLLM servers (launched or in urls)")

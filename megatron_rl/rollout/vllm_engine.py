@@ -132,10 +132,11 @@ class VLLMEngine:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, max_workers: int = 64,
                  launch_version: int = 0, staging_dir: str | None = None, server: "VLLMServer | None" = None,
-                 tied_embeddings: bool = False):
-        """`tied_embeddings`: the model ties its output layer to the embedding and the server was launched untied
+                 tied_embeddings: bool = False, launch_dir: str | None = None):
+        """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model ties its output layer to the embedding and the server was launched untied
         (`launch_model_dir`): every update sends the embedding as `lm_head.weight` too."""
         self.tied_embeddings = tied_embeddings
+        self.launch_dir = launch_dir
         self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout, max_workers=max_workers)
         self.base_url = self.http.base_url
         self.launch_version = int(launch_version)
@@ -250,6 +251,8 @@ class VLLMEngine:
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self._staging_root, ignore_errors=True)
+        if self.launch_dir is not None:
+            shutil.rmtree(self.launch_dir, ignore_errors=True)
 
     def __enter__(self) -> "VLLMEngine":
         return self
@@ -290,8 +293,12 @@ def launch_model_dir(path: str, arch, state: dict[str, Any], tokenizer) -> bool:
         tokenizer.save_hf(path)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    files = []
     for index, bucket in enumerate(_buckets(named, 1 << 30)):
-        save_file(bucket, os.path.join(path, f"model-{index:05d}.safetensors"))
+        files.append(os.path.join(path, f"model-{index:05d}.safetensors"))
+        save_file(bucket, files[-1])
+    if len(files) == 1:  # the name transformers looks for, too
+        os.replace(files[0], os.path.join(path, "model.safetensors"))
     return tied
 
 

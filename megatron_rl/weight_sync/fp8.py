@@ -107,7 +107,7 @@ def generator_weights(state, generator):
     """The trainer's HF-named weights as the generator group (`cluster.generator`) runs them: rounded
     through block-wise fp8 when its precision is fp8 (LlamaRL's fp8 generators), else unchanged. SGLang
     engines run real fp8 GEMMs and quantize themselves."""
-    if generator.precision != "fp8" or generator.backend == "sglang":
+    if generator.precision != "fp8" or generator.backend != "native":
         return state
     return fake_quantize_state(state, generator.fp8_block_size)
 

