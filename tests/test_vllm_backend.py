@@ -19,7 +19,7 @@ from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, launch_model_dir, vllm_python
+from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, reclaim_stale
 from tests.helpers import near_uniform_state
 from tests.test_loop import _config
@@ -66,7 +66,8 @@ def vllm_server(vllm_chat_model, tmp_path_factory):
     tied = launch_model_dir(model_dir, model.arch, state, model.tokenizer)
     log_path = str(tmp_path_factory.mktemp("vllm") / "server.log")
     server = VLLMServer(model_dir, python=python, log_path=log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"])
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
+                              *device_server_args()])
     try:
         server.wait_ready(600)
         engine = VLLMEngine(server.url, tied_embeddings=tied, staging_dir=str(tmp_path_factory.mktemp("staging")))

@@ -17,7 +17,7 @@ from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_e
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, launch_model_dir, vllm_python
+from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 from megatron_rl.weight_sync.channel import make_weight_channel
 from megatron_rl.weight_sync.fp8 import generator_weights
@@ -79,10 +79,11 @@ def vllm_engines(config, model):
         args = ["--dtype", VLLM_DTYPES[config.engine.dtype], "--max-model-len", str(engine_context(config, model.arch)),
                 "--max-num-seqs", str(config.engine.max_batch_size), "--seed", str(config.seed),
                 "--tensor-parallel-size", str(generator.engine_tp if torch.cuda.is_available() else 1),
-                *(["--quantization", "fp8"] if generator.precision == "fp8" else []), *generator.vllm_args]
+                *(["--quantization", "fp8"] if generator.precision == "fp8" else []), *device_server_args(),
+                *generator.vllm_args]
         threads = config.engine.num_threads or os.cpu_count() or 1
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}"}
-        servers = [VLLMServer(model_dir, python=python, args=args, env=env,
+        servers = [VLLMServer(model_dir, python=python, args=args, env=env, ready_timeout=generator.ready_timeout_s,
                               log_path=os.path.join(config.run_dir, f"vllm_{i}.log")) for i in range(generator.num_engines)]
         try:
             for server in servers:
@@ -92,7 +93,7 @@ def vllm_engines(config, model):
                 server.stop()
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
-    return engines[0] if len(engines) == 1 else EnginePool(engines)
+    return engines[0] if len(engines) == 1 else EnginePool(engines, dead_engine_timeout_s=generator.dead_engine_timeout_s)
 
 
 def policy_weight_channel(config, trainer, engine):

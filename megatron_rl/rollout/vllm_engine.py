@@ -78,6 +78,16 @@ def vllm_python(configured: str = "") -> str:
                       field="cluster.generator.vllm_python")
 
 
+def device_server_args() -> list[str]:
+    """`vllm serve` flags this machine needs. On CPU: --no-enable-chunked-prefill, because vLLM 0.32's CPU build
+    fails a seeded request whose prompt is split over steps ("CPU Generator does not use offset": rewinding the
+    request's generator after a discarded partial-prefill sample needs CUDA generators' offsets), and every
+    rollout request here is seeded."""
+    import torch
+
+    return [] if torch.cuda.is_available() else ["--no-enable-chunked-prefill"]
+
+
 def _version_label(value: Any, launch_version: int) -> int:
     if value is None or value == "default":
         return launch_version  # the weights the server was launched with
@@ -144,6 +154,7 @@ class VLLMEngine:
         self._staging_root = staging_dir or os.path.join(
             shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-{abs(hash(self.base_url)) % 10**8}")
         self._staged: str | None = None
+        self._staged_version = self.launch_version
         self._paused: str | None = None
         self._update_lock = threading.Lock()
 
@@ -203,7 +214,26 @@ class VLLMEngine:
             if self._staged is not None:  # the server reads its model from the newest directory from now on
                 shutil.rmtree(self._staged, ignore_errors=True)
             self._staged = target
+            self._staged_version = self.launch_version if version is None else int(version)
             return count
+
+    def staged_weights(self) -> tuple[str | None, int]:
+        """The directory of the weights this engine serves (None: its launch weights) and their version."""
+        return self._staged, self._staged_version
+
+    def restart(self, weights_dir: str | None, version: int) -> None:
+        """Relaunch the server this engine launched (same flags and port), load `weights_dir` (None: the launch
+        weights) and label them `version`: a pool's dead engine serving again with the current weights."""
+        if self.server is None:
+            raise RuntimeError(f"{self.base_url}: a server this run did not launch cannot be restarted from here")
+        self.server.stop()
+        self.server = self.server.relaunch()
+        self.server.wait_ready(self.server.ready_timeout)
+        self._paused = None
+        if weights_dir is not None:
+            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+        if version != self.launch_version or weights_dir is not None:
+            self._post("/update_weight_version", {"new_version": str(int(version))})
 
     def pause(self, mode: str = "retract") -> None:
         """retract / in_place: requests stay queued (vLLM's keep; a flush after an update recomputes their KV
@@ -313,7 +343,10 @@ class VLLMServer:
     its whole process tree; a SIGKILLed run's server follows it through the parent-death signal)."""
 
     def __init__(self, model_dir: str, *, python: str, port: int | None = None, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: str | None = None):
+                 env: dict[str, str] | None = None, log_path: str | None = None, ready_timeout: float = 600.0):
+        self._launch = dict(model_dir=model_dir, python=python, args=tuple(args), env=dict(env or {}),
+                            log_path=log_path, ready_timeout=ready_timeout)
+        self.ready_timeout = ready_timeout
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -326,6 +359,10 @@ class VLLMServer:
         self.command = command
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment,
                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def relaunch(self) -> "VLLMServer":
+        """The same server again (same flags, same port), once this one has stopped."""
+        return VLLMServer(port=self.port, **self._launch)
 
     def alive(self) -> bool:
         return self.process.poll() is None

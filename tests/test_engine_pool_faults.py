@@ -1,0 +1,142 @@
+"""Rollout engines that fail without failing the run (rollout/pool.py): a pool of real engine servers
+(`megatron-rl serve`'s RolloutServer over the native engine, reached over HTTP) where one is shut down under
+load; its groups go to the live engine whole and complete as the live engine alone would have made them, a
+restartable engine comes back with the current weights and version, and with every engine gone the requests
+fail with one line naming them."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine
+from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
+from megatron_rl.rollout.native import NativeEngine
+from megatron_rl.rollout.pool import EnginePool, EnginePoolDead, is_engine_failure
+from megatron_rl.rollout.server import RolloutServer
+from tests.helpers import prompt, tiny_state
+
+
+def _server(arch, state):
+    engine = NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64), eos_token_ids=[])
+    return engine, RolloutServer(engine, port=0).start()
+
+
+class ServedEngine(HTTPEngine):
+    """An HTTP engine over a server this test owns (and can kill)."""
+
+    def __init__(self, arch, state):
+        self.arch, self.state = arch, state
+        self.native, self.server = _server(arch, state)
+        self.address = self.server.address
+        self.restarted_with: tuple | None = None
+        self.killed = False
+        super().__init__(self.server.url, timeout=60)
+
+    def kill(self):
+        if not self.killed:
+            self.server.shutdown()
+            self.native.close()
+            self.killed = True
+
+    def close(self):
+        super().close()
+        self.kill()
+
+
+class RestartableEngine(ServedEngine):
+    """`restart` starts a fresh server on the same port with the weights it is given (what VLLMEngine.restart
+    does with a vLLM server the run launched)."""
+
+    def update_weights(self, named_tensors, version=None):
+        self.state = dict(named_tensors)
+        self.held_version = version
+        return super().update_weights(self.state, version)
+
+    def staged_weights(self):
+        return None, getattr(self, "held_version", 0)
+
+    def restart(self, weights_dir, version):
+        self.native = NativeEngine(self.arch, self.state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64),
+                                   eos_token_ids=[])
+        self.native.update_weights(self.state, version)
+        host, port = self.address
+        self.server = RolloutServer(self.native, host=host, port=port).start()
+        self.restarted_with = (weights_dir, version)
+        self.killed = False
+
+
+def _groups(count, n=3, tokens=12):
+    return [GenerateRequest(prompt_ids=prompt(i, 6), request_id=f"p{i}",
+                            sampling=SamplingParams(max_new_tokens=tokens, n=n, seed=100 + i)) for i in range(count)]
+
+
+def test_a_dead_engines_groups_go_whole_to_the_live_one_and_equal_its_own(tiny_arch):
+    state = tiny_state(tiny_arch)
+    engines = [ServedEngine(tiny_arch, state) for _ in range(2)]  # no restart: the pool carries on with one engine
+    reference_engine, reference = _server(tiny_arch, state)
+    pool = EnginePool(engines, dead_engine_timeout_s=30)
+    try:
+        expected = HTTPEngine(reference.url).generate(_groups(8))
+        futures = pool.submit(_groups(8))
+        engines[1].kill()  # mid-flight: some of its groups are running, some queued
+        completions = pool.wait(futures, timeout=120)
+        # seeded: the same tokens; the log-probs to float rounding (a row's last bits depend on its batch)
+        assert [(c.request_id, c.output_ids) for c in completions] == [(c.request_id, c.output_ids) for c in expected]
+        assert max(abs(a - b) for c, e in zip(completions, expected)
+                   for a, b in zip(c.output_logprobs, e.output_logprobs)) < 1e-5
+        # later groups go to the live engine only
+        more = pool.generate(_groups(2))
+        assert len(more) == 6
+        assert pool.metrics == {"rollout/engine_restarts": 0.0, "rollout/engines_live": 1.0}
+        health = pool.health()
+        assert health["ok"] and list(health["dead"]) == [engines[1].base_url]
+    finally:
+        pool.close()
+        reference.shutdown()
+        reference_engine.close()
+
+
+def test_a_restartable_engine_comes_back_with_the_current_weights_and_version(tiny_arch):
+    state = tiny_state(tiny_arch)
+    engines = [RestartableEngine(tiny_arch, state) for _ in range(2)]
+    pool = EnginePool(engines, dead_engine_timeout_s=30)
+    try:
+        new_state = {k: v + 0.01 for k, v in state.items()}
+        pool.update_weights(new_state, version=4)
+        engines[1].kill()
+        completions = pool.generate(_groups(6))
+        assert {v for c in completions for v in c.weight_versions} == {4}
+        deadline = time.monotonic() + 60
+        while pool.metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool.metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 2.0}
+        assert engines[1].restarted_with == (None, 4) and engines[1].version == 4
+    finally:
+        pool.close()
+
+
+def test_with_every_engine_gone_requests_fail_with_one_line_naming_them(tiny_arch):
+    state = tiny_state(tiny_arch)
+    engines = [ServedEngine(tiny_arch, state) for _ in range(2)]
+    pool = EnginePool(engines, dead_engine_timeout_s=1.0)
+    for engine in engines:
+        engine.kill()
+    try:
+        futures = pool.submit(_groups(1))
+        with pytest.raises(EnginePoolDead, match=r"no rollout engine left: http://127\.0\.0\.1:\d+: EngineHTTPError: "
+                                                 r"HTTP 0: cannot reach .*; http://127\.0\.0\.1:\d+: .* \(none came "
+                                                 r"back within 1 s\)"):
+            pool.wait(futures, timeout=60)
+    finally:
+        pool.close()
+
+
+def test_a_refused_request_is_the_callers_error_not_the_engines():
+    assert not is_engine_failure(RequestError("field 'prompt_ids': is empty"))
+    assert not is_engine_failure(EngineHTTPError(401, "bad key"))
+    assert is_engine_failure(EngineHTTPError(0, "cannot reach"))
+    assert is_engine_failure(EngineHTTPError(500, "EngineCore encountered an issue"))
+    assert is_engine_failure(ConnectionResetError())
+
