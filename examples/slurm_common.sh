@@ -8,13 +8,15 @@
 #                      before it ends, and resumes it): runs longer than the partition's time limit
 #   key=value ...      dotted config overrides, passed to plan and train alike
 # Inside a Slurm allocation it splits the nodes into the trainer (first nodes) and the generator group
-# (last nodes, one SGLang server per engine), then starts one torchrun per trainer node with a c10d
-# rendezvous on the first node. A liveness monitor fails the job, naming the step and its log, as soon
-# as any engine or trainer step dies. On SIGUSR1 (`#SBATCH --signal=B:USR1@600`: ten minutes before the
+# (last nodes, one SGLang or vLLM server per engine), then starts one torchrun per trainer node with a
+# c10d rendezvous on the first node. A liveness monitor names every step that dies and its log; an engine's
+# death leaves the job to the trainer (whose engine pool re-routes around it), the last engine's or the
+# trainer's ends the job. On SIGUSR1 (`#SBATCH --signal=B:USR1@600`: ten minutes before the
 # time limit) the trainer is asked to checkpoint and stop, and the job requeues itself to resume.
 # Environment (all optional):
 #   MODEL_DIR   HF or Megatron checkpoint directory of the policy     RUN_DIR   metrics, checkpoints, logs
 #   ENGINE_MODEL_DIR  block-fp8 copy for fp8 engines (default RUN_DIR/engine-model-fp8, written if missing)
+#   VLLM_PYTHON  Python of the vLLM environment on the engine nodes (cluster.generator.backend=vllm)
 #   DATA_FILE   training prompts (JSONL)                              WANDB_PROJECT / WANDB_MODE / WANDB_DIR
 #   PYTHON      interpreter that runs megatron_rl (default: the repo's .venv, else python3; checked first)
 #   CONTAINER_IMAGE / CONTAINER_MOUNTS   run every step in this container (pyxis/enroot flags on each srun)
@@ -85,7 +87,7 @@ fi
 # --- layout from the recipe (the planner's numbers, as shell variables) ------------------------
 eval "$("$PYTHON" -m megatron_rl.cli.launch_env "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"})"
 # -> GPUS_PER_NODE TRAINER_NODES GENERATOR_NODES ENGINES_PER_NODE ENGINE_TP ENGINE_PRECISION PLACEMENT
-#    ENGINE_SERVER_ARGS
+#    ENGINE_BACKEND (sglang or vllm) ENGINE_SERVER_ARGS
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${NODES[0]}
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -123,14 +125,16 @@ if [ "$RESUME" = 1 ] || { [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -e "$RUN_DI
   TRAIN_FLAGS+=(--resume)
 fi
 
-# --- generator group: one SGLang server per engine on the last nodes ------------------------------
+# --- generator group: one SGLang (or vLLM) server per engine on the last nodes ---------------------
+# vLLM lives in its own environment (VLLM_PYTHON, default: the project's Python); it quantizes to fp8 itself.
+VLLM_PYTHON=${VLLM_PYTHON:-$PYTHON}
 declare -A STEP_NAME=()   # pid of each srun step -> what it runs, for the liveness monitor
 ENGINE_URLS=()
 if [ "$PLACEMENT" = disaggregated ]; then
   MODEL_PATH=${MODEL_DIR:-$("$PYTHON" -c "from megatron_rl.config import load_yaml; from megatron_rl.run_config import RunConfig; import sys; print(load_yaml(RunConfig, sys.argv[1]).model.path)" "$RECIPE")}
   ENGINE_MODEL=$MODEL_PATH
   read -r -a SERVER_ARGS <<< "$ENGINE_SERVER_ARGS"
-  if [ "$ENGINE_PRECISION" = fp8 ]; then
+  if [ "$ENGINE_PRECISION" = fp8 ] && [ "$ENGINE_BACKEND" = sglang ]; then
     # fp8 engines start from a block-fp8 copy (128x128 scales, quantization_config in config.json), the
     # layout every later sync refreshes; written once, under the run directory (the model's own folder
     # is often read-only shared storage), streaming one safetensors file at a time.
@@ -146,11 +150,16 @@ if [ "$PLACEMENT" = disaggregated ]; then
       gpus=$(seq -s, $((e * ENGINE_TP)) $(((e + 1) * ENGINE_TP - 1)))
       ENGINE_URLS+=("http://$node:$port")
       log="$RUN_DIR/logs/engine-$node-$e.log"
+      if [ "$ENGINE_BACKEND" = vllm ]; then
+        server=(env CUDA_VISIBLE_DEVICES="$gpus" VLLM_SERVER_DEV_MODE=1 "$VLLM_PYTHON"
+                -m vllm.entrypoints.openai.api_server --model "$ENGINE_MODEL")
+      else
+        server=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$ENGINE_MODEL")
+      fi
       srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --gpus="$ENGINE_TP" \
         --cpus-per-task=$((ENGINE_TP * CPUS_PER_GPU)) --output="$log" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} \
-        env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$ENGINE_MODEL" \
-        "${SERVER_ARGS[@]}" --host 0.0.0.0 --port "$port" &
-      STEP_NAME[$!]="SGLang engine $e on $node (log: $log)"
+        "${server[@]}" "${SERVER_ARGS[@]}" --host 0.0.0.0 --port "$port" &
+      STEP_NAME[$!]="$([ "$ENGINE_BACKEND" = vllm ] && echo vLLM || echo SGLang) engine $e on $node (log: $log)"
     done
   done
   URLS=$(IFS=,; echo "${ENGINE_URLS[*]}")
@@ -185,8 +194,9 @@ on_time_limit() {
 trap on_time_limit USR1
 trap 'stop_steps; exit 143' TERM INT
 
-# Liveness: the first step to end decides. A dead engine fails the job at once (not after the
-# trainer's ready timeout); the trainer ending ends the job with its status.
+# Liveness: the trainer ending ends the job with its status; the last engine ending fails it at once
+# (not after the trainer's dead_engine_timeout_s).
+ENGINES_LEFT=${#ENGINE_URLS[@]}
 status=0
 while :; do
   finished=""
@@ -198,9 +208,16 @@ while :; do
     status=$step_status
     break
   fi
-  echo "$(date -u +%FT%TZ) ${STEP_NAME[$finished]} exited with status $step_status: stopping the job" >&2
-  status=1
-  break
+  # An engine ending: the trainer's engine pool takes it out and sends its groups to the others
+  # (rollout/pool.py); the job stops when no engine is left.
+  echo "$(date -u +%FT%TZ) ${STEP_NAME[$finished]} exited with status $step_status" >&2
+  unset "STEP_NAME[$finished]"
+  ENGINES_LEFT=$((ENGINES_LEFT - 1))
+  if [ "$ENGINES_LEFT" -le 0 ]; then
+    echo "$(date -u +%FT%TZ) no engine left: stopping the job" >&2
+    status=1
+    break
+  fi
 done
 stop_steps
 wait 2>/dev/null || true

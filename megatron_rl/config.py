@@ -34,6 +34,11 @@ class ConfigError(ValueError):
         self.reason = reason
 
 
+class InfrastructureError(RuntimeError):
+    """The machines or processes a run depends on failed past recovery (e.g. every rollout engine dead): not the
+    user's input and not a bug; the CLI reports it in one line naming what failed and exits 1."""
+
+
 T = TypeVar("T")
 
 

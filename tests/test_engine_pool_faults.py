@@ -5,6 +5,7 @@ restartable engine comes back with the current weights and version, and with eve
 fail with one line naming them."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -50,9 +51,10 @@ class RestartableEngine(ServedEngine):
     does with a vLLM server the run launched)."""
 
     def update_weights(self, named_tensors, version=None):
-        self.state = dict(named_tensors)
-        self.held_version = version
-        return super().update_weights(self.state, version)
+        named = dict(named_tensors)
+        count = super().update_weights(named, version)
+        self.state, self.held_version = named, version  # what it serves, as a vLLM engine's staged directory
+        return count
 
     def staged_weights(self):
         return None, getattr(self, "held_version", 0)
@@ -89,7 +91,7 @@ def test_a_dead_engines_groups_go_whole_to_the_live_one_and_equal_its_own(tiny_a
         # later groups go to the live engine only
         more = pool.generate(_groups(2))
         assert len(more) == 6
-        assert pool.metrics == {"rollout/engine_restarts": 0.0, "rollout/engines_live": 1.0}
+        assert pool.engine_metrics == {"rollout/engine_restarts": 0.0, "rollout/engines_live": 1.0}
         health = pool.health()
         assert health["ok"] and list(health["dead"]) == [engines[1].base_url]
     finally:
@@ -109,10 +111,34 @@ def test_a_restartable_engine_comes_back_with_the_current_weights_and_version(ti
         completions = pool.generate(_groups(6))
         assert {v for c in completions for v in c.weight_versions} == {4}
         deadline = time.monotonic() + 60
-        while pool.metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
+        while pool.engine_metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pool.metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 2.0}
+        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 2.0}
         assert engines[1].restarted_with == (None, 4) and engines[1].version == 4
+        # found dead by a weight update: it restarts from the newest weights on disk (the live engine's, or its
+        # own when the restart began before the live engine took the update) and then takes any it missed
+        engines[0].kill()
+        pool.update_weights({k: v + 0.02 for k, v in state.items()}, version=5)
+        deadline = time.monotonic() + 60
+        while pool.engine_metrics["rollout/engine_restarts"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engines[0].restarted_with in ((None, 4), (None, 5)) and engines[0].version == 5
+    finally:
+        pool.close()
+
+
+def test_weights_pushed_while_the_only_engine_is_down_reach_it_after_its_restart(tiny_arch):
+    state = tiny_state(tiny_arch)
+    engine = RestartableEngine(tiny_arch, state)
+    pool = EnginePool([engine], dead_engine_timeout_s=60)
+    try:
+        pool.update_weights(state, version=1)
+        engine.kill()
+        pool.update_weights({k: v + 0.01 for k, v in state.items()}, version=2)  # it fails there: no engine has them
+        completions = pool.generate(_groups(2))  # wait for the restart, then served with the missed weights
+        assert {v for c in completions for v in c.weight_versions} == {2}
+        assert engine.restarted_with == (None, 1) and engine.version == 2
+        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
     finally:
         pool.close()
 
@@ -140,3 +166,41 @@ def test_a_refused_request_is_the_callers_error_not_the_engines():
     assert is_engine_failure(EngineHTTPError(500, "EngineCore encountered an issue"))
     assert is_engine_failure(ConnectionResetError())
 
+
+
+def test_the_cli_reports_a_dead_pool_in_one_line_and_exits_1(monkeypatch, capsys, tmp_path):
+    import megatron_rl.cli.train as train_command
+    from megatron_rl.cli import main
+
+    def every_engine_gone(config, **kwargs):
+        raise EnginePoolDead("no rollout engine left: http://n1:30000: EngineHTTPError: HTTP 0: cannot reach "
+                             "http://n1:30000 (none came back within 900 s)")
+
+    monkeypatch.setattr(train_command, "train", every_engine_gone)
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                          "quickstart.yaml")
+    code = main(["train", recipe, f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == ["megatron-rl train: failed: no rollout engine left: http://n1:30000: EngineHTTPError: "
+                                 "HTTP 0: cannot reach http://n1:30000 (none came back within 900 s); the run directory "
+                                 "keeps its last checkpoint: continue with --resume"]
+
+
+def test_an_engine_that_keeps_dying_stays_out_after_its_restarts(tiny_arch):
+    state = tiny_state(tiny_arch)
+
+    class CrashLooping(RestartableEngine):
+        def restart(self, weights_dir, version):
+            super().restart(weights_dir, version)
+            self.kill()  # comes back dead every time
+
+    engines = [ServedEngine(tiny_arch, state), CrashLooping(tiny_arch, state)]
+    pool = EnginePool(engines, dead_engine_timeout_s=30, max_restarts_per_engine=2)
+    try:
+        engines[1].kill()
+        for _ in range(6):  # each round finds it dead again, until it stays out
+            assert len(pool.generate(_groups(2))) == 6
+            time.sleep(0.5)
+        assert pool._restarts_of == [0, 2] and pool.engine_metrics["rollout/engines_live"] == 1.0
+    finally:
+        pool.close()

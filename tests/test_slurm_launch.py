@@ -134,6 +134,30 @@ def test_a_dead_engine_fails_the_job_within_a_minute(tmp_path):
     assert "SGLang engine" in err and "logs/engine-node" in err  # names the dead step and its log
 
 
+def test_one_dead_engine_leaves_the_job_running_on_the_others(tmp_path):
+    code, _, err = _finish(_launch(tmp_path, FAKE_ENGINE="die_one", FAKE_TRAINER="brief"), timeout=90)
+    assert code == 0, err  # the trainer's pool re-routed around it and the trainer finished
+    assert re.search(r"SGLang engine \d+ on node\d+ \(log: .*\) exited with status 3", err)
+    assert "no engine left" not in err
+
+
+def test_a_vllm_recipe_starts_vllm_servers_with_the_planned_flags(tmp_path):
+    code, _, err = _finish(_launch(tmp_path, "cluster.generator.backend=vllm", FAKE_ENGINES="32",
+                                   VLLM_PYTHON="/opt/vllm/bin/python"))
+    assert code == 0, err
+    steps = _lines(tmp_path, "srun.log")
+    engines = [s for s in steps if "vllm.entrypoints.openai.api_server" in s]
+    assert len(engines) == 32 and not [s for s in steps if "sglang" in s]
+    for engine in engines:
+        # vLLM quantizes to fp8 itself: it starts from the model, not from an fp8 copy
+        assert "VLLM_SERVER_DEV_MODE=1 /opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model " \
+               "/models/llama-70b --tensor-parallel-size 4 --max-num-seqs 256 --seed " in engine
+        assert "--enable-scale-out --quantization fp8 --gpu-memory-utilization 0." in engine
+        assert "--enforce-eager" not in engine and "--gpus=4" in engine
+    trainer = next(s for s in steps if "torch.distributed.run" in s)
+    assert "cluster.generator.backend=vllm" in trainer and "cluster.generator.urls=[http://node" in trainer
+
+
 def test_a_chain_submits_singleton_jobs_that_resume(tmp_path):
     env = _env(tmp_path)
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST"):

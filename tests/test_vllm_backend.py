@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -202,3 +204,91 @@ def _processes() -> list[str]:
             continue
     return out
 
+
+
+def _vllm_servers_of_this_process() -> list[int]:
+    """Process-group ids of the vLLM API servers this test process's run launched."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in command and f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model" in command:
+            found.append(os.getpgid(int(pid)))
+    return sorted(set(found))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_model, tmp_path):
+    """One launched vLLM engine in a pool: weights v1 pushed, its server SIGKILLed (whole process tree), weights v2
+    pushed while it is down, then a request: it waits for the restart, which relaunches the server, loads v1 from
+    disk and the missed v2, and the completions are v2's, equal to the native engine's with v2."""
+    from megatron_rl.rollout.pool import EnginePool
+
+    python = _vllm_or_skip()
+    model = load_pretrained(vllm_chat_model)
+    model_dir = str(tmp_path / "model")
+    tied = launch_model_dir(model_dir, model.arch, _spread_state(model.arch, 0), model.tokenizer)
+    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_timeout=600,
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args()])
+    server.wait_ready(600)
+    pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"))],
+                      dead_engine_timeout_s=600)
+    try:
+        pool.update_weights(_spread_state(model.arch, 1), version=1)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        v2 = _spread_state(model.arch, 2)
+        pool.update_weights(v2, version=2)  # fails on the dead server: kept for its restart
+        completions = pool.generate(_greedy(_prompts(model)))
+        assert {v for c in completions for v in c.weight_versions} == {2}
+        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
+        assert pool.engines[0].version == 2
+        native = _native(model, v2)
+        try:
+            _assert_same_generation(completions, native.generate(_greedy(_prompts(model))))
+        finally:
+            native.close()
+    finally:
+        pool.close()
+    assert not pool.engines[0].server.alive()
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_when_one_of_its_vllm_engines_is_sigkilled(vllm_chat_model, tmp_path):
+    """Two launched vLLM engines; after step 1 one is SIGKILLed with its whole process tree (API server, engine
+    core, worker). The run finishes: the dead engine is taken out and its groups go to the other (its restart is
+    the test above), the prompt ledger lists every prompt once, and no server outlives the run."""
+    _vllm_or_skip()
+    run_dir = str(tmp_path / "run")
+    config = _config(vllm_chat_model, run_dir, "steps=6", "cluster.generator.backend=vllm",
+                     "cluster.generator.num_engines=2", "cluster.generator.vllm_args=[--enforce-eager]",
+                     "cluster.generator.vllm_kv_cache_gib=1")
+    killed: list[int] = []
+
+    def kill_one_after_step_one():
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not killed:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if os.path.exists(path) and any(json.loads(line).get("step") == 1 for line in open(path) if line.strip()):
+                groups = _vllm_servers_of_this_process()
+                if groups:
+                    os.killpg(groups[0], signal.SIGKILL)
+                    killed.append(groups[0])
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=kill_one_after_step_one, daemon=True)
+    watcher.start()
+    summary = train(config)
+    watcher.join(timeout=5)
+    assert killed and summary.steps == 6
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert 1.0 in [m["rollout/engines_live"] for m in metrics if "rollout/engines_live" in m]  # taken out, run on
+    ledger = [json.loads(line) for line in open(os.path.join(run_dir, "prompts.jsonl"))]
+    prompts = [p for record in ledger for p in record["prompts"]]
+    assert [r["step"] for r in ledger] == list(range(1, 7)) and len(prompts) == len(set(prompts)) == 6 * 2
+    # the restart may still be under way when the run ends: closing the pool leaves no server behind
+    assert not _vllm_servers_of_this_process()

@@ -12,7 +12,7 @@ import sys
 import threading
 import warnings
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, InfrastructureError
 from megatron_rl.observability.logs import configure_logging
 
 # OSErrors about the user's files, directories and disks (a path that is not there, not writable, a
@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
         print(f"megatron-rl {args.command}: {what}{hint}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
+    except InfrastructureError as exc:
+        if os.environ.get("MEGATRON_RL_DEBUG"):
+            raise
+        hint = "; the run directory keeps its last checkpoint: continue with --resume" if args.command == "train" else ""
+        print(f"megatron-rl {args.command}: failed: {_one_line(str(exc))}{hint}", file=sys.stderr)
+        return 1
     except Exception as exc:
         message = user_error(exc)
         # Bad input is the user's to fix: one clear line, no traceback (MEGATRON_RL_DEBUG=1 shows it).

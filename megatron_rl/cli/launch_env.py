@@ -1,6 +1,6 @@
 """`python -m megatron_rl.cli.launch_env RECIPE [overrides]`: the planned layout as shell assignments,
 for examples/slurm_common.sh (which node runs what, and the SGLang server flags that make each engine
-what the planner priced). Validates through the planner first."""
+what the planner priced; vLLM's when `cluster.generator.backend: vllm`). Validates through the planner first."""
 from __future__ import annotations
 
 import shlex
@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         "ENGINE_TP": plan.engine_tp,
         "ENGINE_PRECISION": plan.engine_precision,
         "PLACEMENT": plan.placement,
-        "ENGINE_SERVER_ARGS": shlex.join(sglang_server_args(
+        "ENGINE_BACKEND": gen.backend if gen.backend == "vllm" else "sglang",
+        "ENGINE_SERVER_ARGS": shlex.join(vllm_server_args(
+            plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
+            gpu_memory_utilization=engine_memory_fraction(plan), seed=config.seed, extra=gen.vllm_args)
+            if gen.backend == "vllm" else sglang_server_args(
             plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
             mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic,
             record_routing=config.records_routing)),
@@ -60,6 +64,23 @@ def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int
         args.append("--enable-return-routed-experts")
     args += ["--weight-version", "0"]
     return args
+
+
+def vllm_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool, *,
+                     gpu_memory_utilization: float | None = None, seed: int = 0, extra: list[str] = ()) -> list[str]:
+    """`vllm.entrypoints.openai.api_server` flags (vLLM 0.32's names) for one engine of the plan: TP size, the
+    continuous batch, online fp8 quantization, eager mode where CUDA graphs are off, the GPU share the memory
+    check allowed, the run's seed, and the token-in / token-out route the run generates through
+    (rollout/vllm_engine.py); the launcher sets VLLM_SERVER_DEV_MODE=1 for the RL routes."""
+    args = ["--tensor-parallel-size", str(engine_tp), "--max-num-seqs", str(max_running_requests),
+            "--seed", str(seed), "--enable-scale-out"]
+    if precision == "fp8":
+        args += ["--quantization", "fp8"]
+    if not cuda_graphs:
+        args.append("--enforce-eager")
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    return args + list(extra)
 
 
 def engine_memory_fraction(plan) -> float:

@@ -47,6 +47,11 @@ def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
     """What `train` refuses before its slow set-up, without its side effects: the config, every data
     row, and the run directory (previous run, checkpoint to resume)."""
     train_set, heldout = build_datasets(config.data)
+    generator = config.cluster.generator
+    if generator.backend == "vllm" and not generator.urls:
+        from megatron_rl.rollout.vllm_engine import vllm_python
+
+        vllm_python(generator.vllm_python)  # the environment the run would launch its servers from
     manager = CheckpointManager(config.run_dir, config.checkpoint)
     requested = resume
     resume = resume or (not fresh and manager.resumable())  # as train: a relaunch resumes

@@ -182,6 +182,8 @@ class Controller:
                 groups = self.rollouts.next_groups(self.version)
             metrics = self.rollouts.pop_metrics()
             metrics["rollout/skipped_prompts"] = float(len(self.rollouts.last_skipped))
+            for p in self.policies:  # engine pools: restarts of failed engines, engines serving
+                metrics.update(getattr(p.engine, "engine_metrics", None) or {})
         if ranks.world_size() > 1:
             with self.timeline.span("broadcast_rollouts", version=self.version):
                 groups = ranks.broadcast_records(groups)

@@ -11,6 +11,7 @@ import socket
 import torch
 
 from megatron_rl import ranks
+from megatron_rl.config import ConfigError
 from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.placement.generator_process import GeneratorProcess
 from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_engine_config
@@ -18,9 +19,9 @@ from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.sglang_engine import SGLangEngine
 from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
-from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 from megatron_rl.weight_sync.channel import make_weight_channel
 from megatron_rl.weight_sync.fp8 import generator_weights
+from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 
 
 def engine_context(config, arch) -> int:
@@ -71,7 +72,12 @@ def vllm_engines(config, model):
     generator = config.cluster.generator
     tied = bool(model.arch.tie_word_embeddings)
     if generator.urls:
-        engines = [VLLMEngine(url, tied_embeddings=tied) for url in generator.urls]
+        if tied:  # the servers were launched from a tied checkpoint: a reload would leave their output layer stale
+            raise ConfigError("cluster.generator.urls: the model ties its output layer to its embedding, which vLLM's "
+                              "in-place weight reload leaves on the launch weights; let the run launch its vLLM "
+                              "servers (no urls), or start them from an untied copy (docs/vllm.md)",
+                              field="cluster.generator.urls")
+        engines = [VLLMEngine(url) for url in generator.urls]
     else:
         python = vllm_python(generator.vllm_python)
         model_dir = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model")
@@ -93,7 +99,8 @@ def vllm_engines(config, model):
                 server.stop()
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
-    return engines[0] if len(engines) == 1 else EnginePool(engines, dead_engine_timeout_s=generator.dead_engine_timeout_s)
+    # a pool even of one: a launched engine that dies is restarted, and its groups wait for it
+    return EnginePool(engines, dead_engine_timeout_s=generator.dead_engine_timeout_s)
 
 
 def policy_weight_channel(config, trainer, engine):

@@ -8,7 +8,7 @@ Engines fail without failing the run: a request that fails for a reason of the e
 server error; not a refused request) takes that engine out of the pool and goes, as a whole group, to a live
 one. An engine that can restart itself (`restart(weights_dir, version)`: a vLLM server the run launched) is
 restarted in the background with the current weights and version, then serves again
-(`rollout/engine_restarts` counts them). Requests wait for an engine while none is live, and fail with one
+(`rollout/engine_restarts` counts them; after `max_restarts_per_engine` an engine that keeps dying stays out). Requests wait for an engine while none is live, and fail with one
 line naming the dead engines when none comes back within `dead_engine_timeout_s`. Weights go
 either through each replica's own `update_weights`, or, for SGLang servers on a cluster, through one
 `BroadcastWeightSender` (weight_sync/distributed.py): an NCCL group between this rank and every
@@ -22,6 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
+from megatron_rl.config import InfrastructureError
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, SGLangServer
 from megatron_rl.rollout.engine import (
     GenerateRequest,
@@ -53,7 +54,7 @@ def wait_until_ready(engines: Sequence[Any], timeout: float, poll_s: float = 5.0
         time.sleep(poll_s)
 
 
-class EnginePoolDead(RuntimeError):
+class EnginePoolDead(InfrastructureError):
     """Every engine of the pool failed and none came back in time."""
 
 
@@ -75,7 +76,7 @@ class EnginePool:
     """RolloutEngine over several replicas (see the module docstring)."""
 
     def __init__(self, engines: Sequence[Any], *, weight_sender_factory=None, fp8_block_size: int | None = None,
-                 dead_engine_timeout_s: float = 600.0):
+                 dead_engine_timeout_s: float = 600.0, max_restarts_per_engine: int = 5):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = list(engines)
@@ -84,6 +85,10 @@ class EnginePool:
         self._live = threading.Condition(self._lock)
         self._dead: dict[int, str] = {}  # engine index -> why it was taken out
         self.restarts = 0
+        self.max_restarts_per_engine = max_restarts_per_engine  # an engine that keeps dying stays out after these
+        self._restarts_of = [0] * len(self.engines)
+        self._weights_lock = threading.Lock()
+        self._missed: tuple[dict, int | None] | None = None  # the last weights an engine that is down did not get
         self.dead_engine_timeout_s = dead_engine_timeout_s
         self._redispatch = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-pool-redispatch")
         self._sender_factory = weight_sender_factory
@@ -163,9 +168,11 @@ class EnginePool:
                 return
             self._dead[index] = why
         engine = self.engines[index]
+        restart = hasattr(engine, "restart") and self._restarts_of[index] < self.max_restarts_per_engine
         log.warning(f"rollout engine {_engine_name(engine)} failed ({why}); its requests go to the other engines"
-                    + ("; restarting it" if hasattr(engine, "restart") else ""))
-        if hasattr(engine, "restart"):
+                    + ("; restarting it" if restart else "; it stays out" if hasattr(engine, "restart") else ""))
+        if restart:
+            self._restarts_of[index] += 1
             threading.Thread(target=self._restart, args=(index,), name=f"engine-restart-{index}", daemon=True).start()
 
     def _restart(self, index: int) -> None:
@@ -173,13 +180,19 @@ class EnginePool:
         try:
             weights_dir, version = self._freshest_weights(index)
             engine.restart(weights_dir, version)
+            with self._weights_lock:  # weights pushed while it was down (no engine on disk holds them)
+                if self._missed is not None and self._missed[1] is not None and self._missed[1] > version:
+                    engine.update_weights(*self._missed)
+                    version = self._missed[1]
+                with self._live:
+                    self._dead.pop(index, None)
+                    if not self._dead:
+                        self._missed = None
+                    self.restarts += 1
+                    self._live.notify_all()
         except Exception as exc:  # it stays out; the others carry on
             log.warning(f"rollout engine {_engine_name(engine)} could not be restarted: {exc}")
             return
-        with self._live:
-            self._dead.pop(index, None)
-            self.restarts += 1
-            self._live.notify_all()
         log.warning(f"rollout engine {_engine_name(engine)} restarted with weight version {version}")
 
     def _freshest_weights(self, index: int) -> tuple[str | None, int]:
@@ -197,7 +210,7 @@ class EnginePool:
         return max(candidates, key=lambda c: c[1])
 
     @property
-    def metrics(self) -> dict[str, float]:
+    def engine_metrics(self) -> dict[str, float]:
         with self._lock:
             return {"rollout/engine_restarts": float(self.restarts), "rollout/engines_live": float(
                 len(self.engines) - len(self._dead))}
@@ -220,15 +233,17 @@ class EnginePool:
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
         if self._sender_factory is None:
             named = dict(iter_named_tensors(named_tensors))
-            for index, engine in enumerate(self.engines):
-                if index in self._dead:
-                    continue  # a restart loads the newest weights the live engines hold
-                try:
-                    engine.update_weights(named, version)
-                except Exception as exc:
-                    if not is_engine_failure(exc):
-                        raise
-                    self._take_out(index, f"weight update failed: {exc}")
+            with self._weights_lock:
+                for index, engine in enumerate(self.engines):
+                    if index not in self._dead:
+                        try:
+                            engine.update_weights(named, version)
+                        except Exception as exc:
+                            if not is_engine_failure(exc):
+                                raise
+                            self._take_out(index, f"weight update failed: {exc}")
+                    if index in self._dead:  # kept for its restart (held only while an engine is down)
+                        self._missed = (named, version)
         else:
             if self._sender is None:
                 self._sender = self._sender_factory()

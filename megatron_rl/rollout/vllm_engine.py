@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 from safetensors.torch import save_file
@@ -143,8 +144,10 @@ class VLLMEngine:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, max_workers: int = 64,
                  launch_version: int = 0, staging_dir: str | None = None, server: "VLLMServer | None" = None,
                  tied_embeddings: bool = False, launch_dir: str | None = None):
-        """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model ties its output layer to the embedding and the server was launched untied
-        (`launch_model_dir`): every update sends the embedding as `lm_head.weight` too."""
+        """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model
+        ties its output layer to the embedding and the server was launched untied (`launch_model_dir`): every
+        update sends the embedding as `lm_head.weight` too. `staging_dir`: where updates are written (default:
+        tmpfs, named by this process's pid so that a dead run's directory is reclaimed)."""
         self.tied_embeddings = tied_embeddings
         self.launch_dir = launch_dir
         self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout, max_workers=max_workers)
@@ -152,11 +155,13 @@ class VLLMEngine:
         self.launch_version = int(launch_version)
         self.server = server
         self._staging_root = staging_dir or os.path.join(
-            shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-{abs(hash(self.base_url)) % 10**8}")
+            shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-{re.sub(r'[^A-Za-z0-9]+', '_', self.base_url)}")
         self._staged: str | None = None
         self._staged_version = self.launch_version
         self._paused: str | None = None
         self._update_lock = threading.Lock()
+        self._server_lock = threading.Lock()
+        self._closed = False
 
     # --- transport ------------------------------------------------------------------------------
     def _post(self, path: str, body: Any = None) -> Any:
@@ -224,11 +229,12 @@ class VLLMEngine:
     def restart(self, weights_dir: str | None, version: int) -> None:
         """Relaunch the server this engine launched (same flags and port), load `weights_dir` (None: the launch
         weights) and label them `version`: a pool's dead engine serving again with the current weights."""
-        if self.server is None:
-            raise RuntimeError(f"{self.base_url}: a server this run did not launch cannot be restarted from here")
-        self.server.stop()
-        self.server = self.server.relaunch()
-        self.server.wait_ready(self.server.ready_timeout)
+        with self._server_lock:
+            if self.server is None or self._closed:
+                raise RuntimeError(f"{self.base_url}: closed, or a server this run did not launch")
+            self.server.stop()
+            self.server = self.server.relaunch()
+        self.server.wait_ready(self.server.ready_timeout)  # fails at once if close() stopped it meanwhile
         self._paused = None
         if weights_dir is not None:
             self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
@@ -278,8 +284,11 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.http.close()
-        if self.server is not None:
-            self.server.stop()
+        with self._server_lock:  # a restart in progress launches nothing after this
+            self._closed = True
+            server = self.server
+        if server is not None:
+            server.stop()
         shutil.rmtree(self._staging_root, ignore_errors=True)
         if self.launch_dir is not None:
             shutil.rmtree(self.launch_dir, ignore_errors=True)
@@ -357,8 +366,10 @@ class VLLMServer:
             environment.pop(name, None)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.command = command
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+        # Started from one thread that lives as long as this process: the parent-death signal fires when the
+        # thread that forked the child ends (Linux), and a restart runs in a short-lived thread.
+        self.process = _LAUNCHER.submit(subprocess.Popen, command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=environment, start_new_session=True, preexec_fn=_die_with_parent).result()
 
     def relaunch(self) -> "VLLMServer":
         """The same server again (same flags, same port), once this one has stopped."""
@@ -413,8 +424,12 @@ class VLLMServer:
             self._log.close()
 
 
+_LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-server-launcher")
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launching process dies, however it dies (Linux)."""
+    """In the child before exec: SIGTERM when the launching thread (`_LAUNCHER`'s, alive as long as the process)
+    dies, however the process dies (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
