@@ -101,14 +101,20 @@ def _assert_same_generation(ours, theirs):
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < LOGPROB_TOL
 
 
-def test_greedy_tokens_and_raw_logprobs_equal_the_native_engine(vllm_server):
-    engine, model, state, model_dir = vllm_server
+def _greedy_equals_native(engine, model, state):
+    """vLLM's greedy completions of the test prompts, checked against the native engine's with `state`."""
     native = _native(model, state)
     try:
         ours, theirs = engine.generate(_greedy(_prompts(model))), native.generate(_greedy(_prompts(model)))
     finally:
         native.close()
     _assert_same_generation(ours, theirs)
+    return ours
+
+
+def test_greedy_tokens_and_raw_logprobs_equal_the_native_engine(vllm_server):
+    engine, model, state, model_dir = vllm_server
+    ours = _greedy_equals_native(engine, model, state)
     assert all(c.finish_reason == "length" and len(c.output_ids) == 24 for c in ours)
     assert [c.request_id for c in ours] == ["g0", "g1", "g2"]
 
@@ -140,12 +146,7 @@ def test_weights_pushed_into_vllm_generate_what_the_native_engine_generates_with
         assert sent == len(new_state) + (1 if model.arch.tie_word_embeddings else 0)
         assert time.perf_counter() - began < 120
         assert engine.version == start + round_ and engine.health()["ok"]
-        native = _native(model, new_state)
-        try:
-            ours, theirs = engine.generate(_greedy(_prompts(model))), native.generate(_greedy(_prompts(model)))
-        finally:
-            native.close()
-        _assert_same_generation(ours, theirs)
+        ours = _greedy_equals_native(engine, model, new_state)
         assert all(set(c.weight_versions) == {start + round_} for c in ours)
     old = _native(model, state)
     try:  # the pushed weights really replaced the launch weights (the check above is not vacuous)
