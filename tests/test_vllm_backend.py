@@ -293,3 +293,12 @@ def test_a_run_goes_on_when_one_of_its_vllm_engines_is_sigkilled(vllm_chat_model
     assert [r["step"] for r in ledger] == list(range(1, 7)) and len(prompts) == len(set(prompts)) == 6 * 2
     # the restart may still be under way when the run ends: closing the pool leaves no server behind
     assert not _vllm_servers_of_this_process()
+
+
+def test_attached_vllm_servers_for_a_tied_model_are_refused_by_name(tiny_chat_model, tmp_path):
+    from megatron_rl.placement.generators import vllm_engines
+
+    config = _config(tiny_chat_model, str(tmp_path / "run"), "cluster.generator.backend=vllm",
+                     "cluster.generator.urls=[http://127.0.0.1:9]")
+    with pytest.raises(ConfigError, match=r"cluster\.generator\.urls: the model ties its output layer to its embedding"):
+        vllm_engines(config, load_pretrained(tiny_chat_model))

@@ -6,6 +6,7 @@ whichever it is."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import torch
@@ -75,7 +76,7 @@ def vllm_engines(config, model):
         if tied:  # the servers were launched from a tied checkpoint: a reload would leave their output layer stale
             raise ConfigError("cluster.generator.urls: the model ties its output layer to its embedding, which vLLM's "
                               "in-place weight reload leaves on the launch weights; let the run launch its vLLM "
-                              "servers (no urls), or start them from an untied copy (docs/vllm.md)",
+                              "servers (no urls: docs/vllm.md)",
                               field="cluster.generator.urls")
         engines = [VLLMEngine(url) for url in generator.urls]
     else:
@@ -97,6 +98,7 @@ def vllm_engines(config, model):
         except BaseException:
             for server in servers:
                 server.stop()
+            shutil.rmtree(model_dir, ignore_errors=True)
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
     # a pool even of one: a launched engine that dies is restarted, and its groups wait for it

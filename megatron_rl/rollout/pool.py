@@ -7,9 +7,10 @@ flight, so groups stay on one engine (prefix sharing) and replicas stay evenly l
 Engines fail without failing the run: a request that fails for a reason of the engine's (unreachable, a
 server error; not a refused request) takes that engine out of the pool and goes, as a whole group, to a live
 one. An engine that can restart itself (`restart(weights_dir, version)`: a vLLM server the run launched) is
-restarted in the background with the current weights and version, then serves again
-(`rollout/engine_restarts` counts them; after `max_restarts_per_engine` an engine that keeps dying stays out). Requests wait for an engine while none is live, and fail with one
-line naming the dead engines when none comes back within `dead_engine_timeout_s`. Weights go
+restarted in the background with the current weights and version, then serves again (`rollout/engine_restarts`
+counts them; after `max_restarts_per_engine` an engine that keeps dying stays out). Requests wait for an engine
+while none is live, and fail with one line naming the dead engines when none comes back within
+`dead_engine_timeout_s`. Weights go
 either through each replica's own `update_weights`, or, for SGLang servers on a cluster, through one
 `BroadcastWeightSender` (weight_sync/distributed.py): an NCCL group between this rank and every
 engine GPU, joined lazily on the first update, with block-fp8 quantization when the engines run fp8.
@@ -26,8 +27,8 @@ from megatron_rl.config import InfrastructureError
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, SGLangServer
 from megatron_rl.rollout.engine import (
     GenerateRequest,
-    RequestError,
     NamedTensors,
+    RequestError,
     RequestLike,
     as_requests,
     iter_named_tensors,

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Sequence
 
 from safetensors.torch import save_file
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, InfrastructureError
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, _buckets
 from megatron_rl.rollout.engine import (
     GenerateRequest,
@@ -388,13 +388,14 @@ class VLLMServer:
         try:
             while True:
                 if not self.alive():
-                    raise RuntimeError(f"vLLM server on port {self.port} exited with {self.returncode()} while "
-                                       f"starting: {self.tail()}")
+                    raise InfrastructureError(f"vLLM server on port {self.port} exited with {self.returncode()} "
+                                              f"while starting: {self.tail()}")
                 with contextlib.suppress(EngineHTTPError, RequestError):
                     probe.request("GET", "/health")
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM server on port {self.port} not ready after {timeout:.0f} s: {self.tail()}")
+                    raise InfrastructureError(f"vLLM server on port {self.port} not ready after {timeout:.0f} s: "
+                                              f"{self.tail()}")
                 time.sleep(1.0)
         finally:
             probe.close()
