@@ -165,8 +165,6 @@ def _config(config_class="LlamaConfig", **fields):
                               "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}),
      "rope_parameters.rope_type"),
     (_config(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (_config("MistralConfig", sliding_window=32), "sliding_window"),
-    (_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding_window"),
 ])
 def test_unsupported_numerics_fields_are_refused(tmp_path, config, field):
     path = tmp_path / "config.json"
@@ -175,9 +173,8 @@ def test_unsupported_numerics_fields_are_refused(tmp_path, config, field):
         families.from_json(path)
 
 
-def test_windows_that_never_bite_and_qwen_without_sliding_are_accepted():
-    assert families.from_hf_config(_config("MistralConfig", sliding_window=4096, max_position_embeddings=4096)) \
-        .sliding_window == 4096
+def test_windows_are_read_and_qwen_without_sliding_has_none():
+    assert families.from_hf_config(_config("MistralConfig", sliding_window=32)).sliding_window == 32
     assert families.from_hf_config(_config("Qwen2Config", use_sliding_window=False, sliding_window=32)) \
         .sliding_window is None
 
@@ -324,6 +321,9 @@ def _expected_from_transformers(config_class: str, config: dict) -> dict:
                 "tie_word_embeddings": conf.tie_word_embeddings}
     if getattr(conf, "num_experts_per_tok", None) is not None:
         expected.update(moe_top_k=conf.num_experts_per_tok, router_aux_loss_coef=conf.router_aux_loss_coef)
+    window = getattr(conf, "sliding_window", None)
+    kinds = getattr(conf, "layer_types", None) or ["sliding_attention"] * conf.num_hidden_layers
+    expected["windows"] = [window if kind == "sliding_attention" else None for kind in kinds]
     return expected
 
 
@@ -331,8 +331,7 @@ def _expected_from_transformers(config_class: str, config: dict) -> dict:
 def test_every_missing_field_takes_transformers_default_for_the_family(case):
     """Each numeric field of an exported config dropped in turn (rope_theta with rope_parameters): our
     ModelArch holds what transformers' config class for the family makes of the same file, or the file is
-    refused naming the field (a default we cannot honour, e.g. Mistral's 4096-token window); the weight
-    shapes are never defaulted."""
+    refused naming the field (a default we cannot honour); the weight shapes are never defaulted."""
     _, arch, _ = parity.case_model(case)
     full = families.to_hf_config(arch)
     numeric = [k for k, v in full.items() if isinstance(v, (int, float)) and k not in families.REQUIRED_FIELDS]
@@ -345,6 +344,8 @@ def test_every_missing_field_takes_transformers_default_for_the_family(case):
             assert any(f"field '{k}'" in str(exc) for k in ("sliding_window", *dropped)), (dropped, exc)
             continue
         expected = _expected_from_transformers(case.config_class, config)
+        windows = expected.pop("windows")
+        assert [ours.layer_window(i) for i in range(ours.num_layers)] == windows, (case.name, dropped)
         got = {k: getattr(ours, k) for k in expected}
         assert got == pytest.approx(expected), (case.name, dropped)
     for shape_field in families.REQUIRED_FIELDS:

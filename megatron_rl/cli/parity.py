@@ -63,6 +63,10 @@ CASES: tuple[Case, ...] = (
                                                                original_max_position_embeddings=32)}),
     Case("mistral", "MistralConfig", {**_BASE, "sliding_window": None, **_rope("default", 1000000.0)}),
     Case("qwen2", "Qwen2Config", {**_BASE, **_rope("default", 1000000.0)}),
+    Case("mistral (16-token window)", "MistralConfig", {**_BASE, "sliding_window": 16, **_rope("default", 1000000.0)}),
+    Case("qwen2 (16-token window on layer 1)", "Qwen2Config", {
+        **_BASE, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
+        **_rope("default", 1000000.0)}),
     Case("qwen3", "Qwen3Config", {**_BASE, "head_dim": 32, **_rope("default", 1000000.0)}),
     Case("mixtral (8 experts, top-2)", "MixtralConfig", {**_BASE, "num_local_experts": 8, "num_experts_per_tok": 2,
                                                          "sliding_window": None, **_rope("default", 1000000.0)}),

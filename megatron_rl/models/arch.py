@@ -92,8 +92,12 @@ class ModelArch:
     rope_scaling: RopeScaling | None = None
     """RoPE frequency scaling; None is plain RoPE."""
     sliding_window: int | None = None
-    """Attention window recorded from the HF config. Only windows that never bite (>= max_position_embeddings)
-    are accepted: narrower windows are not implemented and are refused."""
+    """Sliding-window attention, as transformers applies it: a query at position i attends to the keys at
+    positions (i - sliding_window, i], the last `sliding_window` tokens including itself. None: full
+    causal attention."""
+    sliding_window_layers: tuple[int, ...] | None = None
+    """The 0-based layers the window applies to (Qwen2 / Qwen3 `layer_types`); None: every layer (Mistral,
+    Mixtral, Qwen3-MoE). Only meaningful with a `sliding_window`."""
     num_experts: int = 0
     """0 = dense MLP; > 0 = every decoder layer's MLP is a mixture of this many SwiGLU experts."""
     moe_top_k: int = 0
@@ -121,9 +125,16 @@ class ModelArch:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.sliding_window is not None:
-            require(self.sliding_window >= self.max_position_embeddings, "sliding_window",
-                    f"a window of {self.sliding_window} tokens, narrower than max_position_embeddings="
-                    f"{self.max_position_embeddings}, is not implemented (sliding-window attention)")
+            require(self.sliding_window >= 1, "sliding_window", f"must be >= 1, got {self.sliding_window}")
+        if self.sliding_window_layers is not None:
+            layers = tuple(sorted(set(int(i) for i in self.sliding_window_layers)))
+            object.__setattr__(self, "sliding_window_layers", layers)
+            require(self.sliding_window is not None, "sliding_window_layers", "set without a sliding_window")
+            require(all(0 <= i < self.num_layers for i in layers), "sliding_window_layers",
+                    f"{list(layers)}: layers must be in 0..{self.num_layers - 1}")
+            require(bool(layers), "sliding_window_layers", "empty: no layer would use the sliding_window")
+            if len(layers) == self.num_layers:  # one spelling of "every layer", so equal archs compare equal
+                object.__setattr__(self, "sliding_window_layers", None)
         require(self.num_experts >= 0, "num_experts", f"must be >= 0, got {self.num_experts}")
         if self.num_experts > 0:
             require(0 < self.moe_top_k <= self.num_experts, "moe_top_k",
@@ -145,6 +156,19 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of 0-based `layer` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
+
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The 0-based layers that attend through the sliding window."""
+        return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
     def mlp_parameters(self) -> int:
         """Parameters of one layer's MLP (every expert plus the router for an MoE model)."""

@@ -39,6 +39,8 @@ class Family:
     """HF field that switches `sliding_window` on (Qwen); None means the window always applies (Mistral)."""
     has_window: bool = False
     """The family's HF config carries `sliding_window` at all."""
+    window_layer_types: bool = False
+    """The window applies only to the layers `layer_types` marks "sliding_attention" (Qwen2, Qwen3)."""
     moe_block: str | None = None
     """Mixture-of-experts family: the HF module name of each layer's sparse block in published checkpoints
     (qwen3_moe `mlp`, mixtral `block_sparse_moe`); None for a dense family."""
@@ -57,9 +59,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), ("LlamaForCausalLM",), "LlamaConfig", bias_field="attention_bias"),
     Family("mistral", ("mistral",), ("MistralForCausalLM",), "MistralConfig", has_window=True),
     Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "Qwen2Config", qkv_bias=True,
-           window_flag="use_sliding_window", has_window=True),
+           window_flag="use_sliding_window", has_window=True, window_layer_types=True),
     Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "Qwen3Config", qk_norm=True, bias_field="attention_bias",
-           window_flag="use_sliding_window", has_window=True),
+           window_flag="use_sliding_window", has_window=True, window_layer_types=True),
     Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", qk_norm=True,
            bias_field="attention_bias", window_flag="use_sliding_window", has_window=True, moe_block="mlp",
            norm_topk_field="norm_topk_prob"),
@@ -166,22 +168,31 @@ def _rope_scaling(config: dict[str, Any], where: str) -> tuple[float, RopeScalin
     return theta, scaling
 
 
-def _sliding_window(family: Family, config: dict[str, Any], where: str, max_positions: int) -> int | None:
+def _sliding_window(family: Family, config: dict[str, Any], where: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers it applies to or None for every layer), as the family's transformers model
+    applies them: Mistral and Mixtral window every layer whenever `sliding_window` is set, the Qwen families
+    only with `use_sliding_window`, Qwen2 / Qwen3 only on the layers `layer_types` marks
+    "sliding_attention" (their config class derives it from `max_window_layers`)."""
     window = config.get("sliding_window")
     layer_types = config.get("layer_types") or []
     if not family.has_window:
         if window is not None or "sliding_attention" in layer_types:
             raise _refuse(where, "sliding_window", f"the {family.name} family has no sliding-window attention")
-        return None
-    active = config.get(family.window_flag, False) if family.window_flag else True
-    active = bool(active) or "sliding_attention" in layer_types
+        return None, None
+    active = bool(config.get(family.window_flag, False)) if family.window_flag else True
     if window is None or not active:
-        return None
-    if int(window) < max_positions:
-        raise _refuse(where, "sliding_window", f"a {window}-token attention window (narrower than "
-                      f"max_position_embeddings={max_positions}) is not implemented; set sliding_window to null "
-                      f"or >= max_position_embeddings if the model never needs it")
-    return int(window)
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise _refuse(where, "sliding_window", f"{window!r}: must be a positive number of tokens")
+    if not family.window_layer_types:
+        return window, None
+    if len(layer_types) != int(config["num_hidden_layers"]):
+        raise _refuse(where, "layer_types", f"{len(layer_types)} entries for {config['num_hidden_layers']} layers")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise _refuse(where, "layer_types", f"{unknown} not supported (sliding_attention or full_attention)")
+    layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    return (window, layers) if layers else (None, None)
 
 
 # The shape of every weight: never defaulted (transformers would take its class's 7B defaults and then fail
@@ -249,12 +260,12 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         )
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
-    window = _sliding_window(family, config, where, max_positions)
+    window, window_layers = _sliding_window(family, config, where)
     if family.moe_block:
         arch_fields.update(_moe_fields(family, config, where))
     try:
         return ModelArch(**arch_fields, family=family.name, attention_bias=family.qkv_bias, qk_norm=family.qk_norm,
-                         rope_scaling=scaling, sliding_window=window)
+                         rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers)
     except ConfigError as exc:
         hf_name = _HF_NAMES.get(exc.field or "")
         if hf_name:  # name the field as the file spells it
@@ -352,12 +363,20 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
             config.update(decoder_sparse_step=1, mlp_only_layers=[])
         if family.name == "mixtral":
             config["router_jitter_noise"] = 0.0
+    if arch.sliding_window is not None and not family.has_window:
+        raise ConfigError(f"model family {family.name!r} has no sliding-window attention (sliding_window="
+                          f"{arch.sliding_window} cannot be exported)")
     if family.has_window:
         config["sliding_window"] = arch.sliding_window
         if family.window_flag:
             config[family.window_flag] = arch.sliding_window is not None
-            if arch.sliding_window is not None:
-                config["max_window_layers"] = 0  # every layer windowed, as recorded
+        if family.window_layer_types:
+            config["max_window_layers"] = 0
+            config["layer_types"] = ["sliding_attention" if arch.layer_window(i) else "full_attention"
+                                     for i in range(arch.num_layers)]
+        elif arch.sliding_window_layers is not None:
+            raise ConfigError(f"model family {family.name!r} windows every layer or none (sliding_window_layers="
+                              f"{list(arch.sliding_window_layers)} cannot be exported)")
     config.update(extra)
     return config
 

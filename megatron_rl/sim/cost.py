@@ -136,9 +136,11 @@ def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisi
     return sum(stage_parameter_split(arch, tp, pp, stage, vocab_divisible_by, ep=ep, etp=etp))
 
 
-def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int) -> float:
-    """K and V of every layer for one token (all KV heads)."""
-    return 2 * arch.num_layers * arch.kv_size * dtype_bytes
+def kv_bytes_per_sequence(arch: ModelArch, context: float, dtype_bytes: int) -> float:
+    """K and V of every layer (all KV heads) for a sequence of `context` tokens: a sliding-window layer
+    keeps (and a decode step reads) at most its window."""
+    positions = sum(min(context, arch.layer_window(layer) or context) for layer in range(arch.num_layers))
+    return 2 * positions * arch.kv_size * dtype_bytes
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -303,7 +305,7 @@ def engine_memory(arch: ModelArch, engine_tp: int, precision: str, sequences: in
     terms = {"weights": stored(arch.num_parameters() - experts)}
     if arch.is_moe:
         terms["expert_weights"] = stored(experts)
-    terms["kv_cache"] = sequences * context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / engine_tp
+    terms["kv_cache"] = sequences * kv_bytes_per_sequence(arch, context, assumptions.kv_cache_dtype_bytes) / engine_tp
     return terms
 
 
@@ -313,7 +315,7 @@ def kv_capacity(arch: ModelArch, engine_tp: int, precision: str, context: int, h
     weights = engine_memory(arch, engine_tp, precision, 0, context, assumptions)
     free = (hw.hbm_bytes * assumptions.memory_fraction - weights["weights"] - weights.get("expert_weights", 0.0)
             - other_bytes)
-    per_sequence = context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / engine_tp
+    per_sequence = kv_bytes_per_sequence(arch, context, assumptions.kv_cache_dtype_bytes) / engine_tp
     return max(0, int(free // per_sequence))
 
 
@@ -360,7 +362,7 @@ def decode_step_seconds(arch: ModelArch, *, tp: int, pp: int = 1, precision: str
     untouched = 1 - experts_touched(arch, batch) / max(arch.num_experts, 1)
     read = arch.num_parameters() - expert_parameters(arch) * untouched
     weight_bytes = read * (1 if precision == "fp8" else 2) / (tp * pp)
-    kv_bytes = batch * context * kv_bytes_per_token(arch, assumptions.kv_cache_dtype_bytes) / (tp * pp)
+    kv_bytes = batch * kv_bytes_per_sequence(arch, context, assumptions.kv_cache_dtype_bytes) / (tp * pp)
     memory_s = (weight_bytes + kv_bytes) / (hw.hbm_tbps * 1e12 * assumptions.hbm_efficiency)
     peak = (hw.fp8_tflops if precision == "fp8" else hw.bf16_tflops) * 1e12
     compute_s = 2 * active_parameters(arch) * batch / (tp * pp) / (peak * assumptions.decode_flop_efficiency)

@@ -194,7 +194,7 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
         engine_mem = cost.engine_memory(arch, engine_tp, precision, engine_batch, seq_len, a)
     else:  # colocated: the generator reuses the trainer's weights; its KV cache sits next to the training state
         engine_batch = min(cluster.baseline.generation_batch_per_engine, math.ceil(sequences / num_engines))
-        engine_mem = {"kv_cache": engine_batch * seq_len * cost.kv_bytes_per_token(arch, a.kv_cache_dtype_bytes)
+        engine_mem = {"kv_cache": engine_batch * cost.kv_bytes_per_sequence(arch, seq_len, a.kv_cache_dtype_bytes)
                       / (tp * pp * (ep if arch.is_moe else 1))}
         resident = {k: v for k, v in trainer_mem.items() if k in RESIDENT_TERMS}
         _check_fits("colocated GPU during generation", {**resident, **engine_mem}, usable)

@@ -26,13 +26,14 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.trainer import local_fusions
 from megatron_rl.trainer.moe import sequence_parallel_block_spec
-from megatron_rl.trainer.packing import varlen_causal_attention
+from megatron_rl.trainer.packing import causal_attention, varlen_causal_attention
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
                       fp8_amax_compute_algo="max")
     elif fp8:
         kwargs.update(fp8=fp8)
+    if arch.sliding_window is not None:
+        # Megatron / Transformer Engine windows are (left, right) key offsets; 1 marks a windowed layer
+        kwargs.update(window_size=(arch.sliding_window - 1, 0),
+                      window_attn_skip_freq=[int(arch.layer_window(i) is not None) for i in range(arch.num_layers)])
     _, rope_scale = rope_inv_freq(arch)
     if rope_scale != 1.0:
         # HF multiplies both cos and sin by the RoPE attention scaling (YaRN), i.e. q.k by its square:
@@ -176,29 +181,38 @@ def _sdpa_attention_class():
     the probabilities of every layer for backward: ~17 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
     which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
     and GPU) keep O(s) per layer. Packed rows (THD, `PackedSeqParams`) run one SDPA call per document
-    (trainer/packing.py). Masks, windows, attention offsets and biases keep the local path."""
+    (trainer/packing.py). A sliding window (`config.window_size` on the layers `window_attn_skip_freq`
+    marks) is a banded causal mask here; the local class builds its window mask on CUDA only. Other masks,
+    attention offsets and biases keep the local path."""
     class SDPADotProductAttention(DotProductAttention):
+        def __init__(self, config, layer_number, *args, **kwargs):
+            super().__init__(config, layer_number, *args, **kwargs)
+            # Megatron's window_size is (left, right): keys in [i - left, i + right]
+            self.window = (config.window_size[0] + 1 if is_layer_window_attention(
+                config.window_size, config.window_attn_skip_freq, max(1, layer_number)) else None)
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             plain = (attention_mask is None and mask_type == AttnMaskType.causal and attention_bias is None
-                     and self.softmax_offset is None and self.config.window_size is None)
+                     and self.softmax_offset is None)
+            dropout_p = self.attention_dropout.p if self.training else 0.0
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 if not plain:
                     raise ValueError("sequence packing on the local layers supports causal attention without a mask, "
-                                     "bias, window or softmax offset")
+                                     "bias or softmax offset")
                 return varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                               scale=self.softmax_scale,
-                                               dropout_p=self.attention_dropout.p if self.training else 0.0)
+                                               scale=self.softmax_scale, window=self.window, dropout_p=dropout_p)
             if not plain or packed_seq_params is not None:
+                if self.window is not None:
+                    raise ValueError("a sliding window on the local layers needs causal attention without a mask, "
+                                     "bias or softmax offset")
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
             sq, b = query.shape[0], query.shape[1]
             # [s, b, heads, d] -> [b, heads, s, d]; key / value keep their query groups (GQA in the kernel)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            context = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
-                dropout_p=self.attention_dropout.p if self.training else 0.0)
+            context = causal_attention(q, k, v, scale=self.softmax_scale, window=self.window, dropout_p=dropout_p)
             return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     return SDPADotProductAttention

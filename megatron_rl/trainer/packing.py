@@ -111,18 +111,35 @@ def pack_micro_batch(mb: TrainBatch, *, multiple: int = 1, length: int | None = 
                             source=torch.cat(sources).to(device), params=params, rows=mb.batch_size, columns=columns)
 
 
+def causal_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[length, length] bool, True where query i may attend key j: j in (i - window, i], transformers'
+    sliding-window causal mask (the last `window` positions, the query's own included)."""
+    offset = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+                     window: int | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal SDPA over [b, heads, s, d] q and [b, groups, s, d] k / v (GQA in the kernel), within a
+    sliding `window` when one is given and the sequence is longer than it (a banded mask; no mask otherwise)."""
+    length = q.shape[2]
+    mask = None if window is None or length <= window else causal_window_mask(length, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                            *, scale: float | None, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal attention inside each document of packed [T, heads, d] q and [T, groups, d] k / v (GQA), one
-    fused SDPA call per document: the cost of each document's own length, no [T, T] mask. Returns [T, heads * d]."""
+                            *, scale: float | None, window: int | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention (within a sliding `window` if given) inside each document of packed [T, heads, d] q
+    and [T, groups, d] k / v (GQA), one fused SDPA call per document: the cost of each document's own
+    length, no [T, T] mask. Returns [T, heads * d]."""
     bounds = cu_seqlens.tolist()
     outputs = []
     for start, end in zip(bounds, bounds[1:]):
         if end == start:
             continue
         q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = causal_attention(q, k, v, scale=scale, window=window, dropout_p=dropout_p)
         outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs).reshape(query.shape[0], -1)
 

@@ -57,12 +57,10 @@ log = logging.getLogger(__name__)
 
 def context_limit(arch: ModelArch) -> int:
     """Longest sequence the engine serves for `arch`: max_position_embeddings, except with dynamic
-    RoPE, which exists to stretch the context: up to `factor` times it (never past a sliding window)."""
+    RoPE, which exists to stretch the context: up to `factor` times it."""
     limit = arch.max_position_embeddings
     if dynamic_rope_base(arch) is not None:
         limit = int(limit * max(1.0, arch.rope_scaling.factor))
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)
     return limit
 
 

@@ -11,11 +11,19 @@ is a strided view, not a gather.
 Decode attention reads positions [0, t_max) of every decode slot, so none of them may hold
 uninitialised memory: `written[slot]` counts the leading positions known to be finite (K/V computed,
 copied or zero-filled), and `cover_decode` zero-fills past it before a decode step reads there.
+
+Sliding-window layers (`ModelArch.layer_window`) never read a key older than the window again, so on a
+Linux CPU `drop_behind` gives those positions' pages back as a sequence moves on (`dropped[slot]`: the
+positions before it hold zeros in the windowed layers): a windowed layer's committed cache is about one
+window per sequence, whatever its length, while full-attention layers keep every position. A windowed
+prefix is copied only from the window before its end (`copy_prefix`), and only from a slot that still
+holds it (`holds_window_before`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -28,6 +36,7 @@ from megatron_rl.models.arch import ModelArch
 MADV_DONTNEED = 4
 MADV_NOHUGEPAGE = 15
 ZERO_FILL_POSITIONS = 256  # decode positions made finite ahead of need: pages are committed as a sequence grows
+DROP_POSITIONS = 64  # out-of-window positions released at a time (fewer madvise calls)
 
 
 @functools.cache
@@ -64,12 +73,27 @@ class KVCache:
 
     def __init__(self, arch: ModelArch, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
         self.slots = slots
+        self.windowed = arch.windowed_layers
+        self.window = arch.sliding_window if self.windowed else None
+        self.drops = self.window is not None and device.type == "cpu" and sys.platform.startswith("linux")
+        """Windowed layers give pages back as sequences move on (a Linux CPU cache)."""
+        self.unit = 1
+        """Positions per release unit: every (layer, slot, head) block starts on a page and a unit of positions
+        fills whole pages (with `drops`), so releases and zero-fills never share a page with kept positions."""
+        if self.drops:
+            row = arch.head_dim * torch.empty((), dtype=dtype).element_size()
+            page = _libc_and_page()[1]
+            self.unit = math.lcm(row, page) // row
+            max_len = -(-max_len // self.unit) * self.unit
         self.max_len = max_len
         self.shape = (arch.num_layers, slots, arch.num_query_groups, max_len, arch.head_dim)
         self.device, self.dtype = device, dtype
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.written: list[int] = [0] * slots
+        self.dropped: list[int] = [0] * slots
+        """Positions [0, dropped) of the slot's windowed layers are released (read as zeros); a multiple of
+        `unit`."""
 
     @classmethod
     def scratch(cls, arch: ModelArch, length: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
@@ -92,15 +116,26 @@ class KVCache:
             # torch.empty: untouched pages of this (mostly unused) buffer are never committed; and in base
             # pages, also where torch's allocator asks for transparent huge pages (THP_MEM_ALLOC_ENABLE, good
             # for the weights): a 2 MiB page would commit a whole (layer, slot, head) block on its first token.
-            self.k = without_huge_pages(torch.empty(self.shape, device=self.device, dtype=self.dtype))
-            self.v = without_huge_pages(torch.empty(self.shape, device=self.device, dtype=self.dtype))
+            self.k, self.v = self._empty(), self._empty()
             self.written = [0] * self.slots
+            self.dropped = [0] * self.slots
+
+    def _empty(self) -> torch.Tensor:
+        if not self.drops:
+            return without_huge_pages(torch.empty(self.shape, device=self.device, dtype=self.dtype))
+        # page-aligned start, so that each block's pages hold its positions only
+        numel = math.prod(self.shape)
+        per_page = _libc_and_page()[1] // torch.empty((), dtype=self.dtype).element_size()
+        flat = without_huge_pages(torch.empty(numel + per_page, device=self.device, dtype=self.dtype))
+        skip = (-flat.data_ptr() // flat.element_size()) % per_page
+        return flat[skip:skip + numel].view(self.shape)
 
     def free(self) -> int:
         """Drop both tensors (re-allocated by the next `ensure`); returns the bytes given back."""
         freed = self.nbytes
         self.k = self.v = None
         self.written = [0] * self.slots
+        self.dropped = [0] * self.slots
         return freed
 
     def return_pages(self, slots: Sequence[int]) -> None:
@@ -118,13 +153,63 @@ class KVCache:
                     start = tensor[layer, slot].data_ptr()
                     _advise(start, start + per_slot, MADV_DONTNEED)
             self.written[slot] = 0
+            self.dropped[slot] = 0
 
     def copy_prefix(self, dst: int, src: int, length: int) -> None:
         """K/V positions [0, length) of slot `src` into slot `dst` (a shared prompt prefix, or a
-        sequence moving into a freed slot)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        sequence moving into a freed slot), so that `dst` can go on at position `length`. Windowed layers
+        (when their pages are given back) copy only the window before `length`, which `src` must still hold
+        (`holds_window_before`); their earlier positions in `dst` are released."""
+        if not self.drops:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+            self.written[dst] = max(self.written[dst], length)
+            return
+        first = self.window_start(length) // self.unit * self.unit
+        if self.dropped[src] > first:
+            raise RuntimeError(f"KV cache slot {src} no longer holds positions [{first}, {length}) of its windowed "
+                               f"layers (released before {self.dropped[src]})")
+        windowed = set(self.windowed)
+        full = [layer for layer in range(self.shape[0]) if layer not in windowed]
+        for tensor in (self.k, self.v):
+            if full:
+                rows = torch.tensor(full, device=tensor.device)
+                tensor[:, dst, :, :length].index_copy_(0, rows, tensor[:, src, :, :length].index_select(0, rows))
+            for layer in self.windowed:
+                tensor[layer, dst, :, first:length] = tensor[layer, src, :, first:length]
         self.written[dst] = max(self.written[dst], length)
+        self._release_windowed(dst, 0, first)
+        self.dropped[dst] = first
+
+    def window_start(self, position: int) -> int:
+        """The first key position a query at `position` reads in a windowed layer."""
+        return max(0, position - self.window + 1) if self.window is not None else 0
+
+    def holds_window_before(self, slot: int, length: int) -> bool:
+        """`slot` still holds what `copy_prefix(..., slot, length)` reads."""
+        return not self.drops or self.dropped[slot] <= self.window_start(length) // self.unit * self.unit
+
+    def drop_behind(self, slot: int, next_position: int) -> None:
+        """The sequence in `slot` goes on at `next_position`: give back the pages of windowed-layer positions
+        no query from there on reads, DROP_POSITIONS or more at a time (whole units)."""
+        if not self.drops:
+            return
+        first = self.window_start(next_position) // self.unit * self.unit
+        if first - self.dropped[slot] >= max(DROP_POSITIONS, self.unit):
+            self._release_windowed(slot, self.dropped[slot], first)
+            self.dropped[slot] = first
+
+    def _release_windowed(self, slot: int, start: int, end: int) -> None:
+        """Positions [start, end) (whole units) of the windowed layers in `slot` read as zeros from now on:
+        their pages given back (MADV_DONTNEED)."""
+        if end <= start:
+            return
+        for tensor in (self.k, self.v):
+            for layer in self.windowed:
+                for head in range(self.shape[2]):
+                    block = tensor[layer, slot, head]
+                    _advise(block[start].data_ptr(), block[end - 1].data_ptr() + block.stride(0) * block.element_size(),
+                            MADV_DONTNEED)
 
     def mark_written(self, slot: int, end: int) -> None:
         """The forward wrote K/V of positions up to `end` in `slot`."""
@@ -142,6 +227,18 @@ class KVCache:
             if written[slot] < t_max:
                 longest = min(self.max_len, len(seq.prompt) + seq.params.max_new_tokens)
                 horizon = max(t_max, min(longest, t_max + ZERO_FILL_POSITIONS))
-                self.k[:, slot, :, written[slot]:horizon] = 0
-                self.v[:, slot, :, written[slot]:horizon] = 0
+                if self.drops:  # windowed layers: released, not zeroed (a shorter sequence in the batch
+                    # then holds no pages up to the longest one's length); zeroed up to the next whole unit
+                    full = [layer for layer in range(self.shape[0]) if layer not in self.windowed]
+                    horizon = min(self.max_len, -(-horizon // self.unit) * self.unit)
+                    aligned = min(horizon, -(-written[slot] // self.unit) * self.unit)
+                    for tensor in (self.k, self.v):
+                        for layer in full:
+                            tensor[layer, slot, :, written[slot]:horizon] = 0
+                        for layer in self.windowed:
+                            tensor[layer, slot, :, written[slot]:aligned] = 0
+                    self._release_windowed(slot, aligned, horizon)
+                else:
+                    self.k[:, slot, :, written[slot]:horizon] = 0
+                    self.v[:, slot, :, written[slot]:horizon] = 0
                 written[slot] = horizon

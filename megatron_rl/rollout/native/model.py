@@ -8,7 +8,9 @@ Qwen3 / Mistral siblings) op for op: RMSNorm in the activation dtype, per-head q
 (Qwen3), rotate-half RoPE from fp32 tables built from `models.rope.rope_inv_freq` (the trainer's
 function; cos/sin times its attention scaling), softmax scale 1/sqrt(head_dim), SiLU MLP; grouped-query
 attention is computed per KV head on [q heads of the group] without repeating K/V. Logits are computed
-only for the positions that sample a token, in fp32.
+only for the positions that sample a token, in fp32. A sliding-window layer (`ModelArch.layer_window`)
+attends to the keys in (position - window, position], as transformers' sliding-window mask, and reads only
+the cache span its rows' windows cover.
 
 Dynamic (NTK) RoPE depends on the sequence length. transformers recomputes the frequencies per forward
 from its longest position, so one `generate` rotates a prompt with those of
@@ -118,6 +120,7 @@ class LlamaModel:
         self.arch = a
         self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
         self.scale = 1.0 / math.sqrt(a.head_dim)
+        self.windows = [a.layer_window(i) for i in range(a.num_layers)]
 
     def forward(self, batch: _Batch, cache: KVCache) -> torch.Tensor:
         """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns fp32
@@ -139,23 +142,37 @@ class LlamaModel:
         x = F.embedding(tokens, w.embed)
         cos, sin = self.rope(batch.positions, batch.rope_lens)
         sin = _signed_sin(sin)
+        dec_masks: dict[int | None, tuple[int, torch.Tensor]] = {}
         if n_dec:
             t_max = int(batch.dec_lens.max())
-            steps = torch.arange(t_max, device=tokens.device)
-            # additive mask, built once per step: one fused SDPA call per layer reads it
-            dec_mask = torch.zeros(n_dec, 1, 1, t_max, device=tokens.device, dtype=x.dtype).masked_fill_(
-                (steps[None, :] >= batch.dec_lens[:, None]).view(n_dec, 1, 1, t_max), float("-inf"))
+            # per window: (first cache position read, additive mask over [first, t_max)), built once per step;
+            # one fused SDPA call per layer reads it
+            for window in set(self.windows):
+                first = 0 if window is None else max(0, int(batch.dec_lens.min()) - window)
+                steps = torch.arange(first, t_max, device=tokens.device)[None, :]
+                hidden = steps >= batch.dec_lens[:, None]
+                if window is not None:
+                    hidden |= steps < batch.dec_lens[:, None] - window
+                dec_masks[window] = first, torch.zeros(n_dec, 1, 1, t_max - first, device=tokens.device,
+                                                       dtype=x.dtype).masked_fill_(
+                    hidden.view(n_dec, 1, 1, t_max - first), float("-inf"))
             # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
             t_alloc = cache.max_len
             heads = torch.arange(n_kv, device=tokens.device)
             dec_rows = ((batch.dec_slots[:, None] * n_kv + heads[None, :]) * t_alloc
                         + batch.positions[:n_dec, None]).reshape(-1)
-        causal = {}
+        causal = {}  # (start, length, window) -> (first key position, mask of the hidden keys)
         for offset, slot, start, length in batch.chunks:
-            key = (start, length)
-            if key not in causal:
-                rows = torch.arange(length, device=tokens.device)[:, None] + start
-                causal[key] = torch.arange(start + length, device=tokens.device)[None, :] > rows
+            for window in set(self.windows):
+                key = (start, length, window)
+                if key not in causal:
+                    first = 0 if window is None else max(0, start - window + 1)
+                    rows = torch.arange(length, device=tokens.device)[:, None] + start
+                    keys = torch.arange(first, start + length, device=tokens.device)[None, :]
+                    hidden = keys > rows
+                    if window is not None:
+                        hidden |= keys <= rows - window
+                    causal[key] = first, hidden
         for li, layer in enumerate(w.layers):
             packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
@@ -170,15 +187,17 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
             kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
             out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype) if batch.chunks else None
+            window = self.windows[li]
             if n_dec:
                 kc.view(-1, d).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, d))
                 vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
+                first, dec_mask = dec_masks[window]
                 if batch.dec_first_slot >= 0:
                     s0 = batch.dec_first_slot
-                    keys, values = kc[s0:s0 + n_dec, :, :t_max], vc[s0:s0 + n_dec, :, :t_max]
+                    keys, values = kc[s0:s0 + n_dec, :, first:t_max], vc[s0:s0 + n_dec, :, first:t_max]
                 else:
-                    keys = kc[:, :, :t_max].index_select(0, batch.dec_slots)
-                    values = vc[:, :, :t_max].index_select(0, batch.dec_slots)
+                    keys = kc[:, :, first:t_max].index_select(0, batch.dec_slots)
+                    values = vc[:, :, first:t_max].index_select(0, batch.dec_slots)
                 # each KV head's group of q heads attends as `group` queries: GQA without repeating K/V
                 qd = q[:n_dec].reshape(n_dec, n_kv, group, d)
                 attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
@@ -190,12 +209,13 @@ class LlamaModel:
                 end = start + length
                 kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
                 vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
+                first, hidden = causal[(start, length, window)]
                 qc = q[offset:offset + length].view(length, n_kv, group, d).permute(1, 2, 0, 3)
                 qc = qc.reshape(n_kv, group * length, d)
-                scores = torch.matmul(qc, kc[slot, :, :end].transpose(-1, -2)).mul_(self.scale)
-                scores = scores.view(n_kv, group, length, end).masked_fill_(causal[(start, length)], float("-inf"))
-                probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end)
-                oc = torch.matmul(probs, vc[slot, :, :end])                     # [kv, g*len, d]
+                scores = torch.matmul(qc, kc[slot, :, first:end].transpose(-1, -2)).mul_(self.scale)
+                scores = scores.view(n_kv, group, length, end - first).masked_fill_(hidden, float("-inf"))
+                probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end - first)
+                oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, d]
                 out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
                     length, n_heads * d)
             x = x + matmul(out, layer.o, packed[1])

@@ -217,6 +217,8 @@ class _Scheduler:
             if donor is not None:
                 if donor.slot < 0 or donor.kv_epoch == -1 or (donor.kv_epoch is not None and donor.kv_epoch != self._epoch):
                     seq.donor = None  # the donor left or its prefix is stale: compute it ourselves
+                elif not self.kv_cache.holds_window_before(donor.slot, seq.share_len):
+                    seq.donor = None  # the donor has moved on past the window the prefix needs
                 elif donor.prefilled >= seq.share_len and donor.kv_epoch == self._epoch:
                     copies.append((seq, donor, seq.share_len))
                     start = seq.share_len
@@ -271,6 +273,15 @@ class _Scheduler:
         if record:
             batch.routing = torch.empty((len(tokens), self.arch.num_layers, self.arch.moe_top_k), dtype=torch.int16)
         logits = self.model.forward(batch, kv)
+        if kv.drops:  # sliding-window layers: give back keys no later query reads, nor a waiting prefix copy
+            pinned: dict[int, int] = {}
+            for seq in self._running:
+                if seq.donor is not None and seq.donor.slot >= 0:
+                    pinned[seq.donor.slot] = min(pinned.get(seq.donor.slot, seq.share_len), seq.share_len)
+            for seq, position in zip(decode, positions):
+                kv.drop_behind(seq.slot, min(position + 1, pinned.get(seq.slot, position + 1)))
+            for seq, start, length in chunks:
+                kv.drop_behind(seq.slot, min(start + length, pinned.get(seq.slot, start + length)))
         if record:
             store_routing(batch.routing, self.arch, self.max_seq_len, decode, chunks, plan.copies)
         sampling = decode + [seq for seq, start, length in chunks if start + length == len(seq.prompt)]
