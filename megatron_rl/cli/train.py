@@ -17,6 +17,7 @@ from megatron_rl.config import to_dict
 from megatron_rl.controller.loop import train
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
+from megatron_rl.rollout.vllm_engine import vllm_python
 from megatron_rl.run_config import RunConfig, load_run_config
 
 
@@ -49,8 +50,6 @@ def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
     train_set, heldout = build_datasets(config.data)
     generator = config.cluster.generator
     if generator.backend == "vllm" and not generator.urls:
-        from megatron_rl.rollout.vllm_engine import vllm_python
-
         vllm_python(generator.vllm_python)  # the environment the run would launch its servers from
     manager = CheckpointManager(config.run_dir, config.checkpoint)
     requested = resume

@@ -41,6 +41,7 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.weights import LlamaWeights
+from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,6 @@ def _run_vllm(pretrained: Any, prompts: list[list[int]], max_new_tokens: int, se
     import subprocess
 
     from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
-    from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 
     python = vllm_python()
     model_dir = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-bench-vllm")

@@ -26,6 +26,8 @@ How the calls map:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -39,9 +41,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
+import torch
 from safetensors.torch import save_file
 
 from megatron_rl.config import ConfigError, InfrastructureError
+from megatron_rl.models.families import to_hf_config
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, _buckets
 from megatron_rl.rollout.engine import (
     GenerateRequest,
@@ -84,8 +88,6 @@ def device_server_args() -> list[str]:
     fails a seeded request whose prompt is split over steps ("CPU Generator does not use offset": rewinding the
     request's generator after a discarded partial-prefill sample needs CUDA generators' offsets), and every
     rollout request here is seeded."""
-    import torch
-
     return [] if torch.cuda.is_available() else ["--no-enable-chunked-prefill"]
 
 
@@ -313,11 +315,6 @@ def launch_model_dir(path: str, arch, state: dict[str, Any], tokenizer) -> bool:
     embedding, `tie_word_embeddings` false): vLLM's in-place reload replaces the embedding's tensor and leaves
     a tied output layer on the old one (seen on the CPU build: greedy outputs diverge after the first update),
     so every update sends both."""
-    import dataclasses
-    import json
-
-    from megatron_rl.models.families import to_hf_config
-
     tied = bool(arch.tie_word_embeddings)
     named: Iterable[tuple[str, Any]] = state.items()
     if tied:
