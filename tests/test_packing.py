@@ -8,6 +8,8 @@ the softmax sums in another order (a few float32 ulps per layer, amplified throu
 16 ulps per layer of (1 + |value|) for log-probs and entropies, of the largest gradient entry per tensor."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,17 +88,22 @@ def _assert_same_grads(got, want, layers):
         assert worst <= 16 * layers * FP32_EPS * max(g.abs().max().item(), 1e-30), f"gradient of {name}: {worst:.3g}"
 
 
-@pytest.mark.parametrize("config", [dict(sequence_packing=True),
-                                    dict(sequence_packing=True, max_tokens_per_micro_batch=128)],
-                         ids=["packed", "token_budget"])
-def test_packed_equals_padded(config):
-    state, batch = tiny_state(ARCH), _batch()
-    lp0, ent0, loss0, grads0 = _run(ARCH, state, batch, micro_batch_size=2)
-    lp, ent, loss, grads = _run(ARCH, state, batch, micro_batch_size=2, **config)
-    _assert_same(lp, lp0, batch.loss_mask, ARCH.num_layers, "log-probs")
-    _assert_same(ent, ent0, batch.loss_mask, ARCH.num_layers, "entropies")
-    assert abs(loss - loss0) <= 16 * ARCH.num_layers * FP32_EPS * (1 + abs(loss0))
-    _assert_same_grads(grads, grads0, ARCH.num_layers)
+# a 24-token window on the second layer only: rows longer and shorter than it
+WINDOWED = dataclasses.replace(ARCH, sliding_window=24, sliding_window_layers=(1,))
+
+
+@pytest.mark.parametrize("config,arch", [(dict(sequence_packing=True), ARCH),
+                                         (dict(sequence_packing=True, max_tokens_per_micro_batch=128), ARCH),
+                                         (dict(sequence_packing=True), WINDOWED)],
+                         ids=["packed", "token_budget", "packed_sliding_window"])
+def test_packed_equals_padded(config, arch):
+    state, batch = tiny_state(arch), _batch()
+    lp0, ent0, loss0, grads0 = _run(arch, state, batch, micro_batch_size=2)
+    lp, ent, loss, grads = _run(arch, state, batch, micro_batch_size=2, **config)
+    _assert_same(lp, lp0, batch.loss_mask, arch.num_layers, "log-probs")
+    _assert_same(ent, ent0, batch.loss_mask, arch.num_layers, "entropies")
+    assert abs(loss - loss0) <= 16 * arch.num_layers * FP32_EPS * (1 + abs(loss0))
+    _assert_same_grads(grads, grads0, arch.num_layers)
 
 
 def test_packing_a_bug_would_show():

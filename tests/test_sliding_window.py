@@ -107,6 +107,17 @@ def test_trainer_logits_equal_transformers_at_1000_positions(qwen2_windowed):
     assert (parity.trainer_logits(dense, state, tokens) - expected).abs().max().item() > 1e-2  # the window bites
 
 
+def test_trainer_logits_equal_transformers_at_1000_positions_at_tp2():
+    from megatron_rl.placement.launch import run_distributed
+
+    # two KV heads, so that TP=2 splits them
+    case = dataclasses.replace(QWEN2_WINDOWED, fields={**QWEN2_WINDOWED.fields, "num_key_value_heads": 2})
+    model, arch, state = parity.case_model(case)
+    tokens = torch.randint(0, arch.vocab_size, (1, 1001), generator=torch.Generator().manual_seed(1))
+    got = run_distributed(parity._parallel_worker, 2, [(arch, state, tokens, 2, 1)])[0][0]
+    assert (got - parity.reference_logits(model, tokens)).abs().max().item() <= 1e-5
+
+
 def test_packed_rows_attend_within_the_window():
     from megatron_rl.trainer.packing import causal_window_mask, varlen_causal_attention
 
