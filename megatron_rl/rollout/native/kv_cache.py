@@ -74,6 +74,7 @@ class KVCache:
     def __init__(self, arch: ModelArch, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
         self.slots = slots
         self.windowed = arch.windowed_layers
+        self.full_layers = tuple(i for i in range(arch.num_layers) if i not in self.windowed)
         self.window = arch.sliding_window if self.windowed else None
         self.drops = self.window is not None and device.type == "cpu" and sys.platform.startswith("linux")
         """Windowed layers give pages back as sequences move on (a Linux CPU cache)."""
@@ -165,15 +166,13 @@ class KVCache:
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
             self.written[dst] = max(self.written[dst], length)
             return
-        first = self.window_start(length) // self.unit * self.unit
+        first = self._kept_from(length)
         if self.dropped[src] > first:
             raise RuntimeError(f"KV cache slot {src} no longer holds positions [{first}, {length}) of its windowed "
                                f"layers (released before {self.dropped[src]})")
-        windowed = set(self.windowed)
-        full = [layer for layer in range(self.shape[0]) if layer not in windowed]
         for tensor in (self.k, self.v):
-            if full:
-                rows = torch.tensor(full, device=tensor.device)
+            if self.full_layers:
+                rows = torch.tensor(self.full_layers, device=tensor.device)
                 tensor[:, dst, :, :length].index_copy_(0, rows, tensor[:, src, :, :length].index_select(0, rows))
             for layer in self.windowed:
                 tensor[layer, dst, :, first:length] = tensor[layer, src, :, first:length]
@@ -181,20 +180,20 @@ class KVCache:
         self._release_windowed(dst, 0, first)
         self.dropped[dst] = first
 
-    def window_start(self, position: int) -> int:
-        """The first key position a query at `position` reads in a windowed layer."""
-        return max(0, position - self.window + 1) if self.window is not None else 0
+    def _kept_from(self, position: int) -> int:
+        """The first position (a whole unit) that a query at `position` may read in a windowed layer."""
+        return max(0, position - self.window + 1) // self.unit * self.unit
 
     def holds_window_before(self, slot: int, length: int) -> bool:
         """`slot` still holds what `copy_prefix(..., slot, length)` reads."""
-        return not self.drops or self.dropped[slot] <= self.window_start(length) // self.unit * self.unit
+        return not self.drops or self.dropped[slot] <= self._kept_from(length)
 
     def drop_behind(self, slot: int, next_position: int) -> None:
         """The sequence in `slot` goes on at `next_position`: give back the pages of windowed-layer positions
         no query from there on reads, DROP_POSITIONS or more at a time (whole units)."""
         if not self.drops:
             return
-        first = self.window_start(next_position) // self.unit * self.unit
+        first = self._kept_from(next_position)
         if first - self.dropped[slot] >= max(DROP_POSITIONS, self.unit):
             self._release_windowed(slot, self.dropped[slot], first)
             self.dropped[slot] = first
@@ -229,11 +228,10 @@ class KVCache:
                 horizon = max(t_max, min(longest, t_max + ZERO_FILL_POSITIONS))
                 if self.drops:  # windowed layers: released, not zeroed (a shorter sequence in the batch
                     # then holds no pages up to the longest one's length); zeroed up to the next whole unit
-                    full = [layer for layer in range(self.shape[0]) if layer not in self.windowed]
                     horizon = min(self.max_len, -(-horizon // self.unit) * self.unit)
                     aligned = min(horizon, -(-written[slot] // self.unit) * self.unit)
                     for tensor in (self.k, self.v):
-                        for layer in full:
+                        for layer in self.full_layers:
                             tensor[layer, slot, :, written[slot]:horizon] = 0
                         for layer in self.windowed:
                             tensor[layer, slot, :, written[slot]:aligned] = 0
