@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -16,6 +17,7 @@ from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingPa
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool, EnginePoolDead, is_engine_failure
 from megatron_rl.rollout.server import RolloutServer
+from megatron_rl.types import Completion
 from tests.helpers import prompt, tiny_state
 
 
@@ -202,5 +204,74 @@ def test_an_engine_that_keeps_dying_stays_out_after_its_restarts(tiny_arch):
             assert len(pool.generate(_groups(2))) == 6
             time.sleep(0.5)
         assert pool._restarts_of == [0, 2] and pool.engine_metrics["rollout/engines_live"] == 1.0
+    finally:
+        pool.close()
+
+
+class HungEngine:
+    """An engine that accepts requests and never answers (a deadlocked server); `answer_late` resolves what it
+    holds with completions of its own, as a hung server that wakes up would."""
+
+    version = 0
+
+    def __init__(self):
+        self.held: list[tuple[GenerateRequest, list[Future]]] = []
+
+    def submit(self, requests):
+        futures = []
+        for request in requests:
+            mine = [Future() for _ in range(request.sampling.n)]
+            self.held.append((request, mine))
+            futures.extend(mine)
+        return futures
+
+    def answer_late(self):
+        for request, futures in self.held:
+            for i, future in enumerate(futures):
+                future.set_result(Completion(request_id=f"{request.request_id}-{i}", prompt_ids=request.prompt_ids,
+                                             output_ids=[0], output_logprobs=[0.0], weight_versions=[0],
+                                             finish_reason="stop"))
+
+    def update_weights(self, named_tensors, version=None):
+        pass
+
+    def health(self):
+        return {"ok": True}
+
+    def close(self):
+        pass
+
+
+def test_a_hung_engines_groups_go_to_the_live_one_and_its_late_answers_are_ignored(tiny_arch):
+    state = tiny_state(tiny_arch)
+    hung, live = HungEngine(), ServedEngine(tiny_arch, state)
+    reference_engine, reference = _server(tiny_arch, state)
+    pool = EnginePool([hung, live], dead_engine_timeout_s=30, hung_engine_timeout_s=1.0)
+    try:
+        expected = HTTPEngine(reference.url).generate(_groups(6))
+        futures = pool.submit(_groups(6))
+        completions = pool.wait(futures, timeout=120)
+        assert hung.held  # it took groups, and they finished on the live engine
+        assert [(c.request_id, c.output_ids) for c in completions] == [(c.request_id, c.output_ids) for c in expected]
+        assert pool.engine_metrics == {"rollout/engine_restarts": 0.0, "rollout/engines_live": 1.0}
+        assert "hung" in pool.health()["dead"]["HungEngine"]
+        hung.answer_late()  # a hung server that wakes up changes nothing
+        assert [c.output_ids for c in (f.result() for f in futures)] == [c.output_ids for c in expected]
+        assert len(pool.generate(_groups(2))) == 6
+    finally:
+        pool.close()
+        reference.shutdown()
+        reference_engine.close()
+
+
+def test_an_engine_busy_with_a_long_request_is_not_hung(tiny_arch):
+    """The watchdog counts time since the engine last finished a sample: groups that keep finishing are progress."""
+    state = tiny_state(tiny_arch)
+    engines = [ServedEngine(tiny_arch, state) for _ in range(2)]
+    pool = EnginePool(engines, dead_engine_timeout_s=30, hung_engine_timeout_s=2.0)
+    try:
+        completions = pool.generate(_groups(12, tokens=40))
+        assert len(completions) == 36
+        assert pool.engine_metrics["rollout/engines_live"] == 2.0
     finally:
         pool.close()

@@ -48,7 +48,7 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
         return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
                                              precision=generator.precision, fp8_block_size=generator.fp8_block_size,
-                                             routing=routing)
+                                             routing=routing, **pool_options(generator))
     if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
         return SGLangEngine(config.model.path, tp_size=generator.engine_tp, routing=routing, **(sglang_kwargs or {}),
                             **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
@@ -102,7 +102,13 @@ def vllm_engines(config, model):
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
     # a pool even of one: a launched engine that dies is restarted, and its groups wait for it
-    return EnginePool(engines, dead_engine_timeout_s=generator.dead_engine_timeout_s)
+    return EnginePool(engines, **pool_options(generator))
+
+
+def pool_options(generator) -> dict:
+    """EnginePool's fault-tolerance settings from `cluster.generator`."""
+    return dict(dead_engine_timeout_s=generator.dead_engine_timeout_s,
+                hung_engine_timeout_s=generator.hung_engine_timeout_s)
 
 
 def policy_weight_channel(config, trainer, engine):

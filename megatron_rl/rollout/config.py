@@ -178,6 +178,10 @@ class GeneratorGroupConfig:
     dead_engine_timeout_s: float = 900.0
     """A pool of several engines: how long requests wait for an engine to come back when every engine has failed,
     before the run stops with one line naming them (rollout/pool.py)."""
+    hung_engine_timeout_s: float = 1800.0
+    """A pool of engines: an engine with requests in flight that finishes none of them for this long is taken out
+    as hung (restarted where the run launched it) and its groups go to the live engines; 0: never. Longer than
+    the longest generation one group may take."""
     launch_ranks: int = 0
     """Generator ranks inside the launch itself: the last `launch_ranks` ranks of the torchrun / srun
     world each run a native engine (one device each) and serve the driver over torch.distributed,
@@ -195,6 +199,7 @@ class GeneratorGroupConfig:
         require(self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
         require(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
         require(self.dead_engine_timeout_s > 0, "dead_engine_timeout_s", "must be > 0")
+        require(self.hung_engine_timeout_s >= 0, "hung_engine_timeout_s", "must be >= 0 (0: never)")
         require(self.backend == "vllm" or not (self.vllm_python or self.vllm_args), "vllm_python",
                 f"vllm_python / vllm_args are settings of backend vllm, not {self.backend}")
         require(not (self.backend == "vllm" and self.launch_ranks), "launch_ranks",

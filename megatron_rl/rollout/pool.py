@@ -10,7 +10,9 @@ one. An engine that can restart itself (`restart(weights_dir, version)`: a vLLM 
 restarted in the background with the current weights and version, then serves again (`rollout/engine_restarts`
 counts them; after `max_restarts_per_engine` an engine that keeps dying stays out). Requests wait for an engine
 while none is live, and fail with one line naming the dead engines when none comes back within
-`dead_engine_timeout_s`. Weights go
+`dead_engine_timeout_s`. An engine that hangs (requests in flight, none finishing for `hung_engine_timeout_s`:
+a deadlocked server that still accepts connections) is taken out the same way: a watchdog sends its groups
+whole to a live engine, and whatever the hung engine answers later is ignored. Weights go
 either through each replica's own `update_weights`, or, for SGLang servers on a cluster, through one
 `BroadcastWeightSender` (weight_sync/distributed.py): an NCCL group between this rank and every
 engine GPU, joined lazily on the first update, with block-fp8 quantization when the engines run fp8.
@@ -73,11 +75,21 @@ def _engine_name(engine: Any) -> str:
     return getattr(engine, "base_url", None) or type(engine).__name__
 
 
+class _Dispatch:
+    """One group sent to one engine; `settled` once its samples are resolved, or handed to another engine."""
+
+    __slots__ = ("request", "samples", "index", "settled")
+
+    def __init__(self, request: GenerateRequest, samples: list[Future], index: int):
+        self.request, self.samples, self.index, self.settled = request, samples, index, False
+
+
 class EnginePool:
     """RolloutEngine over several replicas (see the module docstring)."""
 
     def __init__(self, engines: Sequence[Any], *, weight_sender_factory=None, fp8_block_size: int | None = None,
-                 dead_engine_timeout_s: float = 600.0, max_restarts_per_engine: int = 5):
+                 dead_engine_timeout_s: float = 600.0, max_restarts_per_engine: int = 5,
+                 hung_engine_timeout_s: float = 0.0):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = list(engines)
@@ -96,21 +108,30 @@ class EnginePool:
         self._sender = None
         self._fp8_block_size = fp8_block_size
         self._version = min(getattr(e, "version", 0) for e in self.engines)
+        self._flight: list[set[_Dispatch]] = [set() for _ in self.engines]
+        self._progress = [time.monotonic()] * len(self.engines)  # when each engine last finished a sample
+        self.hung_engine_timeout_s = hung_engine_timeout_s
+        self._closed = threading.Event()
+        if hung_engine_timeout_s > 0:
+            threading.Thread(target=self._watch_for_hangs, name="engine-pool-watchdog", daemon=True).start()
 
     @classmethod
     def for_sglang_servers(cls, urls: Sequence[str], *, engine_tp: int, master_address: str, master_port: int,
                            precision: str = "bf16", fp8_block_size: int = 128, api_key: str | None = None,
-                           ready_timeout: float = 3600.0, routing: tuple[int, int] | None = None) -> "EnginePool":
+                           ready_timeout: float = 3600.0, routing: tuple[int, int] | None = None,
+                           **pool_options: Any) -> "EnginePool":
         """Generation over each server's /generate, weights over one NCCL group (SGLang's
         update_weights_from_distributed). `routing` (layers, top_k): MoE routing records with every
-        completion (servers launched with --enable-return-routed-experts)."""
+        completion (servers launched with --enable-return-routed-experts). `pool_options`: EnginePool's own
+        (dead_engine_timeout_s, hung_engine_timeout_s, max_restarts_per_engine)."""
         def sender():
             return BroadcastWeightSender([SGLangServer(u, api_key=api_key) for u in urls], [engine_tp] * len(urls),
                                          master_address=master_address, master_port=master_port, backend="nccl")
 
         engines = [HTTPEngine(u, api_key=api_key, routing=routing) for u in urls]
         wait_until_ready(engines, ready_timeout)
-        return cls(engines, weight_sender_factory=sender, fp8_block_size=fp8_block_size if precision == "fp8" else None)
+        return cls(engines, weight_sender_factory=sender, fp8_block_size=fp8_block_size if precision == "fp8" else None,
+                   **pool_options)
 
     # --- requests -------------------------------------------------------------------------------
     def _pick(self, samples: int) -> int:
@@ -140,14 +161,26 @@ class EnginePool:
                 if not future.done():
                     future.set_exception(exc)
             return
-        inner = self.engines[index].submit([request])
+        dispatch = _Dispatch(request, samples, index)
+        with self._lock:
+            if not self._flight[index]:
+                self._progress[index] = time.monotonic()  # an idle engine's clock starts with its first request
+            self._flight[index].add(dispatch)
+        try:
+            inner = self.engines[index].submit([request])
+        except Exception as exc:
+            inner = [Future()]
+            inner[0].set_exception(exc)
         remaining = [len(inner)]
 
         def finished(_future: Future) -> None:
             with self._lock:
+                self._progress[index] = time.monotonic()
                 remaining[0] -= 1
-                if remaining[0]:
-                    return
+                if remaining[0] or dispatch.settled:
+                    return  # more to come, or the watchdog gave the group to another engine
+                dispatch.settled = True
+                self._flight[index].discard(dispatch)
                 self._in_flight[index] -= request.sampling.n
             errors = [f.exception() for f in inner if f.exception() is not None]
             if errors and is_engine_failure(errors[0]):
@@ -162,6 +195,25 @@ class EnginePool:
 
         for future in inner:
             future.add_done_callback(finished)
+
+    def _watch_for_hangs(self) -> None:
+        """Take out every live engine with groups in flight that finished nothing for hung_engine_timeout_s;
+        its groups go to the live engines."""
+        timeout = self.hung_engine_timeout_s
+        while not self._closed.wait(min(5.0, timeout / 4)):
+            now = time.monotonic()
+            for index in range(len(self.engines)):
+                with self._lock:
+                    if index in self._dead or not self._flight[index] or now - self._progress[index] < timeout:
+                        continue
+                    stranded = [d for d in self._flight[index] if not d.settled]
+                    for dispatch in stranded:
+                        dispatch.settled = True
+                        self._in_flight[index] -= dispatch.request.sampling.n
+                    self._flight[index].clear()
+                self._take_out(index, f"hung: {len(stranded)} group(s) in flight and none finished in {timeout:.0f} s")
+                for dispatch in stranded:
+                    self._redispatch.submit(self._dispatch, dispatch.request, dispatch.samples)
 
     def _take_out(self, index: int, why: str) -> None:
         with self._lock:
@@ -294,6 +346,7 @@ class EnginePool:
         return self._version
 
     def close(self) -> None:
+        self._closed.set()
         if self._sender is not None:
             self._sender.close()
         self._redispatch.shutdown(wait=False, cancel_futures=True)
