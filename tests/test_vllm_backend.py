@@ -264,6 +264,42 @@ def _vllm_servers_of_this_process() -> list[int]:
 
 
 @pytest.mark.slow
+def test_a_hung_vllm_server_is_taken_out_restarted_and_its_groups_finish(vllm_chat_model, tmp_path):
+    """One launched vLLM engine whose whole process tree is SIGSTOPped (alive, accepting connections, never
+    answering): the pool's watchdog takes it out after hung_engine_timeout_s, the restart relaunches it with the
+    pool's weights, and the groups it held complete there, equal to the native engine's."""
+    from megatron_rl.rollout.pool import EnginePool
+
+    python = _vllm_or_skip()
+    model = load_pretrained(vllm_chat_model)
+    model_dir = str(tmp_path / "model")
+    tied = launch_model_dir(model_dir, model.arch, _spread_state(model.arch, 0), model.tokenizer)
+    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_timeout=600,
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args()])
+    server.wait_ready(600)
+    pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"))],
+                      dead_engine_timeout_s=600, hung_engine_timeout_s=5)
+    try:
+        v1 = _spread_state(model.arch, 1)
+        pool.update_weights(v1, version=1)
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        completions = pool.generate(_greedy(_prompts(model)))
+        print(f"hung vLLM server: taken out, restarted and its groups done in {time.monotonic() - started:.0f} s")
+        assert {v for c in completions for v in c.weight_versions} == {1}
+        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
+        native = _native(model, v1)
+        try:
+            _assert_same_generation(completions, native.generate(_greedy(_prompts(model))))
+        finally:
+            native.close()
+    finally:
+        pool.close()
+    assert not pool.engines[0].server.alive()
+
+
+@pytest.mark.slow
 def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_model, tmp_path):
     """One launched vLLM engine in a pool: weights v1 pushed, its server SIGKILLed (whole process tree), weights v2
     pushed while it is down, then a request: it waits for the restart, which relaunches the server, loads v1 from

@@ -409,6 +409,7 @@ class VLLMServer:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
+                os.killpg(self.process.pid, signal.SIGCONT)  # a stopped (hung) server handles the SIGTERM now
             try:
                 self.process.wait(grace)
             except subprocess.TimeoutExpired:
