@@ -263,15 +263,12 @@ def _vllm_servers_of_this_process() -> list[int]:
     return sorted(set(found))
 
 
-@pytest.mark.slow
-def test_a_hung_vllm_server_is_taken_out_restarted_and_its_groups_finish(vllm_chat_model, tmp_path):
-    """One launched vLLM engine whose whole process tree is SIGSTOPped (alive, accepting connections, never
-    answering): the pool's watchdog takes it out after hung_engine_timeout_s, the restart relaunches it with the
-    pool's weights, and the groups it held complete there, equal to the native engine's."""
+def _one_launched_engine_pool(model_path, tmp_path, **pool_options):
+    """(model, its launched vLLM server, a pool of that one engine), the server ready."""
     from megatron_rl.rollout.pool import EnginePool
 
     python = _vllm_or_skip()
-    model = load_pretrained(vllm_chat_model)
+    model = load_pretrained(model_path)
     model_dir = str(tmp_path / "model")
     tied = launch_model_dir(model_dir, model.arch, _spread_state(model.arch, 0), model.tokenizer)
     server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
@@ -279,7 +276,29 @@ def test_a_hung_vllm_server_is_taken_out_restarted_and_its_groups_finish(vllm_ch
                         args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args()])
     server.wait_ready(600)
     pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"))],
-                      dead_engine_timeout_s=600, hung_engine_timeout_s=5)
+                      dead_engine_timeout_s=600, **pool_options)
+    return model, server, pool
+
+
+def _assert_restarted_once_serving(pool, model, completions, state, version):
+    """The pool's one engine was restarted once and serves `state` as `version`: its completions carry that
+    version and equal the native engine's with `state`."""
+    assert {v for c in completions for v in c.weight_versions} == {version}
+    assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
+    assert pool.engines[0].version == version
+    native = _native(model, state)
+    try:
+        _assert_same_generation(completions, native.generate(_greedy(_prompts(model))))
+    finally:
+        native.close()
+
+
+@pytest.mark.slow
+def test_a_hung_vllm_server_is_taken_out_restarted_and_its_groups_finish(vllm_chat_model, tmp_path):
+    """One launched vLLM engine whose whole process tree is SIGSTOPped (alive, accepting connections, never
+    answering): the pool's watchdog takes it out after hung_engine_timeout_s, the restart relaunches it with the
+    pool's weights, and the groups it held complete there, equal to the native engine's."""
+    model, server, pool = _one_launched_engine_pool(vllm_chat_model, tmp_path, hung_engine_timeout_s=5)
     try:
         v1 = _spread_state(model.arch, 1)
         pool.update_weights(v1, version=1)
@@ -287,13 +306,7 @@ def test_a_hung_vllm_server_is_taken_out_restarted_and_its_groups_finish(vllm_ch
         started = time.monotonic()
         completions = pool.generate(_greedy(_prompts(model)))
         print(f"hung vLLM server: taken out, restarted and its groups done in {time.monotonic() - started:.0f} s")
-        assert {v for c in completions for v in c.weight_versions} == {1}
-        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
-        native = _native(model, v1)
-        try:
-            _assert_same_generation(completions, native.generate(_greedy(_prompts(model))))
-        finally:
-            native.close()
+        _assert_restarted_once_serving(pool, model, completions, v1, 1)
     finally:
         pool.close()
     assert not pool.engines[0].server.alive()
@@ -304,18 +317,7 @@ def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_m
     """One launched vLLM engine in a pool: weights v1 pushed, its server SIGKILLed (whole process tree), weights v2
     pushed while it is down, then a request: it waits for the restart, which relaunches the server, loads v1 from
     disk and the missed v2, and the completions are v2's, equal to the native engine's with v2."""
-    from megatron_rl.rollout.pool import EnginePool
-
-    python = _vllm_or_skip()
-    model = load_pretrained(vllm_chat_model)
-    model_dir = str(tmp_path / "model")
-    tied = launch_model_dir(model_dir, model.arch, _spread_state(model.arch, 0), model.tokenizer)
-    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_timeout=600,
-                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args()])
-    server.wait_ready(600)
-    pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"))],
-                      dead_engine_timeout_s=600)
+    model, server, pool = _one_launched_engine_pool(vllm_chat_model, tmp_path)
     try:
         pool.update_weights(_spread_state(model.arch, 1), version=1)
         os.killpg(server.process.pid, signal.SIGKILL)
@@ -323,14 +325,7 @@ def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_m
         v2 = _spread_state(model.arch, 2)
         pool.update_weights(v2, version=2)  # fails on the dead server: kept for its restart
         completions = pool.generate(_greedy(_prompts(model)))
-        assert {v for c in completions for v in c.weight_versions} == {2}
-        assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 1.0}
-        assert pool.engines[0].version == 2
-        native = _native(model, v2)
-        try:
-            _assert_same_generation(completions, native.generate(_greedy(_prompts(model))))
-        finally:
-            native.close()
+        _assert_restarted_once_serving(pool, model, completions, v2, 2)
     finally:
         pool.close()
     assert not pool.engines[0].server.alive()
