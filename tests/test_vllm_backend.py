@@ -317,6 +317,9 @@ def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_m
     """One launched vLLM engine in a pool: weights v1 pushed, its server SIGKILLed (whole process tree), weights v2
     pushed while it is down, then a request: it waits for the restart, which relaunches the server, loads v1 from
     disk and the missed v2, and the completions are v2's, equal to the native engine's with v2."""
+    from megatron_rl.weight_sync.shared_memory import shm_directory
+
+    before = set(os.listdir(shm_directory()))
     model, server, pool = _one_launched_engine_pool(vllm_chat_model, tmp_path)
     try:
         pool.update_weights(_spread_state(model.arch, 1), version=1)
@@ -329,6 +332,8 @@ def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_m
     finally:
         pool.close()
     assert not pool.engines[0].server.alive()
+    # the SIGKILLed server's shared memory (it could not unlink it) was removed when its restart stopped it
+    assert not set(os.listdir(shm_directory())) - before
 
 
 @pytest.mark.slow

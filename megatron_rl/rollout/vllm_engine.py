@@ -363,6 +363,7 @@ class VLLMServer:
             environment.pop(name, None)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.command = command
+        self._started = time.time() - 1.0  # files it creates from here on are its own (see _reclaim_orphaned_shm)
         # Started from one thread that lives as long as this process: the parent-death signal fires when the
         # thread that forked the child ends (Linux), and a restart runs in a short-lived thread.
         self.process = _LAUNCHER.submit(subprocess.Popen, command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -419,8 +420,60 @@ class VLLMServer:
         else:  # the server is gone; its workers may not be
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # until the last of its processes is gone
+            try:
+                os.killpg(self.process.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        _reclaim_orphaned_shm(self._started)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+# vLLM's shared-memory segments: its processes' message queues (Python shared_memory) and semaphores
+_VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def _reclaim_orphaned_shm(since: float) -> list[str]:
+    """Remove the shared-memory files of a stopped vLLM server: named as vLLM's are, ours (uid), created since
+    it started, and held by no live process (neither mapped nor open). A server killed with SIGKILL (by a
+    restart after a crash, the OOM killer, a killed run) cannot unlink them: about 400 MB each time on CPU."""
+    directory = shm_directory()
+    try:
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(_VLLM_SHM_PREFIXES) and not n.startswith("sem.mp-megatron_rl-")]  # not ours
+    except OSError:
+        return []
+    candidates = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            info = os.stat(path)
+            if info.st_uid == os.getuid() and info.st_ctime >= since:
+                candidates[name] = path
+    if not candidates:
+        return []
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                mapped = maps.read()
+            held.update(n for n in candidates if n in mapped)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    held.update(n for n in candidates if target.endswith("/" + n))
+    removed = []
+    for name, path in candidates.items():
+        if name not in held:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        log.info("removed %d shared-memory file(s) a stopped vLLM server left in %s", len(removed), directory)
+    return removed
 
 
 _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-server-launcher")
