@@ -78,10 +78,10 @@ def _engine_name(engine: Any) -> str:
 class _Dispatch:
     """One group sent to one engine; `settled` once its samples are resolved, or handed to another engine."""
 
-    __slots__ = ("request", "samples", "index", "settled")
+    __slots__ = ("request", "samples", "settled")
 
-    def __init__(self, request: GenerateRequest, samples: list[Future], index: int):
-        self.request, self.samples, self.index, self.settled = request, samples, index, False
+    def __init__(self, request: GenerateRequest, samples: list[Future]):
+        self.request, self.samples, self.settled = request, samples, False
 
 
 class EnginePool:
@@ -161,7 +161,7 @@ class EnginePool:
                 if not future.done():
                     future.set_exception(exc)
             return
-        dispatch = _Dispatch(request, samples, index)
+        dispatch = _Dispatch(request, samples)
         with self._lock:
             if not self._flight[index]:
                 self._progress[index] = time.monotonic()  # an idle engine's clock starts with its first request

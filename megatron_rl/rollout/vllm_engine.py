@@ -363,7 +363,7 @@ class VLLMServer:
             environment.pop(name, None)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.command = command
-        self._started = time.time() - 1.0  # files it creates from here on are its own (see _reclaim_orphaned_shm)
+        self.shm_files: set[str] = set()  # shared-memory files its processes held (removed by `stop` if left)
         # Started from one thread that lives as long as this process: the parent-death signal fires when the
         # thread that forked the child ends (Linux), and a restart runs in a short-lived thread.
         self.process = _LAUNCHER.submit(subprocess.Popen, command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -390,6 +390,7 @@ class VLLMServer:
                                               f"while starting: {self.tail()}")
                 with contextlib.suppress(EngineHTTPError, RequestError):
                     probe.request("GET", "/health")
+                    self.shm_files |= _shm_files_of(_processes_in_group(self.process.pid))  # its message queues
                     return
                 if time.monotonic() > deadline:
                     raise InfrastructureError(f"vLLM server on port {self.port} not ready after {timeout:.0f} s: "
@@ -408,6 +409,7 @@ class VLLMServer:
 
     def stop(self, grace: float = 20.0) -> None:
         if self.alive():
+            self.shm_files |= _shm_files_of(_processes_in_group(self.process.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
                 os.killpg(self.process.pid, signal.SIGCONT)  # a stopped (hung) server handles the SIGTERM now
@@ -427,52 +429,55 @@ class VLLMServer:
             except (ProcessLookupError, PermissionError):
                 break
             time.sleep(0.1)
-        _reclaim_orphaned_shm(self._started)
+        _remove_unheld(self.shm_files)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
 
 
-# vLLM's shared-memory segments: its processes' message queues (Python shared_memory) and semaphores
-_VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
-
-
-def _reclaim_orphaned_shm(since: float) -> list[str]:
-    """Remove the shared-memory files of a stopped vLLM server: named as vLLM's are, ours (uid), created since
-    it started, and held by no live process (neither mapped nor open). A server killed with SIGKILL (by a
-    restart after a crash, the OOM killer, a killed run) cannot unlink them: about 400 MB each time on CPU."""
-    directory = shm_directory()
-    try:
-        names = [n for n in os.listdir(directory)
-                 if n.startswith(_VLLM_SHM_PREFIXES) and not n.startswith("sem.mp-megatron_rl-")]  # not ours
-    except OSError:
-        return []
-    candidates = {}
-    for name in names:
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            info = os.stat(path)
-            if info.st_uid == os.getuid() and info.st_ctime >= since:
-                candidates[name] = path
-    if not candidates:
-        return []
-    held = set()
+def _processes_in_group(pgid: int) -> list[str]:
+    """The pids (as /proc names) of the live processes in process group `pgid`."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:  # field 5, pgrp, after "(comm)"
+                    found.append(pid)
+    return found
+
+
+def _shm_files_of(pids: Iterable[str]) -> set[str]:
+    """The files in the shared-memory directory that the processes `pids` have mapped or open."""
+    prefix = shm_directory().rstrip("/") + "/"
+    held = set()
+    for pid in pids:
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-                mapped = maps.read()
-            held.update(n for n in candidates if n in mapped)
+                held.update(line.split(maxsplit=5)[5].strip() for line in maps
+                            if prefix in line and len(line.split(maxsplit=5)) == 6 and "(deleted)" not in line)
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    held.update(n for n in candidates if target.endswith("/" + n))
+                    if target.startswith(prefix):
+                        held.add(target)
+    return held
+
+
+def _remove_unheld(paths: set[str]) -> list[str]:
+    """Remove those of `paths` (a stopped vLLM server's shared memory: its message queues, semaphores) that no
+    live process holds. A server killed with SIGKILL (a restart after a crash, the OOM killer) cannot unlink
+    them: about 400 MB each time on CPU. Only files its own processes held are ever candidates (a 32-byte
+    named semaphore vLLM's API server creates and does not hold is not one of them, and stays)."""
+    present = {p for p in paths if os.path.exists(p)}
+    if not present:
+        return []
+    held = _shm_files_of(filter(str.isdigit, os.listdir("/proc")))
     removed = []
-    for name, path in candidates.items():
-        if name not in held:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append(path)
+    for path in sorted(present - held):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
     if removed:
-        log.info("removed %d shared-memory file(s) a stopped vLLM server left in %s", len(removed), directory)
+        log.info("removed %d shared-memory file(s) a stopped vLLM server left: %s", len(removed), ", ".join(removed))
     return removed
 
 
