@@ -171,6 +171,10 @@ class RunConfig:
                 f"must be >= 2 with the group-relative estimator algorithm.advantage.estimator="
                 f"{advantage.estimator}{' (group_baseline)' if advantage.estimator == 'reinforce_pp' else ''}, "
                 f"got {self.rollout.samples_per_prompt}; use reinforce_pp without group_baseline for one sample per prompt")
+        generator = self.cluster.generator
+        require(self.rollout.weight_sync == "full" or generator.backend == "native", "rollout.weight_sync",
+                f"delta sends changed elements that only the native engine applies; cluster.generator.backend "
+                f"{generator.backend} takes whole tensors (use rollout.weight_sync=full)")
 
 
     def __setstate__(self, state: dict) -> None:

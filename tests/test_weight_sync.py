@@ -13,7 +13,8 @@ from tests.helpers import near_uniform_state
 from tests.test_trainer_parallel import _data
 
 
-def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2, ep=1):
+def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2, ep=1, delta=False, dtype="fp32", lr=1e-2,
+                 versions=(1, 2)):
     import torch.distributed as dist
 
     from megatron_rl.placement.generator_process import GeneratorProcess
@@ -28,24 +29,28 @@ def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2, ep=1):
 
     torch.set_num_threads(1)
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
-    trainer = MegatronTrainer(arch, TrainerConfig(parallel=parallel, micro_batch_size=2, lr=1e-2, vocab_divisible_by=1),
+    trainer = MegatronTrainer(arch, TrainerConfig(parallel=parallel, micro_batch_size=2, lr=lr, vocab_divisible_by=1),
                               hf_state=state)
     generator = engine = None
     state = trainer.gather_hf_state(dst=0)  # the engine's names (MoE: transformers' in-memory form -> published)
+    engine_config = NativeEngineConfig(max_batch_size=2, dtype=dtype)
     if rank == 0:
-        generator = GeneratorProcess(arch, state, config=NativeEngineConfig(max_batch_size=2), verify_weights=True)
-        engine = NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=2))
+        generator = GeneratorProcess(arch, state, config=engine_config, verify_weights=True)
+        engine = NativeEngine(arch, state, config=engine_config)
     try:
-        channel = SharedMemoryWeightChannel(trainer, generator)
+        channel = SharedMemoryWeightChannel(trainer, generator, delta=delta)
         # buckets far smaller than the model: many reduce rounds, tensors split across ranks in each
-        buckets = InProcessWeightChannel(trainer, engine, bucket_bytes=16 << 10)
+        buckets = InProcessWeightChannel(trainer, engine, bucket_bytes=16 << 10, delta=delta)
         normalizer = batch.loss_mask.sum()
-        mismatches = []
-        for version in (1, 2):
+        mismatches, sent = [], []
+        for version in versions:
             trainer.train_step(batch, lambda lp, mb, ent: (-(lp * mb.loss_mask).sum() / normalizer, {}))
-            channel.push(version)  # verify mode: the engine's checksums must equal the shared buffer's
-            buckets.push(version)
-            expected = trainer.gather_hf_state(dst=0)
+            shared = channel.push(version)  # verify mode: the engine's checksums must equal the shared buffer's
+            bucketed = buckets.push(version)
+            sent.append((shared.get("weight_sync/sent_fraction"), bucketed.get("weight_sync/sent_fraction"),
+                         {k.split("/")[1].removesuffix("_tensors"): v for k, v in bucketed.items() if k.endswith("_tensors")}))
+            # what a full sync leaves in the engine: the trainer's weights in the engine's dtype
+            expected = {n: t.to(torch.bfloat16 if dtype == "bf16" else torch.float32) for n, t in (trainer.gather_hf_state(dst=0) or {}).items()}
             if rank == 0:
                 views = channel.arena_views[1 - generator.staging_index]  # the arena the engine adopted
                 assert set(views) == set(expected), sorted(set(views) ^ set(expected))
@@ -56,7 +61,7 @@ def _sync_worker(rank, world_size, arch, state, batch, tp=2, pp=2, ep=1):
                 assert generator.version == version
                 assert generator.health()["process_alive"]
         dist.barrier()
-        return mismatches if rank == 0 else None
+        return (mismatches, sent) if delta else mismatches if rank == 0 else None
     finally:
         if generator is not None:
             generator.close()
@@ -67,6 +72,21 @@ def test_tp2_pp2_trainer_to_tp1_engine_equal_after_every_sync(tiny_arch):
     state = near_uniform_state(tiny_arch)
     mismatches = run_distributed(_sync_worker, 4, tiny_arch, state, _data(tiny_arch))[0]
     assert mismatches == [[], []]
+
+
+def test_delta_syncs_leave_the_engines_equal_to_full_syncs_and_send_less(tiny_arch):
+    """Delta sync (rollout.weight_sync: delta) at TP=2 into a bf16 engine: after every step the generator
+    process's arena and the engine on rank 0 hold the bits a full sync would give; the first sync sends
+    everything, the later ones only the changed elements (a small learning rate moves few bf16 values)."""
+    state = near_uniform_state(tiny_arch)
+    mismatches, sent = run_distributed(_sync_worker, 2, tiny_arch, state, _data(tiny_arch), 2, 1, 1, True, "bf16",
+                                       1e-3, (1, 2, 3, 4))[0]
+    assert mismatches == [[], [], [], []]
+    assert sent[0][0] == 1.0 and sent[1][0] == 1.0  # each of the two arenas is written whole once
+    assert sent[0][1] == 1.0 and sent[0][2]["whole"] > 0 and sent[0][2]["sparse"] + sent[0][2]["mask"] == 0
+    for shared, bucketed, tensors in sent[2:]:
+        assert 0 < shared < 1 and 0 < bucketed < 1, sent
+    assert sum(t["sparse"] + t["mask"] for _, _, t in sent[1:]) > 0, sent
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -111,6 +111,7 @@ class Controller:
         self.stream: PromptStream | None = None
         self.rollouts: RolloutProducer | None = None
         self.selection_metrics: dict[str, float] = {}
+        self.weight_sync_metrics: dict[str, float] = {}
         if self.is_driver:
             self.stream = PromptStream.from_config(self.train_data, config.data)
             self.rollouts = RolloutProducer(parts.episodes, self.tokenizer, self.stream, config.rollout,
@@ -154,7 +155,8 @@ class Controller:
                 pause = self.config.rollout.weight_update == "pause" and p.engine is not None
                 if pause:
                     p.engine.pause()
-                p.weights.push(p.version)
+                pushed = p.weights.push(p.version)
+                self.weight_sync_metrics.update({k: v for k, v in pushed.items() if k.startswith("weight_sync/")})
                 if pause:
                     if not p.engine.flush_cache():
                         log.warning(f"weight sync {p.version}: the engine refused to flush its prefix cache; "
@@ -227,6 +229,8 @@ class Controller:
                         "train/version": float(self.version)})
         if hasattr(self.engine, "restarts"):  # a generator process that died and was restarted (logged there)
             metrics["rollout/generator_restarts"] = float(self.engine.restarts)
+        metrics.update(self.weight_sync_metrics)  # a delta sync's bytes sent against a full one's
+        self.weight_sync_metrics = {}
         metrics.update(self.selection_metrics)  # the curriculum's one-off preparation, logged with step 1
         self.selection_metrics = {}
         return metrics
@@ -326,6 +330,8 @@ class Controller:
                 self.rollouts.load_state_dict(*buffer)
             else:  # a checkpoint from before rollout buffers were saved
                 self.rollouts.resume_at(start_step)
+        for policy in self.policies:  # what the engine holds is not what the trainer had sent
+            policy.weights.reset()
         self.sync_weights()
         return start_step, RunState.from_checkpoint(saved["controller"]), saved.get("step_metrics")
 

@@ -47,7 +47,12 @@ from megatron_rl.rollout.engine import (
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.weights import weight_arena_layout
 from megatron_rl.types import Completion
-from megatron_rl.weight_sync.shared_memory import SharedBuckets, SharedBucketsDescriptor, reclaim_stale
+from megatron_rl.weight_sync.shared_memory import (
+    SharedBuckets,
+    SharedBucketsDescriptor,
+    WeightMismatchError,
+    reclaim_stale,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +61,6 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (verification mode of the weight channel)."""
     data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
     return zlib.crc32(memoryview(data))
-
-
-class WeightMismatchError(RuntimeError):
-    """A tensor's checksum differs between trainer and generator after a weight sync."""
 
 
 def _worker(arch: ModelArch, arenas: tuple[SharedBucketsDescriptor, ...], active: int, version: int,

@@ -44,6 +44,7 @@ from megatron_rl.weight_sync.distributed import (
     init_weight_update_group,
     receive_broadcast,
 )
+from megatron_rl.weight_sync.delta import from_wire
 from megatron_rl.weight_sync.fp8 import generator_weights
 
 
@@ -154,6 +155,8 @@ class RankGenerator(RemoteEngine):
         self._requests = self._results = RecordLink(link_group, peer=1, last={"stopped", "fatal"})
         self._start_receiver()
 
+    takes_weight_deltas = True  # its rank rebuilds them from the plain named tensors it receives
+
     def _on_fatal(self, error: RuntimeError) -> None:
         # A generator rank is not restarted (the launch owns it): every waiting request fails now.
         super()._on_fatal(error)
@@ -222,12 +225,12 @@ class _StagedWeights:
     def commit(self, message: tuple) -> None:
         version = message[1]
         staged, self.staged = self.staged, {}
-        self.engine.update_weights(staged, version)
+        self.engine.update_weights(from_wire(staged), version)
         self.link.put(("updated", self.engine.version, None))
 
     def replace(self, message: tuple) -> None:
         _, version, named = message
-        self.engine.update_weights(named, version)
+        self.engine.update_weights(from_wire(named), version)
         self.link.put(("updated", self.engine.version, None))
 
 

@@ -53,6 +53,13 @@ class RolloutConfig:
     update, and the KV cache is freed (when no response is in flight) before it resumes."""
     verify_weight_sync: bool = False
     """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
+    weight_sync: Literal["full", "delta"] = "full"
+    """full: every weight byte goes to the engine on every sync. delta: only the elements whose bits changed
+    (in the engine's dtype) since the version it holds, each tensor sent as nothing, sparse positions, a
+    bitmask or whole, whichever is smallest (weight_sync/delta.py); the first sync, the one after a resume and
+    the one after a checksum mismatch send everything. Native engines only (in this process, a generator
+    process or generator ranks): SGLang and vLLM take whole tensors. Without a generator process the driver
+    keeps one copy of the engine-dtype weights to compare with (generator ranks); docs/async.md."""
     offload_idle: bool = True
     """Colocated synchronous runs (max_staleness 0): while the trainer steps, the engine frees its KV
     cache (and on a GPU moves its weights to host memory); while the engine generates, the trainer's

@@ -25,6 +25,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from megatron_rl.config import InfrastructureError
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, SGLangServer
 from megatron_rl.rollout.engine import (
@@ -283,6 +285,21 @@ class EnginePool:
         return self.wait(self.submit(requests))
 
     # --- weights and control --------------------------------------------------------------------
+    @property
+    def takes_weight_deltas(self) -> bool:
+        """Whether a delta sync can feed this pool (weight_sync/delta.py, sent as plain named tensors): its
+        engines apply them (generator ranks, over the broadcast group) and none is restarted from scratch."""
+        return (self._sender_factory is not None and not self._fp8_block_size
+                and all(getattr(e, "takes_weight_deltas", False) for e in self.engines))
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engines hold their weights in (a delta is computed in it)."""
+        names = {self.engines[i].health().get("dtype") for i in range(len(self.engines)) if i not in self._dead}
+        if len(names) != 1 or None in names:
+            raise RuntimeError(f"the pool's engines report weight dtypes {sorted(map(str, names))}: one is needed")
+        return getattr(torch, names.pop())
+
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
         if self._sender_factory is None:
             named = dict(iter_named_tensors(named_tensors))

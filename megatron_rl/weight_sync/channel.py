@@ -11,6 +11,7 @@ Both are planned once from the two layouts (Megatron shards -> the engine's HF t
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Iterator
@@ -18,41 +19,80 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import ConfigError
 from megatron_rl.ranks import broadcast_records
+from megatron_rl.weight_sync.delta import DeltaEncoder, to_wire, write_changed
 from megatron_rl.weight_sync.reshard import EngineLayout, build_reshard_plan
-from megatron_rl.weight_sync.shared_memory import SharedBuckets, write_shard
+from megatron_rl.weight_sync.shared_memory import SharedBuckets, WeightMismatchError, write_shard
+
+log = logging.getLogger(__name__)
 
 
 class InProcessWeightChannel:
     """Trainer -> an engine through its `update_weights` (in this process, or a client of one): the
     trainer's HF-named weights, optionally transformed first (e.g. rounded through fp8 blocks). With
     several trainer ranks the driver holds the engine (None elsewhere) and the weights reach it bucket
-    by bucket (`assemble_hf_buckets`): the whole model is never gathered on one rank."""
+    by bucket (`assemble_hf_buckets`): the whole model is never gathered on one rank.
 
-    def __init__(self, trainer, engine, transform=None, *, bucket_bytes: int = 256 << 20):
+    `delta` (weight_sync/delta.py): only the changed elements go. An engine in this process is compared
+    with directly (its own tensors are the baseline); a pool of generator ranks gets the deltas as plain
+    named tensors over its broadcast group, against a copy the driver keeps of what it sent."""
+
+    def __init__(self, trainer, engine, transform=None, *, bucket_bytes: int = 256 << 20, delta: bool = False):
         self.trainer = trainer
         self.engine = engine
         self.transform = transform
         self.bucket_bytes = bucket_bytes
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1)) \
             if dist.get_world_size() > 1 else None
+        self.delta = delta_encoder(engine) if delta and engine is not None else None
+
+    def reset(self) -> None:
+        """The next push sends every byte (after a resume or a mismatch)."""
+        if self.delta is not None:
+            self.delta.reset()
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         if self.plan is None:
             state = self.trainer.export_hf_state()
-            self.engine.update_weights(self.transform(state) if self.transform is not None else state, version)
-            return {"perf/weight_sync_time": time.perf_counter() - start}
+            self._send(self.transform(state) if self.transform is not None else state.items(), version)
+            return {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
         named = assemble_hf_buckets(self.trainer, self.plan, self.bucket_bytes)
         try:
             if self.engine is not None:
                 # a transform (fp8 rounding) needs whole tensors by name: the one case that gathers them all
-                weights = self.transform(dict(named)) if self.transform is not None else named
-                self.engine.update_weights(weights, version)
+                self._send(self.transform(dict(named)).items() if self.transform is not None else named, version)
         finally:
             for _ in named:  # the other ranks take part in every bucket's collective
                 pass
-        return {"perf/weight_sync_time": time.perf_counter() - start}
+        return {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
+
+    def _send(self, named, version: int) -> None:
+        if self.delta is None:
+            self.engine.update_weights(named, version)
+            return
+        try:
+            changes = self.delta.encode(named.items() if isinstance(named, dict) else named)
+            self.engine.update_weights(changes if self.delta.reads_receiver else to_wire(changes), version)
+        except BaseException:
+            self.delta.reset()  # what the engine holds is unknown now
+            raise
+
+    def _delta_metrics(self) -> dict[str, float]:
+        return self.delta.stats.metrics() if self.delta is not None else {}
+
+
+def delta_encoder(engine) -> DeltaEncoder:
+    """The delta encoder for `engine`: compared with its own tensors when it is in this process, else
+    with a copy of what was sent (engines that take plain named tensors: a pool of generator ranks)."""
+    if hasattr(engine, "named_weights") and hasattr(engine, "weights"):  # a native engine in this process
+        return DeltaEncoder(held=lambda name: engine.named_weights((name,)).get(name), dtype=engine.dtype)
+    if getattr(engine, "takes_weight_deltas", False):
+        return DeltaEncoder(dtype=engine.weight_dtype)
+    raise ConfigError(f"rollout.weight_sync: delta needs an engine that applies weight deltas (the native engine in "
+                      f"this process, in a generator process or on generator ranks); {type(engine).__name__} does not",
+                      field="rollout.weight_sync")
 
 
 def shard_writer(trainer) -> tuple[bool, int, object]:
@@ -111,20 +151,24 @@ def cpu_tensor_group(group=None):
     return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo")
 
 
-def make_weight_channel(trainer, engine, transform=None):
+def make_weight_channel(trainer, engine, transform=None, *, delta: bool = False):
     """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
-    weights go as they are), else its `update_weights`. Collective: every trainer rank calls it, the
-    driver (rank 0) with its engine, the others with None."""
+    weights go as they are), else its `update_weights`; `delta` sends only what changed. Collective:
+    every trainer rank calls it, the driver (rank 0) with its engine, the others with None."""
     shared = broadcast_records(transform is None and getattr(engine, "shared_weights", None) is not None)
     if shared:
-        return SharedMemoryWeightChannel(trainer, engine)
-    return InProcessWeightChannel(trainer, engine, transform)
+        return SharedMemoryWeightChannel(trainer, engine, delta=delta)
+    return InProcessWeightChannel(trainer, engine, transform, delta=delta)
 
 
 class SharedMemoryWeightChannel:
-    """Trainer -> generator weight sync over shared memory; collective over the trainer's world."""
+    """Trainer -> generator weight sync over shared memory; collective over the trainer's world.
 
-    def __init__(self, trainer, generator=None, *, owner_rank: int = 0, group=None):
+    `delta`: each writer compares its shard's slices with the staging arena (which holds the version
+    before the engine's current one) and writes only the elements whose bits differ; the first push into
+    each arena, and the one after a `reset` or a checksum mismatch, write everything."""
+
+    def __init__(self, trainer, generator=None, *, owner_rank: int = 0, group=None, delta: bool = False):
         """`generator` (a GeneratorProcess) is given on `owner_rank` only; every trainer rank constructs
         the channel (the buffer's descriptor is broadcast from the owner)."""
         self.trainer = trainer
@@ -137,22 +181,45 @@ class SharedMemoryWeightChannel:
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
         self.arena_views = [arena.views() for arena in self.arenas]
         self.writes, self.shard_index, _ = shard_writer(trainer)
+        self.delta = delta
+        self._full_arenas: set[int] = set(range(len(self.arenas)))  # still to be written whole
+
+    def reset(self) -> None:
+        """The next push into each arena writes everything."""
+        self._full_arenas = set(range(len(self.arenas)))
 
     def push(self, version: int) -> dict[str, float]:
         """Write every shard into the engine's buffer and commit `version`. Returns timings (owner)."""
         start = time.perf_counter()
         staging = torch.tensor([self.generator.staging_index if self.generator is not None else 0])
         dist.broadcast(staging, src=self.owner_rank, group=self.group)
+        arena = int(staging)
+        only_changed = self.delta and arena not in self._full_arenas
         written = 0
         if self.writes:
-            written = write_shard(self.plan, self.trainer.pp_rank, self.shard_index,
-                                  self.trainer.shard_state(), {0: self.arena_views[int(staging)]})
+            written = write_shard(self.plan, self.trainer.pp_rank, self.shard_index, self.trainer.shard_state(),
+                                  {0: self.arena_views[arena]}, only_changed=only_changed)
         total = torch.tensor([written], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)  # doubles as the barrier: every shard is written
         staged = time.perf_counter()
+        mismatch = torch.zeros(1)
         if self.generator is not None:
-            self.generator.commit_weights(version)
-        dist.barrier(group=self.group)
+            try:
+                self.generator.commit_weights(version)
+            except WeightMismatchError as error:
+                if not only_changed:
+                    raise
+                log.warning(f"{error}; the next sync writes every byte")
+                mismatch += 1
+        dist.all_reduce(mismatch, group=self.group)  # doubles as the barrier: the version is committed
+        self._full_arenas.discard(arena)
+        if mismatch.item():
+            self.reset()
         end = time.perf_counter()
-        return {"perf/weight_sync_time": end - start, "perf/weight_sync_write_time": staged - start,
-                "perf/weight_sync_commit_time": end - staged, "perf/weight_sync_bytes": float(total.item())}
+        full = float(sum(t.numel() * t.element_size() for t in self.arena_views[arena].values()))
+        metrics = {"perf/weight_sync_time": end - start, "perf/weight_sync_write_time": staged - start,
+                   "perf/weight_sync_commit_time": end - staged, "perf/weight_sync_bytes": float(total.item())}
+        if self.delta:
+            metrics.update({"weight_sync/sent_bytes": float(total.item()), "weight_sync/full_bytes": full,
+                            "weight_sync/sent_fraction": float(total.item()) / max(full, 1.0)})
+        return metrics

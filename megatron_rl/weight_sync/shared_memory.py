@@ -19,6 +19,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from megatron_rl.weight_sync.delta import write_changed
 from megatron_rl.weight_sync.reshard import (
     Bucket,
     BucketLayout,
@@ -82,6 +83,10 @@ def reclaim_stale(directory: str | None = None) -> list[str]:
         log.warning(f"reclaimed {len(removed)} shared-memory files ({freed / 2**20:.1f} MiB) in {directory} left by "
                     f"dead runs (pids {', '.join(map(str, sorted(owners)))})")
     return removed
+
+
+class WeightMismatchError(RuntimeError):
+    """A tensor's checksum differs between trainer and generator after a weight sync."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +153,14 @@ def _map(path: str, layout: BucketLayout) -> torch.Tensor:
 
 
 def write_shard(plan: ReshardPlan, pp_rank: int, tp_rank: int, shard: Mapping[str, torch.Tensor],
-                destinations: Mapping[int, Mapping[str, torch.Tensor]], *, partial: bool = False) -> int:
+                destinations: Mapping[int, Mapping[str, torch.Tensor]], *, partial: bool = False,
+                only_changed: bool = False) -> int:
     """Copy Megatron shard (pp_rank, tp_rank) into every engine rank's HF-named destination tensors it
     feeds, following the reshard plan. Returns the bytes written. Each trainer rank calls this for its
     own shard; together they fill the destinations completely (the plan covers every element once).
-    `partial`: the destinations hold only some of the tensors (one bucket); the others are skipped."""
+    `partial`: the destinations hold only some of the tensors (one bucket); the others are skipped.
+    `only_changed`: write only the elements whose bits differ from the destination's (a delta sync into
+    memory the trainer can read; the destination ends up the same)."""
     written = 0
     with torch.no_grad():
         for engine_rank, copies in plan.copies_from(pp_rank, tp_rank).items():
@@ -165,6 +173,9 @@ def write_shard(plan: ReshardPlan, pp_rank: int, tp_rank: int, shard: Mapping[st
                 target = targets[copy.dst]
                 d2 = target.view(target.shape[0], -1) if target.dim() != 1 else target.view(-1, 1)
                 for sr, sc, dr, dc, nr, nc in copy.segments:
-                    d2[dr:dr + nr, dc:dc + nc].copy_(s2[sr:sr + nr, sc:sc + nc])
-                    written += nr * nc * source.element_size()
+                    if only_changed:
+                        written += write_changed(d2[dr:dr + nr, dc:dc + nc], s2[sr:sr + nr, sc:sc + nc])
+                    else:
+                        d2[dr:dr + nr, dc:dc + nc].copy_(s2[sr:sr + nr, sc:sc + nc])
+                        written += nr * nc * target.element_size()
     return written

@@ -370,6 +370,7 @@ class NativeEngine(_Scheduler):
             return {"ok": self._thread.is_alive() and not self._closing, "version": self._version,
                     "running": len(self._running), "waiting": len(self._waiting), "paused": self._paused,
                     "last_error": self._last_error, "engine": "native", "device": str(self.device),
+                    "dtype": str(self.dtype).removeprefix("torch."),
                     "max_batch_size": self.kv_cache.slots, "max_seq_len": self.max_seq_len,
                     **{k: v for k, v in self._stats.items()}}
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
+from megatron_rl.weight_sync.delta import WeightDelta
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
 
 
@@ -223,12 +224,12 @@ class LlamaWeights:
         target = self._targets.get(name)
         if target is None:
             raise ConfigError(f"update_weights: unknown tensor name {name!r}{self._unknown_hint(name)}", field=name)
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, WeightDelta)):
             raise ConfigError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor", field=name)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ConfigError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected "
                               f"{tuple(target.shape)} for this model config (family {self.arch.family})", field=name)
-        if not (tensor.is_floating_point()):
+        if not tensor.dtype.is_floating_point:
             raise ConfigError(f"update_weights: {name!r} has dtype {tensor.dtype}, expected a float tensor", field=name)
         return target
 
@@ -257,7 +258,10 @@ class LlamaWeights:
                 target = self.check(name, tensor)
                 if target is None:
                     continue
-                target.copy_(tensor)
+                if isinstance(tensor, WeightDelta):
+                    tensor.apply_to(target)
+                else:
+                    target.copy_(tensor)
                 seen.update(self._covers.get(name, (name,)))
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     dirty.add(-1)
