@@ -22,8 +22,13 @@ CASES = {
         **_BASE, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4, "norm_topk_prob": False}),
     "mixtral": parity.Case("mixtral", "MixtralConfig", {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
                                                         "sliding_window": None}),
+    # Qwen2-MoE: q/k/v biases, raw (not renormalised) top-k weights, a gated shared expert of width 48.
+    "qwen2_moe": parity.Case("qwen2_moe", "Qwen2MoeConfig", {**_BASE, "intermediate_size": 96,
+                                                            "moe_intermediate_size": 32, "num_experts": 4,
+                                                            "shared_expert_intermediate_size": 48,
+                                                            "norm_topk_prob": False}),
 }
-FAMILY_CASES = ("qwen3_moe", "mixtral")
+FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def build(name: str, seed: int = 0):

@@ -319,14 +319,16 @@ def _moe_worker(rank, world_size, arch, state, batch, tp):
     return trainer.compute_logprobs(batch), trainer.gather_hf_state()
 
 
-def test_moe_lora_at_tp2_with_sequence_parallelism_equals_tp1():
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_lora_at_tp2_with_sequence_parallelism_equals_tp1(family):
     """Mixture of experts at TP=2 runs sequence-parallel attention and expert linears whose token dispatcher
-    gathers inputs and sums outputs: with adapters on both (every expert's fc1 / fc2 included), one Adam step
-    gives the same policy as at TP=1. (Adam's first step moves each B entry by lr times its gradient's sign, so
-    the gradients must agree; float32 rounding of the two layouts leaves ~1e-6 in the log-probs.)"""
+    gathers inputs and sums outputs: with adapters on both (every expert's fc1 / fc2 included, and Qwen2-MoE's
+    shared expert), one Adam step gives the same policy as at TP=1. (Adam's first step moves each B entry by lr
+    times its gradient's sign, so the gradients must agree; float32 rounding of the two layouts leaves ~1e-6 in
+    the log-probs.)"""
     from tests import moe_helpers
 
-    _, arch, state, _ = moe_helpers.build("qwen3_moe")
+    _, arch, state, _ = moe_helpers.build(family)
     batch = _batch(arch.vocab_size)
     lp1, weights1 = _moe_worker(0, 1, arch, state, batch, 1)
     lp2, weights2 = run_distributed(_moe_worker, 2, arch, state, batch, 2)[0]
@@ -338,3 +340,4 @@ def test_moe_lora_at_tp2_with_sequence_parallelism_equals_tp1():
     for weights in (weights1, weights2):
         moved = [k for k in weights if not torch.equal(weights[k], base[k])]
         assert any(".experts." in k for k in moved) and any("self_attn" in k for k in moved)
+        assert any(".shared_expert." in k for k in moved) == (family == "qwen2_moe")

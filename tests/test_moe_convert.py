@@ -35,17 +35,23 @@ def test_config_round_trips_through_the_registry(built, name):
     model, arch, _, _ = built[name]
     config = model.config
     assert arch.family == config.model_type and arch.is_moe
-    assert (arch.num_experts, arch.moe_top_k) == (config.num_local_experts, config.num_experts_per_tok)
-    expert_size = config.moe_intermediate_size if name.startswith("qwen3_moe") else config.intermediate_size
+    experts = config.num_experts if name.startswith("qwen") else config.num_local_experts
+    assert (arch.num_experts, arch.moe_top_k) == (experts, config.num_experts_per_tok)
+    expert_size = config.moe_intermediate_size if name.startswith("qwen") else config.intermediate_size
     assert arch.moe_ffn_hidden_size == expert_size
     assert arch.moe_norm_topk_prob == getattr(config, "norm_topk_prob", True)
     assert arch.router_aux_loss_coef == config.router_aux_loss_coef
     exported = families.to_hf_config(arch)
     assert families.from_hf_config(exported) == arch
     reread = getattr(transformers, type(config).__name__)(**exported)
-    for field in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
+    experts_field = "num_experts" if name.startswith("qwen") else "num_local_experts"
+    for field in (experts_field, "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
         assert getattr(reread, field) == getattr(config, field), field
-    if name.startswith("qwen3_moe"):
+    assert arch.shared_expert_ffn_hidden_size == getattr(config, "shared_expert_intermediate_size", 0)
+    assert arch.shared_expert_gate == (name == "qwen2_moe")
+    if name == "qwen2_moe":
+        assert reread.shared_expert_intermediate_size == config.shared_expert_intermediate_size
+    if name.startswith("qwen"):
         assert (reread.moe_intermediate_size, reread.norm_topk_prob) == (config.moe_intermediate_size,
                                                                           config.norm_topk_prob)
         assert reread.decoder_sparse_step == 1 and reread.mlp_only_layers == []
@@ -60,6 +66,10 @@ def test_config_round_trips_through_the_registry(built, name):
     ("mixtral", "sliding_window", 0),
     ("mixtral", "n_shared_experts", 1),
     ("mixtral", "scoring_func", "sigmoid"),
+    ("qwen2_moe", "mlp_only_layers", [0]),
+    ("qwen2_moe", "decoder_sparse_step", 2),
+    ("qwen2_moe", "qkv_bias", False),
+    ("qwen2_moe", "shared_expert_intermediate_size", 0),
 ])
 def test_unsupported_moe_variants_are_refused_by_name(built, family, field, value):
     config = built[family][0].config.to_dict()

@@ -35,6 +35,10 @@ CONFIGS = {
     "qwen3_moe_norm": lambda: transformers.Qwen3MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
                                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                                           tie_word_embeddings=True),
+    # Qwen2-MoE: q/k/v biases, top-4 of 8 without renormalization, a gated shared expert
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48, num_experts=8,
+                                                     num_experts_per_tok=4, norm_topk_prob=False),
 }
 
 
@@ -47,7 +51,8 @@ def _model(kind: str, seed: int = 0):
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_greedy_and_logprobs_match_transformers(kind):
     config, model, state, arch = _model(kind)
-    assert arch.is_moe and arch.moe_norm_topk_prob == (kind != "qwen3_moe")
+    assert arch.is_moe and arch.moe_norm_topk_prob == (kind not in ("qwen3_moe", "qwen2_moe"))
+    assert (arch.shared_expert_ffn_hidden_size > 0) == (kind == "qwen2_moe")
     equal, diff = engine_parity(model, arch, state, max_new_tokens=32)
     assert equal and diff < 1e-4, (kind, equal, diff)
 

@@ -81,6 +81,41 @@ def test_parameter_split_matches_megatron_moe_model():
     assert cost.stage_parameter_split(arch, 1, 1, 0, 128) == (dense, experts)
 
 
+def test_shared_expert_parameters_match_transformers_and_megatron_qwen2_moe():
+    """Qwen2-MoE's gated shared expert is dense (split over TP, on every EP rank): the planner's split equals
+    transformers' model and Megatron's, and the published Qwen1.5-MoE-A2.7B shape has its card's counts."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+
+    arch = ModelArch(**SMALL, family="qwen2_moe", attention_bias=True, shared_expert_ffn_hidden_size=48,
+                     shared_expert_gate=True)
+    config = Qwen2MoeConfig(vocab_size=SMALL["vocab_size"], hidden_size=SMALL["hidden_size"],
+                            intermediate_size=SMALL["ffn_hidden_size"], num_hidden_layers=SMALL["num_layers"],
+                            num_attention_heads=SMALL["num_attention_heads"],
+                            num_key_value_heads=SMALL["num_query_groups"], num_experts=SMALL["num_experts"],
+                            num_experts_per_tok=SMALL["moe_top_k"], moe_intermediate_size=SMALL["moe_ffn_hidden_size"],
+                            shared_expert_intermediate_size=48, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config)
+    experts_hf = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense_hf = sum(p.numel() for p in model.parameters()) - experts_hf
+    assert cost.stage_parameter_split(arch, 1, 1, 0, 128) == (dense_hf, experts_hf)
+    assert arch.num_parameters() == dense_hf + experts_hf
+    gpt = MegatronTrainer(arch, TrainerConfig(vocab_divisible_by=128)).gpt
+    experts = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." in n)
+    assert cost.stage_parameter_split(arch, 1, 1, 0, 128) == (sum(p.numel() for p in gpt.parameters()) - experts,
+                                                              experts)
+    published = ModelArch(vocab_size=151936, num_layers=24, hidden_size=2048, ffn_hidden_size=5632,
+                          num_attention_heads=16, num_query_groups=16, max_position_embeddings=8192, num_experts=60,
+                          moe_top_k=4, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=5632,
+                          shared_expert_gate=True, family="qwen2_moe", attention_bias=True)
+    # Qwen's model card: 14.3B parameters in total, 2.7B activated
+    assert abs(published.num_parameters() / 1e9 - 14.3) < 0.05
+    assert abs(cost.active_parameters(published) / 1e9 - 2.7) < 0.05
+
+
 def test_qwen3_30b_a3b_shape_has_the_published_counts():
     from megatron_rl.models import families
 

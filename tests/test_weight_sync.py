@@ -89,10 +89,11 @@ def test_delta_syncs_leave_the_engines_equal_to_full_syncs_and_send_less(tiny_ar
     assert sum(t["sparse"] + t["mask"] for _, _, t in sent[1:]) > 0, sent
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_ep2_trainer_to_engine_carries_every_ranks_experts(family):
     """Expert parallelism: each EP rank holds half of every layer's experts (and data-parallel rank 1 is
-    EP rank 1), so both channels must take experts from every EP rank, dense tensors once."""
+    EP rank 1), so both channels must take experts from every EP rank, dense tensors (Qwen2-MoE's shared
+    expert included) once."""
     from tests import moe_helpers
 
     _, arch, state, _ = moe_helpers.build(family)

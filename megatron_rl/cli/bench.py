@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "logprob": "megatron_rl.kernels.bench_logprob:bench_logprob",
     "async": "megatron_rl.controller.bench_async:bench_async",
     "sync": "megatron_rl.placement.bench_weight_sync:bench_sync",
+    "delta-sync": "megatron_rl.placement.bench_delta_sync:bench_delta_sync",
     "pcl": "megatron_rl.recipes.pcl.bench_selection:bench_pcl",
     "sim": "megatron_rl.sim.simulate:bench_sim",
     "sandbox": "megatron_rl.recipes.agent.bench_sandbox:bench_sandbox",

@@ -73,6 +73,9 @@ CASES: tuple[Case, ...] = (
     Case("qwen3_moe (top-3 of 8, not renormalized)", "Qwen3MoeConfig", {
         **_BASE, "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 3,
         "norm_topk_prob": False, **_rope("default", 1000000.0)}),
+    Case("qwen2_moe (top-4 of 8, gated shared expert)", "Qwen2MoeConfig", {
+        **_BASE, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 8,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, **_rope("default", 1000000.0)}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(

@@ -156,7 +156,9 @@ class Controller:
                 if pause:
                     p.engine.pause()
                 pushed = p.weights.push(p.version)
-                self.weight_sync_metrics.update({k: v for k, v in pushed.items() if k.startswith("weight_sync/")})
+                prefix = "" if p is self.policies[0] else f"{p.name}/"
+                self.weight_sync_metrics.update({prefix + k: v for k, v in pushed.items()
+                                                 if k.startswith("weight_sync/")})
                 if pause:
                     if not p.engine.flush_cache():
                         log.warning(f"weight sync {p.version}: the engine refused to flush its prefix cache; "

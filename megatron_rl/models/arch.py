@@ -109,6 +109,11 @@ class ModelArch:
     sum to 1 (Mixtral always; Qwen3-MoE per its `norm_topk_prob`)."""
     router_aux_loss_coef: float = 0.0
     """Load-balancing loss coefficient from the HF config (the trainer's default; trainer config overrides)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """0: none; > 0: every MoE layer also runs one shared SwiGLU expert of this intermediate size on every token
+    (Qwen2-MoE `shared_expert_intermediate_size`), its output added to the routed experts'."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(h w_g) per token, w_g [1, H] (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -144,6 +149,11 @@ class ModelArch:
         else:
             require(self.moe_top_k == 0 and self.moe_ffn_hidden_size == 0, "num_experts",
                     "moe_top_k / moe_ffn_hidden_size are set but num_experts is 0")
+        require(self.shared_expert_ffn_hidden_size >= 0, "shared_expert_ffn_hidden_size", "must be >= 0")
+        require(self.shared_expert_ffn_hidden_size == 0 or self.num_experts > 0, "shared_expert_ffn_hidden_size",
+                "a shared expert needs a mixture-of-experts model (num_experts > 0)")
+        require(not self.shared_expert_gate or self.shared_expert_ffn_hidden_size > 0, "shared_expert_gate",
+                "set without a shared expert (shared_expert_ffn_hidden_size is 0)")
 
     @property
     def q_size(self) -> int:
@@ -171,10 +181,11 @@ class ModelArch:
         return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
     def mlp_parameters(self) -> int:
-        """Parameters of one layer's MLP (every expert plus the router for an MoE model)."""
+        """Parameters of one layer's MLP (every expert, the router and any shared expert for an MoE model)."""
         h = self.hidden_size
         if self.is_moe:
-            return self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+            shared = 3 * h * self.shared_expert_ffn_hidden_size + (h if self.shared_expert_gate else 0)
+            return self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h + shared
         return 3 * h * self.ffn_hidden_size
 
     def num_parameters(self) -> int:

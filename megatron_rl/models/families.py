@@ -52,6 +52,9 @@ class Family:
     """HF field holding each expert's intermediate size."""
     norm_topk_field: str | None = None
     """HF field switching the renormalisation of the top-k router weights; None: always renormalised."""
+    shared_expert_field: str | None = None
+    """HF field holding the intermediate size of each MoE layer's gated shared expert (Qwen2-MoE); None: the
+    family has none (the field is refused where another family spells it)."""
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -65,6 +68,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", qk_norm=True,
            bias_field="attention_bias", window_flag="use_sliding_window", has_window=True, moe_block="mlp",
            norm_topk_field="norm_topk_prob"),
+    # Qwen1.5-MoE and Qwen2-MoE: Qwen2's attention (q/k/v biases), softmax top-k routing and a shared expert
+    # behind a sigmoid gate in every MoE layer.
+    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "Qwen2MoeConfig", qkv_bias=True,
+           window_flag="use_sliding_window", has_window=True, window_layer_types=True, moe_block="mlp",
+           norm_topk_field="norm_topk_prob", shared_expert_field="shared_expert_intermediate_size"),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -92,6 +100,14 @@ _MOE_NEUTRAL = {"scoring_func": "softmax", "topk_method": "greedy", "routed_scal
 def hf_router_name(family: Family, layer: int) -> str:
     """The published HF name of layer `layer`'s router weight [E, H]."""
     return f"model.layers.{layer}.{family.moe_block}.gate.weight"
+
+
+def hf_shared_expert_names(family: Family, layer: int) -> tuple[str, str, str, str]:
+    """The published HF names of layer `layer`'s shared expert (gate [S, H], up [S, H], down [H, S]) and its
+    gate [1, H] (Qwen2-MoE)."""
+    prefix = f"model.layers.{layer}.{family.moe_block}."
+    return (prefix + "shared_expert.gate_proj.weight", prefix + "shared_expert.up_proj.weight",
+            prefix + "shared_expert.down_proj.weight", prefix + "shared_expert_gate.weight")
 
 
 def hf_expert_names(family: Family, layer: int, expert: int) -> tuple[str, str, str]:
@@ -283,8 +299,12 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
     """The ModelArch MoE fields of an MoE family's config; refuses the MoE variants we do not implement."""
     for field, why in _MOE_REFUSED.items():
         value = config.get(field)
-        if value not in (None, 0, 0.0, False) and _MOE_NEUTRAL.get(field) != value:
+        if field != family.shared_expert_field and value not in (None, 0, 0.0, False) \
+                and _MOE_NEUTRAL.get(field) != value:
             raise _refuse(where, field, f"{value!r}: {why}")
+    if "qkv_bias" in config and bool(config["qkv_bias"]) != family.qkv_bias:
+        raise _refuse(where, "qkv_bias", f"{config['qkv_bias']!r}: {family.name} without q/k/v biases is not "
+                      "implemented")
     if int(config.get("decoder_sparse_step", 1) or 1) != 1:
         raise _refuse(where, "decoder_sparse_step", f"{config['decoder_sparse_step']}: interleaved dense/MoE layers "
                       "are not implemented (every layer must be MoE: decoder_sparse_step 1)")
@@ -298,9 +318,14 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
         raise _refuse(where, family.experts_field, f"{experts}: an MoE model needs at least one expert")
     norm_topk = bool(config.get(family.norm_topk_field, False)) if family.norm_topk_field else True
     try:
+        shared = int(config[family.shared_expert_field]) if family.shared_expert_field else 0
+        if family.shared_expert_field and shared < 1:
+            raise _refuse(where, family.shared_expert_field, f"{shared}: {family.name}'s shared expert needs a "
+                          "positive intermediate size")
         return dict(num_experts=int(experts), moe_top_k=int(config["num_experts_per_tok"]),
                     moe_ffn_hidden_size=int(config[family.expert_size_field]), moe_norm_topk_prob=norm_topk,
-                    router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0))
+                    router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
+                    shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0)
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
 
@@ -359,7 +384,14 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         elif not arch.moe_norm_topk_prob:
             raise ConfigError(f"model family {family.name!r} always renormalises its top-k router weights "
                               "(moe_norm_topk_prob=False cannot be exported)")
-        if family.name == "qwen3_moe":
+        if bool(family.shared_expert_field) != (arch.shared_expert_ffn_hidden_size > 0) \
+                or arch.shared_expert_gate != (arch.shared_expert_ffn_hidden_size > 0):
+            raise ConfigError(f"model family {family.name!r} cannot express shared_expert_ffn_hidden_size="
+                              f"{arch.shared_expert_ffn_hidden_size}, shared_expert_gate={arch.shared_expert_gate} "
+                              "in an HF config")
+        if family.shared_expert_field:
+            config[family.shared_expert_field] = arch.shared_expert_ffn_hidden_size
+        if family.name in ("qwen3_moe", "qwen2_moe"):
             config.update(decoder_sparse_step=1, mlp_only_layers=[])
         if family.name == "mixtral":
             config["router_jitter_noise"] = 0.0

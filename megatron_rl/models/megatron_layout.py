@@ -20,7 +20,9 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
   `mlp.experts.local_experts.{j}.linear_fc1/linear_fc2.weight`, split over TP like the dense fc1/fc2 (Megatron's
   expert tensor parallel size = TP), and held by expert-parallel rank e // (E / EP) as its local expert
   j = e % (E / EP). The MLP norm stays `pre_mlp_layernorm.weight` with both specs. A stage's shards are
-  listed per (EP rank, TP rank): index ep_rank * TP + tp_rank (`MegatronLayout.shard_index`).
+  listed per (EP rank, TP rank): index ep_rank * TP + tp_rank (`MegatronLayout.shard_index`). A shared expert
+  (Qwen2-MoE) is `mlp.shared_experts.linear_fc1/linear_fc2.weight`, split over TP like a dense MLP and held by
+  every EP rank, with its sigmoid gate `mlp.shared_experts.gate_weight` [1, H] replicated.
 - HF side: published per-expert names (models/families.py `hf_expert_names`); transformers 5's fused
   in-memory form (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted on
   input (`canonical_hf_state`).
@@ -34,7 +36,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
 
 LayerSpec = Literal["local", "te"]
 
@@ -101,6 +103,10 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> Non
         if arch.moe_ffn_hidden_size % tp:
             raise ConfigError(f"tensor_parallel={tp} does not divide moe_ffn_hidden_size={arch.moe_ffn_hidden_size} "
                               "(experts are split over TP like the dense MLP)")
+        if arch.shared_expert_ffn_hidden_size % tp:
+            raise ConfigError(f"tensor_parallel={tp} does not divide shared_expert_ffn_hidden_size="
+                              f"{arch.shared_expert_ffn_hidden_size} (the shared expert is split over TP like a dense "
+                              "MLP)")
     if arch.num_query_groups % tp:
         raise ConfigError(
             f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
@@ -243,6 +249,10 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
             for expert in range(arch.num_experts):
                 g, u, d = (_require(state, n) for n in hf_expert_names(family, layer, expert))
                 experts[expert] = (fuse_gate_up(g, u, tp), _split_cols(d, tp))
+            if arch.shared_expert_ffn_hidden_size:  # split over TP like a dense MLP, replicated over EP
+                g, u, d, shared_gate = hf_shared_expert_names(family, layer)
+                shared_fc1 = fuse_gate_up(_require(state, g), _require(state, u), tp)
+                shared_fc2 = _split_cols(_require(state, d), tp)
         else:
             fc1 = fuse_gate_up(_require(state, hf + "mlp.gate_proj.weight"), _require(state, hf + "mlp.up_proj.weight"), tp)
             fc2 = _split_cols(_require(state, hf + "mlp.down_proj.weight"), tp)
@@ -257,6 +267,11 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
                     fc1_e, fc2_e = experts[expert]
                     shard[meg + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1_e[t]
                     shard[meg + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = fc2_e[t]
+                if arch.shared_expert_ffn_hidden_size:
+                    shard[meg + "mlp.shared_experts.linear_fc1.weight"] = shared_fc1[t]
+                    shard[meg + "mlp.shared_experts.linear_fc2.weight"] = shared_fc2[t]
+                    if arch.shared_expert_gate:
+                        shard[meg + "mlp.shared_experts.gate_weight"] = _require(state, shared_gate).clone()
             else:
                 shard[meg + "mlp.linear_fc1.weight"] = fc1[t]
                 shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
@@ -296,6 +311,12 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             for expert in range(arch.num_experts):
                 g, u, d = hf_expert_names(family, layer, expert)
                 shapes.update({g: (i, h), u: (i, h), d: (h, i)})
+            if arch.shared_expert_ffn_hidden_size:
+                g, u, d, gate = hf_shared_expert_names(family, layer)
+                sh = arch.shared_expert_ffn_hidden_size
+                shapes.update({g: (sh, h), u: (sh, h), d: (h, sh)})
+                if arch.shared_expert_gate:
+                    shapes[gate] = (1, h)
     return shapes
 
 
@@ -355,6 +376,12 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
                     g, u, d = hf_expert_names(family, layer, expert)
                     state[g], state[u] = gate, up
                     state[d] = torch.cat(gather(stage, name + "linear_fc2.weight", e), 1)
+            if arch.shared_expert_ffn_hidden_size:
+                g, u, d, shared_gate = hf_shared_expert_names(family, layer)
+                state[g], state[u] = split_gate_up(gather(stage, meg + "mlp.shared_experts.linear_fc1.weight"))
+                state[d] = torch.cat(gather(stage, meg + "mlp.shared_experts.linear_fc2.weight"), 1)
+                if arch.shared_expert_gate:
+                    state[shared_gate] = _require(shards[stage][0], meg + "mlp.shared_experts.gate_weight").clone()
         else:
             gate, up = split_gate_up(gather(stage, meg + "mlp.linear_fc1.weight"))
             state[hf + "mlp.gate_proj.weight"] = gate

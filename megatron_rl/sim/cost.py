@@ -49,15 +49,16 @@ def padded_vocab(arch: ModelArch, tp: int, divisible_by: int = 128) -> int:
 
 def dense_layer_parameters(arch: ModelArch, tp: int = 1) -> float:
     """Non-expert parameters of one transformer layer on one TP rank: attention, norms and the dense MLP,
-    or for an MoE layer the router [experts, hidden] instead of the MLP. The RMSNorm weights (q/k norms
+    or for an MoE layer the router [experts, hidden] and any shared expert instead of the MLP. The RMSNorm weights (q/k norms
     included) and the router are replicated over TP; q/k/v biases are split like their rows."""
     h = arch.hidden_size
     sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
     if arch.attention_bias:
         sharded += arch.q_size + 2 * arch.kv_size
     replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
-    if arch.is_moe:
-        replicated += arch.num_experts * h
+    if arch.is_moe:  # the router; a shared expert is split over TP like a dense MLP, its gate replicated
+        replicated += arch.num_experts * h + (h if arch.shared_expert_gate else 0)
+        sharded += 3 * h * arch.shared_expert_ffn_hidden_size
     else:
         sharded += 3 * h * arch.ffn_hidden_size
     return sharded / tp + replicated
@@ -116,15 +117,18 @@ def lora_layer_parameters(arch: ModelArch, rank: int, targets: tuple[str, ...], 
                           etp: int = 1) -> tuple[float, float]:
     """(dense, expert) adapter parameters of one layer on one GPU (trainer/lora.py): a column-parallel linear's
     A [r, in] is replicated and B [out / TP, r] split; a row-parallel one's A [r, in / TP] split and B [out, r]
-    replicated. In an MoE layer linear_fc1 / linear_fc2 are every local expert's."""
+    replicated. In an MoE layer linear_fc1 / linear_fc2 are every local expert's, and a shared expert's (dense)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     qkv = arch.q_size + 2 * arch.kv_size
     attention = {"linear_qkv": rank * (h + qkv / tp), "linear_proj": rank * (arch.q_size / tp + h)}
     dense = sum(v for t, v in attention.items() if t in targets)
     if arch.is_moe:
-        i = arch.moe_ffn_hidden_size
+        i, shared = arch.moe_ffn_hidden_size, arch.shared_expert_ffn_hidden_size
         per_expert = (rank * (h + 2 * i / etp) if "linear_fc1" in targets else 0) + \
             (rank * (i / etp + h) if "linear_fc2" in targets else 0)
+        if shared:
+            dense += (rank * (h + 2 * shared / tp) if "linear_fc1" in targets else 0) + \
+                (rank * (shared / tp + h) if "linear_fc2" in targets else 0)
         return dense, arch.num_experts / ep * per_expert
     mlp = {"linear_fc1": rank * (h + 2 * f / tp), "linear_fc2": rank * (f / tp + h)}
     return dense + sum(v for t, v in mlp.items() if t in targets), 0.0

@@ -149,7 +149,8 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
                       aux_loss_coeff: float | None, dispatcher: str) -> dict:
     """TransformerConfig fields of a mixture-of-experts arch (docs/moe.md); {} for a dense one. The router is
     softmax top-k: with `moe_norm_topk_prob` the k weights are renormalised, which is Megatron's softmax over
-    the top-k logits (moe_router_pre_softmax False); without, the softmax over all experts is kept as is."""
+    the top-k logits (moe_router_pre_softmax False); without, the softmax over all experts is kept as is. A
+    shared expert (Qwen2-MoE) is Megatron's own SharedExpertMLP, its sigmoid gate included."""
     if not arch.is_moe:
         return {}
     if dispatcher == "auto":
@@ -160,6 +161,8 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
                 moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=coeff, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
                 moe_router_dtype="fp32", moe_enable_routing_replay=True, expert_model_parallel_size=expert_parallel,
+                moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+                moe_shared_expert_gate=arch.shared_expert_gate,
                 # Megatron trains MoE layers under TP only with sequence parallelism.
                 sequence_parallel=tensor_parallel > 1)
 

@@ -38,7 +38,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
 from megatron_rl.models.megatron_layout import MegatronLayout
 
 SourceKey = tuple[int, int]  # (pp_rank, tp_rank)
@@ -65,6 +65,9 @@ class EngineLayout:
                       else (a.ffn_hidden_size, "ffn_hidden_size"))
         if ffn % tp:
             raise ConfigError(f"engine tensor_parallel={tp} does not divide {field}={ffn}")
+        if a.shared_expert_ffn_hidden_size % tp:
+            raise ConfigError(f"engine tensor_parallel={tp} does not divide shared_expert_ffn_hidden_size="
+                              f"{a.shared_expert_ffn_hidden_size}")
 
     @property
     def vocab_per_rank(self) -> int:
@@ -247,6 +250,16 @@ class _PlanBuilder:
             self.add(r, gate, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", rows, h)
             self.add(r, up, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", up_rows, h)
             self.add(r, down, (h, ie), 1, lo, hi, pp, expert + "linear_fc2.weight", rows, h)
+        if a.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP read from EP rank 0's shards; its gate replicated
+            gate, up, down, shared_gate = hf_shared_expert_names(family, layer)
+            sm, se = a.shared_expert_ffn_hidden_size // m.tp, a.shared_expert_ffn_hidden_size // e.tp
+            fc1 = meg + "mlp.shared_experts.linear_fc1.weight"
+            lo, hi = r * se, (r + 1) * se
+            self.add(r, gate, (se, h), 0, lo, hi, pp, fc1, lambda i: (i // sm, i % sm), h)
+            self.add(r, up, (se, h), 0, lo, hi, pp, fc1, lambda i: (i // sm, sm + i % sm), h)
+            self.add(r, down, (h, se), 1, lo, hi, pp, meg + "mlp.shared_experts.linear_fc2.weight", proj_map_f(sm), h)
+            if a.shared_expert_gate:
+                self.add(r, shared_gate, (1, h), 0, 0, 1, pp, meg + "mlp.shared_experts.gate_weight", replicated, h)
 
 
 def proj_map_f(per_rank: int):

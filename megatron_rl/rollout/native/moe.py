@@ -1,8 +1,10 @@
-"""The native engine's mixture-of-experts MLP (Mixtral, Qwen3-MoE) and its routing record.
+"""The native engine's mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and its routing record.
 
 Router (transformers' MixtralTopKRouter / Qwen3MoeTopKRouter): logits = h W_r^T, softmax over all experts
 in fp32, top-k, and (`ModelArch.moe_norm_topk_prob`) the k weights renormalized to sum to 1. Each expert is
-a SwiGLU MLP; a token's output is the weighted sum of its k experts' outputs.
+a SwiGLU MLP; a token's output is the weighted sum of its k experts' outputs, plus (Qwen2-MoE) a shared
+SwiGLU expert's output on every token scaled by sigmoid(h w_g), added after the routed sum as transformers
+adds it.
 
 Batched on CPU without a per-token loop: the (token, slot) pairs of a step are sorted by expert (stable, so
 a token's contributions are added in ascending expert order, as transformers does), each expert that got
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name
+from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,22 +65,33 @@ def expert_names(arch: ModelArch, layer: int) -> ExpertNames:
 
 def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The arena blocks of one layer's MoE (tensors adjacent within a block): router; gate/up interleaved
-    per expert ([E, 2I, H] as one view); downs ([E, H, I] as one view)."""
+    per expert ([E, 2I, H] as one view); downs ([E, H, I] as one view); a shared expert's gate/up ([2S, H]),
+    its down and its sigmoid gate [1, H]."""
     n = expert_names(arch, layer)
     h, i = arch.hidden_size, arch.moe_ffn_hidden_size
     gate_up = [t for e in range(arch.num_experts) for t in ((n.gate[e], (i, h)), (n.up[e], (i, h)))]
-    return [[(n.router, (arch.num_experts, h))], gate_up, [(d, (h, i)) for d in n.down]]
+    blocks = [[(n.router, (arch.num_experts, h))], gate_up, [(d, (h, i)) for d in n.down]]
+    if arch.shared_expert_ffn_hidden_size:
+        s = arch.shared_expert_ffn_hidden_size
+        gate, up, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
+        blocks += [[(gate, (s, h)), (up, (s, h))], [(down, (h, s))]]
+        if arch.shared_expert_gate:
+            blocks.append([(shared_gate, (1, h))])
+    return blocks
 
 
 class MoeLayer:
-    """Views into the arena of one layer's router and experts."""
+    """Views into the arena of one layer's router, experts and shared expert."""
 
-    __slots__ = ("router", "gate_up", "down")
+    __slots__ = ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")
 
-    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None):
         self.router = router      # [E, H]
         self.gate_up = gate_up    # [E, 2I, H]: per expert gate rows then up rows
         self.down = down          # [E, H, I]
+        # the shared expert: [2S, H] gate rows then up rows, [H, S], its gate [1, H] (None: ungated / none)
+        self.shared_gate_up, self.shared_down, self.shared_gate = shared if shared is not None else (None, None, None)
 
 
 def layer_views(arch: ModelArch, layer: int, arena: torch.Tensor,
@@ -94,7 +107,13 @@ def layer_views(arch: ModelArch, layer: int, arena: torch.Tensor,
             count *= s
         return arena[start:start + count].view(shape)
 
-    moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)))
+    shared = None
+    if arch.shared_expert_ffn_hidden_size:
+        sh = arch.shared_expert_ffn_hidden_size
+        gate, _, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
+        shared = (view(gate, (2 * sh, h)), view(down, (h, sh)),
+                  view(shared_gate, (1, h)) if arch.shared_expert_gate else None)
+    moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)), shared)
     aliases = {n.fused_gate_up: moe.gate_up, n.fused_down: moe.down}
     covers = {n.fused_gate_up: tuple(x for pair in zip(n.gate, n.up) for x in pair), n.fused_down: n.down}
     if n.fused_router != n.router:
@@ -138,7 +157,15 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
         out_rows[start:start + count] = F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], moe.down[e])
         start += count
     out_rows.mul_(weights.reshape(-1).index_select(0, order).to(h.dtype)[:, None])
-    return torch.zeros_like(h).index_add_(0, tokens, out_rows)
+    out = torch.zeros_like(h).index_add_(0, tokens, out_rows)
+    if moe.shared_gate_up is not None:  # Qwen2-MoE: routed experts + sigmoid(h w_g) * shared expert(h)
+        sh = arch.shared_expert_ffn_hidden_size
+        gate_up = F.linear(h, moe.shared_gate_up)
+        shared = F.linear(F.silu(gate_up[:, :sh]) * gate_up[:, sh:], moe.shared_down)
+        if moe.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(h, moe.shared_gate)) * shared
+        out = out + shared
+    return out
 
 
 # ------------------------------------------------------------------------------------- routing record
