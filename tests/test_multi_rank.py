@@ -273,13 +273,11 @@ def test_a_rank_failing_its_checkpoint_files_fails_the_save_on_every_rank(tmp_pa
     assert open(os.path.join(checkpoints, "latest")).read().strip() == "step_00000001"
 
 
-@pytest.mark.parametrize("weight_sync", ["full", "delta"])
-def test_generator_ranks_of_a_torchrun_launch_serve_the_trainer_ranks(tmp_path, tiny_chat_model, weight_sync):
+def test_generator_ranks_of_a_torchrun_launch_serve_the_trainer_ranks(tmp_path, tiny_chat_model):
     """`torchrun` of four ranks: two TP trainer ranks, two generator ranks fed over torch.distributed.
     On-policy (max_staleness 0), so the trainer's log-probs equal the generators' behaviour log-probs
     only if every broadcast weight sync reached both generators (lr 1e-3 moves the weights far). Real
-    torchrun, not the test launcher: its agent store changes how every rendezvous inside it behaves.
-    By delta, only the changed elements are broadcast (the embedding rows of tokens never seen keep theirs)."""
+    torchrun, not the test launcher: its agent store changes how every rendezvous inside it behaves."""
     run_dir = str(tmp_path / "ranks")
     test_config = [f"model.path={tiny_chat_model}", f"run_dir={run_dir}", "steps=3", "rollout.prompts_per_step=4",
                    "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "trainer.micro_batch_size=4",
@@ -289,8 +287,7 @@ def test_generator_ranks_of_a_torchrun_launch_serve_the_trainer_ranks(tmp_path, 
                    "reward.name=tests.test_loop:vowel_fraction"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
               "-m", "megatron_rl.cli", "train", QUICKSTART, *test_config, "cluster.generator.launch_ranks=2",
-              "trainer.parallel.tensor_parallel=2", f"cluster.generator.weight_update_group_port={free_port()}",
-              f"rollout.weight_sync={weight_sync}"]
+              "trainer.parallel.tensor_parallel=2", f"cluster.generator.weight_update_group_port={free_port()}"]
     done = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
@@ -298,8 +295,6 @@ def test_generator_ranks_of_a_torchrun_launch_serve_the_trainer_ranks(tmp_path, 
     last = [r for r in steps if "train/logprob_mismatch" in r][-1]
     assert last["step"] == 3 and last["train/grad_norm"] > 0
     assert last["train/logprob_mismatch"] < 1e-4
-    if weight_sync == "delta":  # the first sync sends everything, the later ones less
-        assert [r["weight_sync/sent_fraction"] < 1 for r in steps if "train/logprob_mismatch" in r] == [False, True, True]
     checkpoint = _checkpoint(run_dir)
     assert {"mp_rank_00_000", "mp_rank_01_000"} <= set(os.listdir(os.path.join(checkpoint, "model")))
     # Two trainer ranks write timelines; the generator ranks run no training loop.

