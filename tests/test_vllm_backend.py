@@ -381,3 +381,36 @@ def test_attached_vllm_servers_for_a_tied_model_are_refused_by_name(tiny_chat_mo
                      "cluster.generator.urls=[http://127.0.0.1:9]")
     with pytest.raises(ConfigError, match=r"cluster\.generator\.urls: the model ties its output layer to its embedding"):
         vllm_engines(config, load_pretrained(tiny_chat_model))
+
+
+@pytest.mark.slow  # about 1 min (a vLLM server start); the export it serves is checked against transformers in the suite
+def test_a_shared_expert_moe_on_vllm_equals_the_native_engine(smollm2, tmp_path):
+    """A Qwen2-MoE (q/k/v biases, top-2 of 4 experts, a gated shared expert), exported by us and served by vLLM:
+    the same greedy tokens and log-probs as the native engine."""
+    from megatron_rl.models.arch import ModelArch
+    from megatron_rl.models.megatron_layout import hf_tensor_shapes
+
+    python = _vllm_or_skip()
+    arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=128, ffn_hidden_size=256,
+                     num_attention_heads=2, num_query_groups=1, rope_theta=10000.0, tie_word_embeddings=False,
+                     max_position_embeddings=512, family="qwen2_moe", attention_bias=True, num_experts=4,
+                     moe_top_k=2, moe_ffn_hidden_size=64, moe_norm_topk_prob=False,
+                     shared_expert_ffn_hidden_size=96, shared_expert_gate=True)
+    generator = torch.Generator().manual_seed(3)
+    state = {name: (1.0 + 0.3 * torch.randn(shape, generator=generator)) if name.endswith("norm.weight")
+             else 0.2 * torch.randn(shape, generator=generator) for name, shape in hf_tensor_shapes(arch).items()}
+    model_dir = str(tmp_path / "model")
+    launch_model_dir(model_dir, arch, state, smollm2.tokenizer)
+    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
+                              *device_server_args()])
+    try:
+        server.wait_ready(600)
+        engine = VLLMEngine(server.url, staging_dir=str(tmp_path / "staging"))
+        moe = load_pretrained(model_dir)
+        assert moe.arch.shared_expert_ffn_hidden_size == 96 and moe.arch.shared_expert_gate
+        _greedy_equals_native(engine, moe, state)
+        engine.close()
+    finally:
+        server.stop()
