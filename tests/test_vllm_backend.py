@@ -5,6 +5,7 @@ the native engine computes with the same weights, version spans, and a training 
 that leaves no server process or staging directory behind."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -119,21 +120,11 @@ def test_a_sliding_window_model_on_vllm_equals_the_native_engine(smollm2, tmp_pa
 
     from megatron_rl.models.arch import ModelArch
 
-    python = _vllm_or_skip()
     arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=128, ffn_hidden_size=256,
                      num_attention_heads=2, num_query_groups=1, rope_theta=10000.0, tie_word_embeddings=False,
                      max_position_embeddings=512, family="mistral", sliding_window=16)
     state = _spread_state(arch, 1)
-    model_dir = str(tmp_path / "model")
-    launch_model_dir(model_dir, arch, state, smollm2.tokenizer)
-    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
-                              *device_server_args()])
-    try:
-        server.wait_ready(600)
-        engine = VLLMEngine(server.url, staging_dir=str(tmp_path / "staging"))
-        windowed = load_pretrained(model_dir)
+    with _serving_our_export(arch, state, smollm2.tokenizer, tmp_path) as (engine, windowed):
         assert windowed.arch.sliding_window == 16
         prompts = _prompts(windowed)
         assert min(len(p) for p in prompts) > 16
@@ -149,7 +140,25 @@ def test_a_sliding_window_model_on_vllm_equals_the_native_engine(smollm2, tmp_pa
             assert [c.output_ids for c in dense.generate(_greedy(prompts))] != [c.output_ids for c in ours]
         finally:
             dense.close()
-        engine.close()
+
+
+@contextlib.contextmanager
+def _serving_our_export(arch, state, tokenizer, tmp_path):
+    """vLLM launched from our HF export of (arch, state): yields (its engine, the export loaded back)."""
+    python = _vllm_or_skip()
+    model_dir = str(tmp_path / "model")
+    launch_model_dir(model_dir, arch, state, tokenizer)
+    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
+                              *device_server_args()])
+    try:
+        server.wait_ready(600)
+        engine = VLLMEngine(server.url, staging_dir=str(tmp_path / "staging"))
+        try:
+            yield engine, load_pretrained(model_dir)
+        finally:
+            engine.close()
     finally:
         server.stop()
 
@@ -390,7 +399,6 @@ def test_a_shared_expert_moe_on_vllm_equals_the_native_engine(smollm2, tmp_path)
     from megatron_rl.models.arch import ModelArch
     from megatron_rl.models.megatron_layout import hf_tensor_shapes
 
-    python = _vllm_or_skip()
     arch = ModelArch(vocab_size=smollm2.arch.vocab_size, num_layers=2, hidden_size=128, ffn_hidden_size=256,
                      num_attention_heads=2, num_query_groups=1, rope_theta=10000.0, tie_word_embeddings=False,
                      max_position_embeddings=512, family="qwen2_moe", attention_bias=True, num_experts=4,
@@ -399,18 +407,6 @@ def test_a_shared_expert_moe_on_vllm_equals_the_native_engine(smollm2, tmp_path)
     generator = torch.Generator().manual_seed(3)
     state = {name: (1.0 + 0.3 * torch.randn(shape, generator=generator)) if name.endswith("norm.weight")
              else 0.2 * torch.randn(shape, generator=generator) for name, shape in hf_tensor_shapes(arch).items()}
-    model_dir = str(tmp_path / "model")
-    launch_model_dir(model_dir, arch, state, smollm2.tokenizer)
-    server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
-                              *device_server_args()])
-    try:
-        server.wait_ready(600)
-        engine = VLLMEngine(server.url, staging_dir=str(tmp_path / "staging"))
-        moe = load_pretrained(model_dir)
+    with _serving_our_export(arch, state, smollm2.tokenizer, tmp_path) as (engine, moe):
         assert moe.arch.shared_expert_ffn_hidden_size == 96 and moe.arch.shared_expert_gate
         _greedy_equals_native(engine, moe, state)
-        engine.close()
-    finally:
-        server.stop()
