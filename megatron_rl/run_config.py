@@ -175,6 +175,11 @@ class RunConfig:
         require(self.rollout.weight_sync == "full" or generator.backend == "native", "rollout.weight_sync",
                 f"delta sends changed elements that only the native engine applies; cluster.generator.backend "
                 f"{generator.backend} takes whole tensors (use rollout.weight_sync=full)")
+        require(not (self.rollout.weight_sync == "delta" and generator.precision == "fp8"
+                     and self.rollout.placement == "disaggregated"), "rollout.weight_sync",
+                "delta cannot feed an fp8 native engine in a generator process: its weights go through "
+                "update_weights rounded through fp8 blocks, whole (use rollout.weight_sync=full, or the colocated "
+                "placement)")
 
 
     def __setstate__(self, state: dict) -> None:

@@ -149,6 +149,9 @@ def test_a_delta_synced_run_ends_with_the_bits_of_a_fully_synced_one(tmp_path, t
     assert len(fractions) == 3 and all(0 < f < 1 for f in fractions[-1:]), fractions
 
 
-def test_delta_sync_is_refused_for_engines_that_take_whole_tensors(tmp_path, tiny_chat_model):
+@pytest.mark.parametrize("engine", [["cluster.generator.backend=vllm"], ["cluster.generator.backend=sglang"],
+                                    ["cluster.generator.precision=fp8", "rollout.placement=disaggregated"]])
+def test_delta_sync_is_refused_for_engines_that_take_whole_tensors(tmp_path, tiny_chat_model, engine):
     with pytest.raises(ConfigError, match="rollout.weight_sync"):
-        _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=delta", "cluster.generator.backend=vllm")
+        _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=delta", *engine)
+    _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=full", *engine)  # the same engine, synced whole
