@@ -155,3 +155,50 @@ def test_delta_sync_is_refused_for_engines_that_take_whole_tensors(tmp_path, tin
     with pytest.raises(ConfigError, match="rollout.weight_sync"):
         _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=delta", *engine)
     _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=full", *engine)  # the same engine, synced whole
+
+
+def _mismatch_worker(rank, world_size, arch, state):
+    from megatron_rl.placement.generator_process import GeneratorProcess, WeightMismatchError
+    from megatron_rl.rollout.config import NativeEngineConfig
+    from megatron_rl.trainer.config import TrainerConfig
+    from megatron_rl.trainer.trainer import MegatronTrainer
+    from megatron_rl.weight_sync.channel import SharedMemoryWeightChannel
+
+    trainer = MegatronTrainer(arch, TrainerConfig(vocab_divisible_by=1), hf_state=state)
+    generator = GeneratorProcess(arch, trainer.gather_hf_state(dst=0), config=NativeEngineConfig(max_batch_size=2,
+                                                                                               dtype="bf16"))
+    try:
+        channel = SharedMemoryWeightChannel(trainer, generator, delta=True)
+        for version in (1, 2):  # each arena written whole once
+            channel.push(version)
+        commit, rejected = generator.commit_weights, []
+
+        def reject_once(version=None, expected=None):
+            if not rejected:
+                rejected.append(version)
+                commit(version, expected)
+                raise WeightMismatchError(f"weight sync to version {version}: checksum mismatch (injected)")
+            return commit(version, expected)
+
+        generator.commit_weights = reject_once
+        with torch.no_grad():
+            for parameter in trainer.model.parameters():
+                parameter.add_(1e-2 * parameter.abs().mean())
+        pushed = channel.push(3)
+        held = channel.arena_views[1 - generator.staging_index]
+        expected = {n: t.to(torch.bfloat16) for n, t in trainer.gather_hf_state(dst=0).items()}
+        return rejected, pushed["weight_sync/sent_fraction"], generator.version, \
+            [n for n, t in expected.items() if not torch.equal(held[n], t)]
+    finally:
+        generator.close()
+
+
+def test_a_delta_the_generator_rejects_is_synced_again_whole(tiny_arch):
+    """A checksum mismatch after a delta write (injected) makes the channel write the same version again, whole:
+    the generator ends on the trainer's weights."""
+    from megatron_rl.placement.launch import run_distributed
+    from tests.helpers import near_uniform_state
+
+    rejected, fraction, version, differing = run_distributed(_mismatch_worker, 1, tiny_arch,
+                                                             near_uniform_state(tiny_arch))[0]
+    assert rejected == [3] and fraction == 1.0 and version == 3 and differing == []

@@ -56,9 +56,9 @@ class RolloutConfig:
     weight_sync: Literal["full", "delta"] = "full"
     """full: every weight byte goes to the engine on every sync. delta: only the elements whose bits changed
     (in the engine's dtype) since the version it holds, each tensor sent as nothing, sparse positions, a
-    bitmask or whole, whichever is smallest (weight_sync/delta.py); the first sync, the one after a resume and
-    the one after a checksum mismatch send everything. Native engines only (in this process, a generator
-    process or generator ranks): SGLang and vLLM take whole tensors. For generator ranks the driver keeps one
+    bitmask or whole, whichever is smallest (weight_sync/delta.py); the first sync and the one after a resume
+    send everything, and a delta whose checksum mismatches is sent again at once, whole. Native engines only
+    (in this process, a generator process or generator ranks): SGLang and vLLM take whole tensors. For generator ranks the driver keeps one
     copy of the engine-dtype weights to compare with. It saves bytes on a network; on one host a full sync, a
     memory copy, is faster (docs/async.md)."""
     offload_idle: bool = True

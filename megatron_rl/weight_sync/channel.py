@@ -166,7 +166,8 @@ class SharedMemoryWeightChannel:
 
     `delta`: each writer compares its shard's slices with the staging arena (which holds the version
     before the engine's current one) and writes only the elements whose bits differ; the first push into
-    each arena, and the one after a `reset` or a checksum mismatch, write everything."""
+    each arena and the one after a `reset` write everything, and a delta the generator's checksums reject is
+    written again at once, whole."""
 
     def __init__(self, trainer, generator=None, *, owner_rank: int = 0, group=None, delta: bool = False):
         """`generator` (a GeneratorProcess) is given on `owner_rank` only; every trainer rank constructs
@@ -180,6 +181,8 @@ class SharedMemoryWeightChannel:
         self.arenas = [SharedBuckets.attach(descriptor) for descriptor in box[0]]
         self.plan = build_reshard_plan(trainer.layout, EngineLayout(trainer.arch, tp=1))
         self.arena_views = [arena.views() for arena in self.arenas]
+        self._arena_bytes = [float(sum(t.numel() * t.element_size() for t in views.values()))
+                             for views in self.arena_views]  # a full sync's bytes, against which a delta is counted
         self.writes, self.shard_index, _ = shard_writer(trainer)
         self.delta = delta
         self._full_arenas: set[int] = set(range(len(self.arenas)))  # still to be written whole
@@ -209,17 +212,18 @@ class SharedMemoryWeightChannel:
             except WeightMismatchError as error:
                 if not only_changed:
                     raise
-                log.warning(f"{error}; the next sync writes every byte")
+                log.warning(f"{error}; syncing again, every byte")
                 mismatch += 1
         dist.all_reduce(mismatch, group=self.group)  # doubles as the barrier: the version is committed
         self._full_arenas.discard(arena)
-        if mismatch.item():
+        if mismatch.item():  # the engine holds wrong bytes: the same version again, written whole
             self.reset()
+            return self.push(version)
         end = time.perf_counter()
-        full = float(sum(t.numel() * t.element_size() for t in self.arena_views[arena].values()))
         metrics = {"perf/weight_sync_time": end - start, "perf/weight_sync_write_time": staged - start,
                    "perf/weight_sync_commit_time": end - staged, "perf/weight_sync_bytes": float(total.item())}
         if self.delta:
+            full = self._arena_bytes[arena]
             metrics.update({"weight_sync/sent_bytes": float(total.item()), "weight_sync/full_bytes": full,
                             "weight_sync/sent_fraction": float(total.item()) / max(full, 1.0)})
         return metrics
