@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -211,6 +212,9 @@ def test_a_missing_vllm_environment_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_python: no vLLM environment at .*/nowhere/python; "
                                           r"create one with `bash scripts/setup_vllm_cpu.sh`"):
         vllm_python(str(tmp_path / "nowhere" / "python"))
+    # an interpreter that runs but has no vllm (a set-up cut short, e.g. by a full disk): refused, never launched
+    with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_python: .*python\S* has no vllm module"):
+        vllm_python(sys.executable)
     with pytest.raises(ValueError, match="vllm_python"):
         _config("m", str(tmp_path / "run"), "cluster.generator.vllm_python=/x")  # a vLLM setting on the native backend
 

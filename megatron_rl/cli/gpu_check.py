@@ -41,16 +41,17 @@ class Section:
     what: str
 
 
-# in the order of value to a first lease; the budgets add up to 560 s
+# in the order of value to a first lease; the budgets add up to 560 s. On the H200 a section's start (a fresh
+# interpreter importing torch, megatron-core and transformers) alone took 20 to 25 s (docs/gpu.md).
 SECTIONS = (
     Section("env", 45, "GPU, driver, CUDA, torch, free memory, package versions; copy and matmul peaks"),
     Section("decode", 90, "native engine decode, bf16, batch 32 x 128 new tokens, against HF generate"),
     Section("train_bf16", 90, "Megatron trainer step, bf16, local layers, 8 x 2048 tokens: tokens/s, MFU"),
     Section("logprob", 60, "fused Triton log-prob kernel against torch: time, peak memory"),
     Section("weight_sync", 60, "trainer -> engine weight update on the device: GB/s"),
-    Section("sglang", 135, "SGLang server: start, generate, one weight update through our sender, read-back"),
-    Section("te_fp8", 60, "Transformer Engine FP8 trainer step (where TE passes its self-test)"),
-    Section("packing", 20, "packed (THD) rows against padded rows: log-probs and a training step"),
+    Section("sglang", 115, "SGLang server: start, generate, one weight update through our sender, read-back"),
+    Section("te_fp8", 40, "Transformer Engine FP8 trainer step (where TE passes its self-test)"),
+    Section("packing", 60, "packed (THD) rows against padded rows: log-probs and a training step"),
 )
 REHEARSALS = ("ok", "fail", "timeout", "crash", "mixed")
 

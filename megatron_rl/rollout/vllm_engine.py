@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -76,11 +77,26 @@ def vllm_python(configured: str = "") -> str:
         os.path.join(repo, DEFAULT_VLLM_VENV, "bin", "python")]
     for path in candidates:
         if path and os.path.isfile(os.path.expanduser(path)) and os.access(os.path.expanduser(path), os.X_OK):
-            return os.path.abspath(os.path.expanduser(path))
+            python = os.path.abspath(os.path.expanduser(path))
+            if not _has_vllm(python):  # e.g. a set-up cut short by a full disk: refused here, not at server start
+                raise ConfigError(f"cluster.generator.vllm_python: {python} has no vllm module; set it up again "
+                                  "with `bash scripts/setup_vllm_cpu.sh` (CPU) or point it at a Python that "
+                                  "imports vllm", field="cluster.generator.vllm_python")
+            return python
     where = configured or f"${VLLM_PYTHON_ENV} or {DEFAULT_VLLM_VENV}/bin/python"
     raise ConfigError(f"cluster.generator.vllm_python: no vLLM environment at {where}; create one with "
                       "`bash scripts/setup_vllm_cpu.sh` (CPU) or point it at a Python that imports vllm",
                       field="cluster.generator.vllm_python")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_vllm(python: str) -> bool:
+    """Whether `python` finds the vllm package (looked up, not imported: one interpreter start)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def device_server_args() -> list[str]:
