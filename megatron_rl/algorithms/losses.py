@@ -486,6 +486,28 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, normalizer: float,
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A reward model's pairwise loss (Bradley & Terry 1952; as InstructGPT trains its RM, Ouyang et al. 2022,
+    arXiv 2203.02155, eq. 1, and TRL's RewardTrainer), this micro-batch's share of a mean over the global
+    batch of pairs:
+
+        l_i = -log sigmoid(r(x_i, y_i^chosen) - r(x_i, y_i^rejected))
+
+    `chosen` and `rejected` [P] the scores of the pairs' two answers (with grad); `normalizer`: the global
+    number of pairs. Metrics: the share of pairs ranked right (`accuracy`, a tie counts half) and the mean
+    margin r_chosen - r_rejected."""
+    if chosen.shape != rejected.shape:
+        raise ValueError(f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} scores differ in shape")
+    dtype = torch.promote_types(chosen.dtype, torch.float32)
+    margin = chosen.to(dtype) - rejected.to(dtype)
+    loss = -torch.nn.functional.logsigmoid(margin).sum() / max(float(normalizer), 1.0)
+    right = (margin > 0).to(dtype) + 0.5 * (margin == 0).to(dtype)
+    metrics = {"accuracy": right.mean() if margin.numel() else margin.new_zeros(()),
+               "margin": margin.detach().mean() if margin.numel() else margin.new_zeros(())}
+    return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
 def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                 mask: torch.Tensor, config: LossConfig, normalizer: float, **kwargs,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

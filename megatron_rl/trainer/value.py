@@ -88,11 +88,12 @@ class ValueHead(torch.nn.Module):
 
     STATISTICS = ("feature_mean", "feature_var", "feature_count", "prior")
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, *, standardize: bool):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, *, standardize: bool, bias: bool = True):
         super().__init__()
         self.standardize = standardize
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        # no bias: a Bradley-Terry head (transformers' `score` layer has none; a pairwise loss cannot train one)
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
         self.statistics = {"feature_mean": torch.zeros(hidden_size, dtype=torch.float64),
                            "feature_var": torch.ones(hidden_size, dtype=torch.float64),
                            "feature_count": torch.zeros((), dtype=torch.float64),
@@ -126,7 +127,10 @@ class ValueHead(torch.nn.Module):
             mean = stats["feature_mean"].to(states.device, torch.float32)
             std = (stats["feature_var"] + STANDARDIZE_EPS).sqrt().to(states.device, torch.float32)
             states = ((states.float() - mean) / std).to(self.weight.dtype)
-        logit = (states @ self.weight.t() + self.bias).squeeze(-1).float()
+        logit = states @ self.weight.t()
+        if self.bias is not None:
+            logit = logit + self.bias
+        logit = logit.squeeze(-1).float()
         return logit + float(stats["prior"])
 
 
@@ -137,14 +141,14 @@ STANDARDIZE_EPS = 1e-5
 class ValueNetwork(torch.nn.Module):
     """GPTModel (returning final hidden states) plus the scalar `value_head` on the last stage."""
 
-    def __init__(self, gpt, hidden_size: int, with_head: bool, standardize: bool = False):
+    def __init__(self, gpt, hidden_size: int, with_head: bool, standardize: bool = False, bias: bool = True):
         super().__init__()
         self.gpt = gpt
         self.config = gpt.config
         self.model_type = gpt.model_type  # Megatron's schedules read these from the wrapped module
         self.value_head = None
         if with_head:
-            self.value_head = ValueHead(hidden_size, gpt.config.params_dtype, standardize=standardize)
+            self.value_head = ValueHead(hidden_size, gpt.config.params_dtype, standardize=standardize, bias=bias)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
