@@ -321,8 +321,9 @@ def split_config_and_overrides(config: str | None, overrides: Sequence[str]) -> 
     return config, list(overrides)
 
 
-def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
-    """Load a YAML recipe into `cls`, applying dotted `section.field=value` overrides on top."""
+def load_yaml_data(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Source]:
+    """A YAML recipe's mapping with dotted `section.field=value` overrides applied, not yet validated, and
+    where its values came from (for messages)."""
     source = Source()
     data: dict[str, Any] = {}
     if path is not None:
@@ -334,7 +335,12 @@ def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[
             raise ConfigError(f"{path}:1: the top level of a config must be a mapping")
         data = parsed or {}
         source = Source(file=path, lines=lines)
-    data = merge_overrides(data, overrides, source)
+    return merge_overrides(data, overrides, source), source
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
+    """Load a YAML recipe into `cls`, applying dotted `section.field=value` overrides on top."""
+    data, source = load_yaml_data(path, overrides)
     return from_dict(cls, data, source)
 
 

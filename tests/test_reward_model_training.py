@@ -3,6 +3,7 @@ against transformers' own *ForSequenceClassification, the Bradley-Terry loss aga
 on transformers' scores, and learning a preference that a held-out set can check."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -109,3 +110,90 @@ def test_a_reward_model_learns_a_preference_that_held_out_pairs_confirm(tiny_arc
 def test_an_odd_micro_batch_is_refused(tiny_arch):
     with pytest.raises(ValueError, match="micro_batch_size=3: a reward model's micro-batches hold whole pairs"):
         RewardModelTrainer(tiny_arch, TrainerConfig(micro_batch_size=3), hf_state=tiny_state(tiny_arch))
+
+
+# --- the recipe: `megatron-rl train` with `objective: reward_model` -------------------------------------------
+
+def _write_pairs(path, count: int, seed: int) -> None:
+    """Arithmetic questions, the right sum chosen over a wrong one (the quickstart task's kind of pair)."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            a, b, off = (int(x) for x in torch.randint(1, 50, (3,), generator=g))
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}",
+                                "rejected": f"{a} + {b} = {a + b + off}"}) + "\n")
+
+
+def test_the_train_command_trains_exports_and_the_reward_scores_with_the_export(tiny_chat_model, tmp_path, capsys):
+    """The command writes metrics, summary and an export that transformers loads as a sequence classifier,
+    whose scores, through `reward.name: reward_model`, equal what the trainer predicted for the same
+    conversations; a second run into the same directory is refused."""
+    from megatron_rl.cli import main
+    from megatron_rl.data.tokenizer import ChatTokenizer
+    from megatron_rl.rewards.reward_model import conversation_ids, reward_model_batch
+
+    _write_pairs(tmp_path / "pairs.jsonl", 40, seed=0)
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text(f"objective: reward_model\nrun_dir: {tmp_path / 'run'}\nmodel: {{path: {tiny_chat_model}}}\n"
+                      "data: {train: pairs.jsonl, heldout_fraction: 0.2}\npairs_per_step: 8\nepochs: 2\n"
+                      "head_lr: 1.0e-2\ntrainer: {lr: 1.0e-3, micro_batch_size: 4}\n")
+    assert main(["train", str(recipe), "--check"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_pairs"] == 40
+    assert main(["train", str(recipe)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward_model/loss" in r] == list(range(1, 9))  # 32 pairs / 8, 2 epochs
+    assert summary["pairwise_accuracy_before"] == 0.5  # a zero head: every pair a tie
+    export = summary["export"]
+    config = json.loads((run / "reward_model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(export, torch_dtype=torch.float32)
+    assert float(model.score.weight.abs().max()) > 0
+
+    class _Question:
+        question = "What is 3 + 4?"
+    answers = ["3 + 4 = 7", "3 + 4 = 9", "seven"]
+    scored = [r.reward for r in reward_model_batch(answers, [_Question()] * 3, path=export, batch_size=2)]
+    tokenizer = ChatTokenizer.from_hf_dir(export).hf_tokenizer
+    ids = [conversation_ids(tokenizer, [{"role": "user", "content": _Question.question},
+                                        {"role": "assistant", "content": a}]) for a in answers]
+    with torch.no_grad():
+        direct = [float(model(input_ids=torch.tensor([row])).logits[0, 0]) for row in ids]
+    assert max(abs(a - b) for a, b in zip(scored, direct)) <= 1e-5
+    assert main(["train", str(recipe)]) == 2  # the run directory holds the first run's files
+    assert "already holds files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "q", "chosen": "a"}, "field 'rejected' is missing"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a"}, "'chosen' and 'rejected' are the same conversation"),
+    ({"chosen": [{"role": "user", "content": "q"}], "rejected": "b"}, "field 'chosen' must end with the assistant"),
+    ({"prompt": 3, "chosen": "a", "rejected": "b"}, "field 'prompt' must be a string or a non-empty list"),
+])
+def test_a_bad_pair_is_refused_with_its_line_and_field(tmp_path, capsys, row, message):
+    from megatron_rl.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n" + json.dumps(row) + "\n")
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text(f"objective: reward_model\nrun_dir: {tmp_path / 'run'}\ndata: {{train: pairs.jsonl}}\n")
+    assert main(["train", str(recipe), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"pairs.jsonl:2: {message}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_settings_reward_model_training_cannot_honour_are_refused_by_name(tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text(f"objective: reward_model\nrun_dir: {tmp_path / 'run'}\ndata: {{train: pairs.jsonl}}\n")
+    for extra, field in (("trainer.micro_batch_size=3", "trainer.micro_batch_size"),
+                         ("trainer.parallel.tensor_parallel=2", "trainer.parallel"),
+                         ("model.chat_template=tool_use", "model.chat_template")):
+        assert main(["train", str(recipe), extra, "--check"]) == 2
+        assert field in capsys.readouterr().err
+    assert main(["train", str(recipe), "--resume"]) == 2
+    assert "--resume: reward-model training keeps no mid-run checkpoints" in capsys.readouterr().err

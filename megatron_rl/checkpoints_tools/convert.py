@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -185,11 +185,15 @@ def _save_safetensors_shards(directory: str, state: dict[str, torch.Tensor], max
 
 
 def save_hf(path: str, arch: ModelArch, state: dict[str, torch.Tensor], tokenizer: ChatTokenizer | None, *,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+            task: Literal["causal_lm", "sequence_classification"] = "causal_lm") -> None:
     """An HF directory as transformers' `save_pretrained` writes one (transformers and SGLang load it):
     config.json (dtype of the tensors), generation_config.json, safetensors sharded above
-    `max_shard_size` with their index, and the tokenizer."""
+    `max_shard_size` with their index, and the tokenizer. `sequence_classification`: a reward model (the
+    family's *ForSequenceClassification with one output, `score.weight` in `state`, no generation config)."""
     shard_bytes = parse_shard_size(max_shard_size)
+    if task == "sequence_classification" and "score.weight" not in state:
+        raise ValueError("save_hf(task='sequence_classification'): the state has no score.weight head")
     if arch.tie_word_embeddings:
         # save_pretrained leaves out the tied head: it is the embedding
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -198,12 +202,16 @@ def save_hf(path: str, arch: ModelArch, state: dict[str, torch.Tensor], tokenize
         dtype_name = str(_state_dtype(state)).removeprefix("torch.")
         # transformers >= 4.56 reads `dtype`; older 4.x releases read `torch_dtype`: write both.
         config = families.to_hf_config(arch, dtype=dtype_name, torch_dtype=dtype_name)
+        if task == "sequence_classification":
+            config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                          num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         if tokenizer is not None:
             config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id)
             tokenizer.save_hf(tmp)
         _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(tokenizer))
+        if task == "causal_lm":
+            _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(tokenizer))
         _save_safetensors_shards(tmp, state, shard_bytes)
         _publish(tmp, path)
     except BaseException:

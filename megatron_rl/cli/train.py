@@ -13,10 +13,14 @@ import json
 import os
 
 from megatron_rl.checkpoint.manager import CheckpointManager
-from megatron_rl.config import to_dict
+from megatron_rl.checkpoints_tools.convert import save_hf
+from megatron_rl.config import ConfigError, from_dict, load_yaml_data, split_config_and_overrides, to_dict
 from megatron_rl.controller.loop import train
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
+from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
+from megatron_rl.recipes.reward_model.data import load_pairs
+from megatron_rl.recipes.reward_model.recipe import train_reward_model
 from megatron_rl.rollout.vllm_engine import vllm_python
 from megatron_rl.run_config import RunConfig, load_run_config
 
@@ -34,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    path, overrides = split_config_and_overrides(args.config, args.overrides)
+    data, source = load_yaml_data(path, overrides)
+    if data.get("objective") == "reward_model":  # not RL: Bradley-Terry training on preference pairs
+        return train_reward_model_command(from_dict(RewardModelRunConfig, data, source), args)
     config = load_run_config(args.config, args.overrides)
     if args.check:
         return check(config, resume=args.resume, fresh=args.fresh)
@@ -41,6 +49,25 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"accuracy_before": summary.accuracy_before, "accuracy_after": summary.accuracy_after,
                           "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
+    return 0
+
+
+def train_reward_model_command(config: RewardModelRunConfig, args: argparse.Namespace) -> int:
+    """`objective: reward_model` (recipes/reward_model): one process, no mid-run checkpoints to resume."""
+    for flag in ("resume", "fresh"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag}: reward-model training keeps no mid-run checkpoints; start it in a new "
+                              "run directory", field="objective")
+    if args.check:
+        train_pairs, heldout = load_pairs(config.data.train), (load_pairs(config.data.heldout)
+                                                             if config.data.heldout else [])
+        print(json.dumps({"check": "ok", "objective": "reward_model", "train_pairs": len(train_pairs),
+                          "heldout_pairs": len(heldout), "run_dir": config.run_dir}))
+        return 0
+    summary = train_reward_model(config, export=save_hf)
+    print(json.dumps({"pairwise_accuracy_before": summary.accuracy_before,
+                      "pairwise_accuracy_after": summary.accuracy_after, "export": summary.export,
+                      "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
     return 0
 
 

@@ -288,7 +288,9 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
         yield i, f"{path}: row {i}", row
 
 
-def _file_rows(path: str, kind: str, max_row_bytes: int) -> Iterator[tuple[int, str, Any]]:
+def file_rows(path: str, kind: str = "jsonl", max_row_bytes: int = 16 << 20) -> Iterator[tuple[int, str, Any]]:
+    """(line or row number, "file:line" for messages, the parsed row or the DataError that row raised) of a
+    JSON-lines, JSON-array or Parquet file."""
     lower = path.lower()
     if lower.endswith(".parquet") or (kind == "parquet" and not lower.endswith(DATA_EXTENSIONS)):
         return _parquet_rows(path)
@@ -303,7 +305,7 @@ def _file_rows(path: str, kind: str, max_row_bytes: int) -> Iterator[tuple[int, 
 def _read_rows(cfg: SourceConfig) -> Iterator[tuple[str, int, str, Any]]:
     """(file, row number, location text, row or DataError) for each row of the source's files."""
     for file in source_files(cfg):
-        for number, where, row in _file_rows(file, cfg.kind, cfg.max_row_bytes):
+        for number, where, row in file_rows(file, cfg.kind, cfg.max_row_bytes):
             yield file, number, where, row
 
 

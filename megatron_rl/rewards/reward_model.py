@@ -30,6 +30,17 @@ _MODELS: dict[tuple, "RewardModel"] = {}
 _LOCK = threading.Lock()
 
 
+def render_conversation(tokenizer, messages: Sequence[dict[str, Any]]) -> str:
+    """A conversation as a reward model reads it: its tokenizer's default chat template, the whole
+    conversation, no generation prompt (reward-model training renders its pairs with this too)."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False)
+
+
+def conversation_ids(tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """The token ids `RewardModel.score` gives the rendered conversation (no special tokens added)."""
+    return tokenizer(render_conversation(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
 class RewardModel:
     """One loaded `*ForSequenceClassification` checkpoint and its tokenizer."""
 
@@ -51,8 +62,8 @@ class RewardModel:
             raise ValueError(f"reward model {path}: its tokenizer has no chat template to render conversations with")
 
     def render(self, question: str, response: str) -> str:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                                   {"role": "assistant", "content": response}], tokenize=False)
+        return render_conversation(self.tokenizer, [{"role": "user", "content": question},
+                                                    {"role": "assistant", "content": response}])
 
     @torch.no_grad()
     def score(self, texts: Sequence[str], *, batch_size: int, max_length: int) -> tuple[list[float], int]:

@@ -1,0 +1,71 @@
+"""Reward-model training's configuration (`objective: reward_model`), importable without torch."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_rl.config import RECIPE_PATH_FIELD, require
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.trainer.config import TrainerConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class PreferenceDataConfig:
+    """Preference pairs: JSON lines (or a JSON array, or Parquet) with `chosen` and `rejected` answers."""
+
+    train: str = dataclasses.field(default="", metadata={RECIPE_PATH_FIELD: True})
+    """The training pairs. A row is {"prompt": str | messages, "chosen": str | messages, "rejected": str |
+    messages}; without `prompt`, `chosen` and `rejected` are whole conversations (TRL's implicit prompt)."""
+    heldout: str = dataclasses.field(default="", metadata={RECIPE_PATH_FIELD: True})
+    """Held-out pairs for the pairwise accuracy before and after; empty: `heldout_fraction` of `train`."""
+    heldout_fraction: float = 0.1
+    """Share of the training pairs held out when `heldout` is empty (chosen with `seed`)."""
+    max_length: int = 1024
+    """Tokens per rendered conversation; a pair with a longer side is left out and counted."""
+    seed: int = 0
+    """Order of the pairs (shuffled each epoch) and the held-out draw."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.train.strip()), "train", "must name a file of preference pairs")
+        require(0.0 < self.heldout_fraction < 1.0 or bool(self.heldout.strip()), "heldout_fraction",
+                "must be in (0, 1) when no held-out file is given")
+        require(self.max_length >= 2, "max_length", "must be >= 2")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardModelRunConfig:
+    """`megatron-rl train` with `objective: reward_model`: Bradley-Terry training of a reward model on
+    preference pairs, exported as the family's transformers *ForSequenceClassification model, which
+    `reward.name: reward_model` scores with."""
+
+    objective: Literal["reward_model"] = "reward_model"
+    run_dir: str = "runs/reward_model"
+    """Written by the run: metrics.jsonl, summary.json and the exported model in reward_model/. Refused
+    when it already holds files (nothing of another run is overwritten)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The backbone the reward model starts from (any form `model.path` accepts) and its chat template."""
+    data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
+    epochs: int = 1
+    pairs_per_step: int = 16
+    """Pairs in one optimizer step (a multiple of micro_batch_size / 2 keeps micro-batches full)."""
+    head_lr: float = 1e-3
+    """Adam learning rate of the scalar head, which starts at zero (the backbone uses trainer.lr)."""
+    trainer: TrainerConfig = dataclasses.field(
+        default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8, lr_warmup_steps=0))
+    """Backbone optimizer, precision and micro-batching (an even micro_batch_size: pairs stay whole)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.run_dir.strip()), "run_dir", "must name a directory")
+        require(self.model.chat_template is None and not self.model.chat_template_kwargs, "model.chat_template",
+                "a reward model renders conversations with its default chat template and no extra variables, as "
+                "reward.name: reward_model scores them")
+        require(self.epochs >= 1, "epochs", "must be >= 1")
+        require(self.pairs_per_step >= 1, "pairs_per_step", "must be >= 1")
+        require(0 <= self.head_lr <= 1, "head_lr", f"must be a number in [0, 1], got {self.head_lr!r}")
+        require(self.trainer.micro_batch_size % 2 == 0, "trainer.micro_batch_size",
+                "must be even: a micro-batch holds whole pairs (a chosen and a rejected row)")
+        require(not self.trainer.lora.enabled, "trainer.lora", "the reward model trains all its weights (no adapters)")
+        parallel = self.trainer.parallel
+        require(parallel.tensor_parallel == parallel.pipeline_parallel == parallel.expert_parallel == 1,
+                "trainer.parallel", "reward-model training runs in one process (no tensor, pipeline or expert "
+                "parallelism yet)")

@@ -1,0 +1,120 @@
+"""Reward-model training (`megatron-rl train` with `objective: reward_model`): a Bradley-Terry reward model
+trained on preference pairs, then exported for `reward.name: reward_model` to score with.
+
+    pairs = load_pairs(data.train)                         # prompt, chosen, rejected
+    rm = RewardModelTrainer(arch, trainer, hf_state=...)   # the backbone plus a zero scalar head
+    for each epoch, each batch of pairs_per_step pairs:    # shuffled per epoch
+        rm.update(chosen, rejected)                        # one step of -log sigmoid(r_chosen - r_rejected)
+    export(run_dir/reward_model)                           # the family's *ForSequenceClassification
+
+Pairwise accuracy on the held-out pairs is measured before and after (a tie counts half). The run writes
+metrics.jsonl (one line per step), summary.json and the export; it runs start to end in one process and
+keeps no mid-run checkpoints (a stopped run is started again in a new run directory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from typing import Callable
+
+from megatron_rl.config import ConfigError, to_dict
+from megatron_rl.models.pretrained import load_pretrained
+from megatron_rl.observability.metrics import LoggingConfig, MetricsLogger
+from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
+from megatron_rl.recipes.reward_model.data import load_pairs, split_heldout, tokenize_pairs
+from megatron_rl.trainer.reward_model import RewardModelTrainer
+
+log = logging.getLogger(__name__)
+
+EXPORT_DIR = "reward_model"
+
+
+@dataclasses.dataclass
+class RewardModelSummary:
+    accuracy_before: float
+    accuracy_after: float
+    margin_after: float
+    train_pairs: int
+    heldout_pairs: int
+    dropped_pairs: int
+    steps: int
+    wall_time_s: float
+    export: str
+
+
+def pairwise_accuracy(rm: RewardModelTrainer, chosen: list[list[int]], rejected: list[list[int]], pad: int,
+                      ) -> tuple[float, float]:
+    """(share of pairs whose chosen answer scores higher, a tie counting half; mean margin)."""
+    scores = rm.predict(chosen + rejected, pad_token_id=pad)
+    margin = scores[:len(chosen)] - scores[len(chosen):]
+    right = (margin > 0).float() + 0.5 * (margin == 0).float()
+    return float(right.mean()), float(margin.mean())
+
+
+def _refuse_used_run_dir(run_dir: str) -> None:
+    if os.path.isdir(run_dir) and os.listdir(run_dir):
+        raise ConfigError(f"run_dir: {run_dir} already holds files; reward-model training writes into a new or "
+                          "empty directory (nothing of another run is overwritten)", field="run_dir")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"run_dir: {run_dir} is a file, not a directory", field="run_dir")
+
+
+def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., None]) -> RewardModelSummary:
+    """Train and export (module docstring). `export(path, arch, state, tokenizer, task=...)` writes the HF
+    directory (the CLI passes checkpoints_tools' `save_hf`: the export layer sits above the recipes)."""
+    started = time.perf_counter()
+    _refuse_used_run_dir(config.run_dir)
+    data = config.data
+    train_pairs = load_pairs(data.train)
+    if data.heldout:
+        heldout_pairs = load_pairs(data.heldout)
+    else:
+        train_pairs, heldout_pairs = split_heldout(train_pairs, data.heldout_fraction, data.seed)
+    pretrained = load_pretrained(config.model.path)
+    if pretrained.tokenizer is None:
+        raise ConfigError(f"model.path: {config.model.path} has no tokenizer to render conversations with",
+                          field="model.path")
+    tokenizer = pretrained.tokenizer.hf_tokenizer
+    pad = pretrained.tokenizer.pad_token_id
+    chosen, rejected, dropped = tokenize_pairs(tokenizer, train_pairs, data.max_length)
+    held_chosen, held_rejected, held_dropped = tokenize_pairs(tokenizer, heldout_pairs, data.max_length)
+    if not chosen or not held_chosen:
+        raise ConfigError(f"data.max_length={data.max_length}: no {'training' if not chosen else 'held-out'} pair "
+                          "fits (raise it)", field="data.max_length")
+    if dropped or held_dropped:
+        log.info("reward model: %d training and %d held-out pairs longer than data.max_length=%d left out",
+                 dropped, held_dropped, data.max_length)
+    rm = RewardModelTrainer(pretrained.arch, config.trainer, hf_state=pretrained.state, head_lr=config.head_lr)
+    metrics_log = MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config))
+    try:
+        before, _ = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
+        log.info("reward model: held-out pairwise accuracy before %.3f (%d pairs); training on %d pairs, %d epoch(s)",
+                 before, len(held_chosen), len(chosen), config.epochs)
+        step = 0
+        for epoch in range(config.epochs):
+            order = list(range(len(chosen)))
+            random.Random(data.seed * 1000 + epoch).shuffle(order)
+            for start in range(0, len(order), config.pairs_per_step):
+                batch = order[start:start + config.pairs_per_step]
+                step += 1
+                metrics = rm.update([chosen[i] for i in batch], [rejected[i] for i in batch], pad_token_id=pad)
+                metrics_log.log(step, {"epoch": float(epoch), **metrics})
+        after, margin = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
+        metrics_log.log(step, {"heldout/pairwise_accuracy_before": before, "heldout/pairwise_accuracy": after,
+                               "heldout/margin": margin})
+    finally:
+        metrics_log.close()
+    path = os.path.join(config.run_dir, EXPORT_DIR)
+    export(path, pretrained.arch, rm.gather_reward_model_state(), pretrained.tokenizer, task="sequence_classification")
+    summary = RewardModelSummary(accuracy_before=before, accuracy_after=after, margin_after=margin,
+                                 train_pairs=len(chosen), heldout_pairs=len(held_chosen),
+                                 dropped_pairs=dropped + held_dropped, steps=step,
+                                 wall_time_s=time.perf_counter() - started, export=path)
+    with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(summary), f, indent=1)
+    log.info("reward model: held-out pairwise accuracy %.3f -> %.3f; exported to %s", before, after, path)
+    return summary
