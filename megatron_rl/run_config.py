@@ -86,6 +86,9 @@ class EvalConfig:
     (registered with `EVAL_METRICS.register` or 'package.module:function'; docs/extending.md)."""
     likelihood: LikelihoodEvalConfig = dataclasses.field(default_factory=LikelihoodEvalConfig)
     """How the likelihood metric samples chains of thought and scores the references."""
+    reward: RewardConfig | None = None
+    """The reward that decides held-out accuracy (default: the run's `reward`): e.g. the task's exact checker
+    while the run trains on a reward model's scores (docs/reward_models.md)."""
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", "must be >= 0")
@@ -158,6 +161,10 @@ class RunConfig:
                         f"recipe {name} needs a `{name}:` section")
                 require(section is None or self.recipe == name or self.recipe not in BUILTIN_RECIPES, "recipe",
                         f"recipe {self.recipe} does not use the `{name}:` section (recipe {name} does)")
+        require(self.eval.reward is None or (self.waltz is None and self.agent is None
+                                             and self.recipe in (None, "single_policy")), "eval.reward",
+                "only the single-turn recipe's held-out accuracy takes a reward of its own (agents and WaltzRL "
+                "score held-out episodes with their environment and judge)")
         advantage = self.algorithm.advantage
         require(advantage.estimator != "remax" or (self.recipe is None and self.waltz is None and self.agent is None
                                                     and self.algorithm.objective == "policy_gradient"),

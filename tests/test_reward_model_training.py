@@ -197,3 +197,26 @@ def test_settings_reward_model_training_cannot_honour_are_refused_by_name(tmp_pa
         assert field in capsys.readouterr().err
     assert main(["train", str(recipe), "--resume"]) == 2
     assert "--resume: reward-model training keeps no mid-run checkpoints" in capsys.readouterr().err
+
+
+def always_right(response: str, prompt) -> float:
+    return 1.0
+
+
+def test_eval_reward_decides_heldout_accuracy_instead_of_the_training_reward(tmp_path, tiny_chat_model):
+    """A run trained on one reward (here: every answer right) reports held-out accuracy by `eval.reward`
+    (the task's checker), as when training on a reward model's scores; other recipes refuse it."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.controller.loop import train
+    from tests.test_loop import _config
+
+    summary = train(_config(tiny_chat_model, str(tmp_path / "own"), "steps=0",
+                            "reward.name=tests.test_reward_model_training:always_right"))
+    assert summary.accuracy_before == 1.0
+    checked = train(_config(tiny_chat_model, str(tmp_path / "checked"), "steps=0",
+                            "reward.name=tests.test_reward_model_training:always_right",
+                            "eval.reward.name=reasoning_gym"))
+    assert checked.accuracy_before == 0.0  # a random 2-layer model never answers chain_sum right
+    with pytest.raises(ConfigError, match="eval.reward"):
+        _config(tiny_chat_model, str(tmp_path / "own_recipe"), "eval.reward.name=reasoning_gym",
+                "recipe=tests.test_reward_model_training:always_right")

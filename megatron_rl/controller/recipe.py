@@ -115,8 +115,9 @@ def build_single_policy(config, model) -> RunParts:
                                       greedy_baseline=config.algorithm.advantage.estimator == "remax")
     else:  # trainer ranks receive scored groups from the driver
         train_data, heldout, episodes = [], [], None
+    eval_reward = Reward(config.eval.reward) if driver and config.eval.reward is not None else reward
     measure = heldout_metrics(config, engine=policy.engine, policy=policy.trainer, tokenizer=model.tokenizer,
-                              prompts=heldout, reward=reward, driver=driver)
+                              prompts=heldout, reward=eval_reward, driver=driver)
     return RunParts(model.tokenizer, [policy], train_data, heldout, episodes, selector,
                     HeldoutEvaluation(config.eval, measure))
 
