@@ -5,7 +5,8 @@ Without a flag a run starts in an empty (or new) run directory, resumes one hold
 and refuses another experiment's directory (its config differs: the first differing field is named) or a
 config.json no run wrote; `--resume` continues the latest checkpoint, also under a changed config;
 `--fresh` moves the run's own files aside (never the user's) and starts over (docs/bad_input.md).
-SIGTERM / SIGUSR1 (or a STOP file in the run directory) checkpoint at the next step boundary and exit 0."""
+SIGTERM / SIGUSR1 (or a STOP file in the run directory) checkpoint at the next step boundary and exit 0.
+A recipe with `objective: reward_model` trains a reward model on preference pairs instead (recipes/reward_model)."""
 from __future__ import annotations
 
 import argparse
