@@ -159,7 +159,9 @@ def console_line(step: int, m: dict[str, float], progress: Progress | None = Non
     for key, label, fmt in [("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/accuracy", "acc", "{:.2f}"),
                             ("eval/accuracy", "eval", "{:.2f}"), ("train/pg_loss", "pg", "{:+.4f}"),
                             ("train/logprob_mismatch", "mismatch", "{:.1e}"), ("rollout/staleness_mean", "stale", "{:.1f}"),
-                            ("rollout/response_length_mean", "len", "{:.0f}"), ("perf/step_time", "time", "{:.1f}s")]:
+                            ("rollout/response_length_mean", "len", "{:.0f}"), ("perf/step_time", "time", "{:.1f}s"),
+                            ("reward_model/loss", "rm loss", "{:.4f}"), ("reward_model/accuracy", "pairs right", "{:.2f}"),
+                            ("reward_model/step_time", "time", "{:.1f}s")]:
         if key in m and m[key] is not None:
             parts.append(f"{label} " + fmt.format(m[key]))
     return " | ".join(parts)

@@ -23,7 +23,7 @@ from typing import Callable
 
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.observability.metrics import LoggingConfig, MetricsLogger
+from megatron_rl.observability.metrics import LoggingConfig, MetricsLogger, Progress
 from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs, split_heldout, tokenize_pairs
 from megatron_rl.trainer.reward_model import RewardModelTrainer
@@ -90,6 +90,7 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
                  dropped, held_dropped, data.max_length)
     rm = RewardModelTrainer(pretrained.arch, config.trainer, hf_state=pretrained.state, head_lr=config.head_lr)
     metrics_log = MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config))
+    metrics_log.progress = Progress(config.epochs * -(-len(chosen) // config.pairs_per_step), 0)
     try:
         before, _ = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
         log.info("reward model: held-out pairwise accuracy before %.3f (%d pairs); training on %d pairs, %d epoch(s)",
