@@ -197,6 +197,8 @@ def test_settings_reward_model_training_cannot_honour_are_refused_by_name(tmp_pa
         assert field in capsys.readouterr().err
     assert main(["train", str(recipe), "--resume"]) == 2
     assert "--resume: reward-model training keeps no mid-run checkpoints" in capsys.readouterr().err
+    assert main(["train", str(recipe), f"data.heldout={tmp_path / 'missing.jsonl'}", "--check"]) == 2
+    assert "data.heldout: no file" in capsys.readouterr().err
 
 
 def always_right(response: str, prompt) -> float:

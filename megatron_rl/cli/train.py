@@ -21,7 +21,7 @@ from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
 from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs
-from megatron_rl.recipes.reward_model.recipe import train_reward_model
+from megatron_rl.recipes.reward_model.recipe import refuse_used_run_dir, train_reward_model
 from megatron_rl.rollout.vllm_engine import vllm_python
 from megatron_rl.run_config import RunConfig, load_run_config
 
@@ -60,8 +60,9 @@ def train_reward_model_command(config: RewardModelRunConfig, args: argparse.Name
             raise ConfigError(f"--{flag}: reward-model training keeps no mid-run checkpoints; start it in a new "
                               "run directory", field="objective")
     if args.check:
-        train_pairs, heldout = load_pairs(config.data.train), (load_pairs(config.data.heldout)
-                                                             if config.data.heldout else [])
+        refuse_used_run_dir(config.run_dir)
+        train_pairs = load_pairs(config.data.train)
+        heldout = load_pairs(config.data.heldout, "data.heldout") if config.data.heldout else []
         print(json.dumps({"check": "ok", "objective": "reward_model", "train_pairs": len(train_pairs),
                           "heldout_pairs": len(heldout), "run_dir": config.run_dir}))
         return 0

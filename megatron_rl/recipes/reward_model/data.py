@@ -5,6 +5,7 @@ renders what it scores (rewards/reward_model.py: conversation_ids)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from typing import Any
 
@@ -49,8 +50,10 @@ def _pair(row: Any, where: str) -> PreferencePair:
     return PreferencePair(chosen=sides[0], rejected=sides[1], where=where)
 
 
-def load_pairs(path: str) -> list[PreferencePair]:
+def load_pairs(path: str, field: str = "data.train") -> list[PreferencePair]:
     """Every pair of a file; the first bad row is refused with its file, line and field."""
+    if not os.path.isfile(path):
+        raise DataError(f"{field}: no file {path}", field=field)
     pairs = []
     for _, where, row in file_rows(path):
         if isinstance(row, DataError):

@@ -55,7 +55,7 @@ def pairwise_accuracy(rm: RewardModelTrainer, chosen: list[list[int]], rejected:
     return float(right.mean()), float(margin.mean())
 
 
-def _refuse_used_run_dir(run_dir: str) -> None:
+def refuse_used_run_dir(run_dir: str) -> None:
     if os.path.isdir(run_dir) and os.listdir(run_dir):
         raise ConfigError(f"run_dir: {run_dir} already holds files; reward-model training writes into a new or "
                           "empty directory (nothing of another run is overwritten)", field="run_dir")
@@ -67,11 +67,11 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
     """Train and export (module docstring). `export(path, arch, state, tokenizer, task=...)` writes the HF
     directory (the CLI passes checkpoints_tools' `save_hf`: the export layer sits above the recipes)."""
     started = time.perf_counter()
-    _refuse_used_run_dir(config.run_dir)
+    refuse_used_run_dir(config.run_dir)
     data = config.data
     train_pairs = load_pairs(data.train)
     if data.heldout:
-        heldout_pairs = load_pairs(data.heldout)
+        heldout_pairs = load_pairs(data.heldout, "data.heldout")
     else:
         train_pairs, heldout_pairs = split_heldout(train_pairs, data.heldout_fraction, data.seed)
     pretrained = load_pretrained(config.model.path)
