@@ -195,8 +195,8 @@ def test_settings_reward_model_training_cannot_honour_are_refused_by_name(tmp_pa
                          ("model.chat_template=tool_use", "model.chat_template")):
         assert main(["train", str(recipe), extra, "--check"]) == 2
         assert field in capsys.readouterr().err
-    assert main(["train", str(recipe), "--resume"]) == 2
-    assert "--resume: reward-model training keeps no mid-run checkpoints" in capsys.readouterr().err
+    assert main(["train", str(recipe), "--fresh"]) == 2
+    assert "--fresh: reward-model training does not move a previous run aside" in capsys.readouterr().err
     assert main(["train", str(recipe), f"data.heldout={tmp_path / 'missing.jsonl'}", "--check"]) == 2
     assert "data.heldout: no file" in capsys.readouterr().err
 
@@ -222,3 +222,52 @@ def test_eval_reward_decides_heldout_accuracy_instead_of_the_training_reward(tmp
     with pytest.raises(ConfigError, match="eval.reward"):
         _config(tiny_chat_model, str(tmp_path / "own_recipe"), "eval.reward.name=reasoning_gym",
                 "recipe=tests.test_reward_model_training:always_right")
+
+
+def test_a_crashed_reward_model_run_resumes_to_the_bits_of_an_uninterrupted_one(tiny_chat_model, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Checkpoints every 2 steps; a run that dies in step 5 and is continued with --resume ends with the export,
+    metrics and held-out accuracy of the run that never stopped."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.cli import main
+
+    _write_pairs(tmp_path / "pairs.jsonl", 40, seed=1)
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text("objective: reward_model\nmodel: {path: %s}\ndata: {train: pairs.jsonl, heldout_fraction: 0.2}\n"
+                      "pairs_per_step: 8\nepochs: 2\nhead_lr: 1.0e-2\ntrainer: {lr: 1.0e-3, micro_batch_size: 4}\n"
+                      "checkpoint: {every_steps: 2}\n" % tiny_chat_model)
+    assert main(["train", str(recipe), f"run_dir={tmp_path / 'straight'}"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(recipe), f"run_dir={tmp_path / 'none'}", "--resume"]) == 2
+    assert "holds no complete reward-model checkpoint" in capsys.readouterr().err
+
+    calls = [0]
+    update = RewardModelTrainer.update
+
+    def dies_in_step_5(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise KeyboardInterrupt  # the process ends mid-step, after the step-4 checkpoint
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(RewardModelTrainer, "update", dies_in_step_5)
+    assert main(["train", str(recipe), f"run_dir={tmp_path / 'crashed'}"]) != 0
+    assert "keeps its last checkpoint: continue with --resume" in capsys.readouterr().err
+    monkeypatch.setattr(RewardModelTrainer, "update", update)
+    assert main(["train", str(recipe), f"run_dir={tmp_path / 'crashed'}"]) == 2  # a fresh start is refused there
+    assert "--resume continues the run there" in capsys.readouterr().err
+    assert main(["train", str(recipe), f"run_dir={tmp_path / 'crashed'}", "--resume"]) == 0
+
+    def export(run):
+        return load_file(str(tmp_path / run / "reward_model" / "model.safetensors"))
+
+    straight, resumed = export("straight"), export("crashed")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+    def records(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    def without_times(rows):
+        return [{k: v for k, v in r.items() if not k.endswith("step_time")} for r in rows]
+    assert without_times(records("crashed")) == without_times(records("straight"))

@@ -21,7 +21,7 @@ from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
 from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs
-from megatron_rl.recipes.reward_model.recipe import refuse_used_run_dir, train_reward_model
+from megatron_rl.recipes.reward_model.recipe import latest_checkpoint, refuse_used_run_dir, train_reward_model
 from megatron_rl.rollout.vllm_engine import vllm_python
 from megatron_rl.run_config import RunConfig, load_run_config
 
@@ -54,19 +54,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train_reward_model_command(config: RewardModelRunConfig, args: argparse.Namespace) -> int:
-    """`objective: reward_model` (recipes/reward_model): one process, no mid-run checkpoints to resume."""
-    for flag in ("resume", "fresh"):
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag}: reward-model training keeps no mid-run checkpoints; start it in a new "
-                              "run directory", field="objective")
+    """`objective: reward_model` (recipes/reward_model): one process; `--resume` continues its latest
+    checkpoint."""
+    if args.fresh:
+        raise ConfigError("--fresh: reward-model training does not move a previous run aside; give it a new "
+                          "run_dir (or --resume the one there)", field="run_dir")
     if args.check:
-        refuse_used_run_dir(config.run_dir)
+        if args.resume:
+            latest_checkpoint(config)
+        else:
+            refuse_used_run_dir(config.run_dir)
         train_pairs = load_pairs(config.data.train)
         heldout = load_pairs(config.data.heldout, "data.heldout") if config.data.heldout else []
         print(json.dumps({"check": "ok", "objective": "reward_model", "train_pairs": len(train_pairs),
                           "heldout_pairs": len(heldout), "run_dir": config.run_dir}))
         return 0
-    summary = train_reward_model(config, export=save_hf)
+    summary = train_reward_model(config, export=save_hf, resume=args.resume)
     print(json.dumps({"pairwise_accuracy_before": summary.accuracy_before,
                       "pairwise_accuracy_after": summary.accuracy_after, "export": summary.export,
                       "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatron_rl.checkpoint.config import CheckpointConfig
 from megatron_rl.config import RECIPE_PATH_FIELD, require
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.trainer.config import TrainerConfig
@@ -40,8 +41,9 @@ class RewardModelRunConfig:
 
     objective: Literal["reward_model"] = "reward_model"
     run_dir: str = "runs/reward_model"
-    """Written by the run: metrics.jsonl, summary.json and the exported model in reward_model/. Refused
-    when it already holds files (nothing of another run is overwritten)."""
+    """Written by the run: metrics.jsonl, checkpoints/, summary.json and the exported model in
+    reward_model/. A fresh run refuses a directory that already holds files (nothing of another run is
+    overwritten); `--resume` continues the one there."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The backbone the reward model starts from (any form `model.path` accepts) and its chat template."""
     data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
@@ -53,6 +55,9 @@ class RewardModelRunConfig:
     trainer: TrainerConfig = dataclasses.field(
         default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8, lr_warmup_steps=0))
     """Backbone optimizer, precision and micro-batching (an even micro_batch_size: pairs stay whole)."""
+    checkpoint: CheckpointConfig = dataclasses.field(
+        default_factory=lambda: CheckpointConfig(every_steps=50, keep_last=1, save_at_end=False))
+    """Mid-run checkpoints (`--resume` continues the latest, bit for bit); the finished model is the export."""
 
     def __post_init__(self) -> None:
         require(bool(self.run_dir.strip()), "run_dir", "must name a directory")

@@ -8,8 +8,9 @@ trained on preference pairs, then exported for `reward.name: reward_model` to sc
     export(run_dir/reward_model)                           # the family's *ForSequenceClassification
 
 Pairwise accuracy on the held-out pairs is measured before and after (a tie counts half). The run writes
-metrics.jsonl (one line per step), summary.json and the export; it runs start to end in one process and
-keeps no mid-run checkpoints (a stopped run is started again in a new run directory).
+metrics.jsonl (one line per step), checkpoints every `checkpoint.every_steps` (weights, Adam's moments,
+scheduler; the pair order is a function of the seed and the epoch, so a resumed run takes the batches the
+uninterrupted one would and ends with its bits), summary.json and the export.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import random
 import time
 from typing import Callable
 
+from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.models.pretrained import load_pretrained
-from megatron_rl.observability.metrics import LoggingConfig, MetricsLogger, Progress
+from megatron_rl.observability.metrics import LoggingConfig, MetricsLogger, Progress, truncate_jsonl
 from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs, split_heldout, tokenize_pairs
 from megatron_rl.trainer.reward_model import RewardModelTrainer
@@ -57,17 +59,31 @@ def pairwise_accuracy(rm: RewardModelTrainer, chosen: list[list[int]], rejected:
 
 def refuse_used_run_dir(run_dir: str) -> None:
     if os.path.isdir(run_dir) and os.listdir(run_dir):
-        raise ConfigError(f"run_dir: {run_dir} already holds files; reward-model training writes into a new or "
-                          "empty directory (nothing of another run is overwritten)", field="run_dir")
+        raise ConfigError(f"run_dir: {run_dir} already holds files; a new reward-model run writes into a new or "
+                          "empty directory (nothing of another run is overwritten); --resume continues the run "
+                          "there", field="run_dir")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"run_dir: {run_dir} is a file, not a directory", field="run_dir")
 
 
-def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., None]) -> RewardModelSummary:
+def latest_checkpoint(config: RewardModelRunConfig) -> str:
+    """The checkpoint `--resume` continues (refused by name when the run directory has none)."""
+    latest = CheckpointManager(config.run_dir, config.checkpoint).latest()
+    if latest is None:
+        raise ConfigError(f"--resume: {config.run_dir} holds no complete reward-model checkpoint to continue",
+                          field="run_dir")
+    return latest
+
+
+def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., None],
+                       resume: bool = False) -> RewardModelSummary:
     """Train and export (module docstring). `export(path, arch, state, tokenizer, task=...)` writes the HF
-    directory (the CLI passes checkpoints_tools' `save_hf`: the export layer sits above the recipes)."""
+    directory (the CLI passes checkpoints_tools' `save_hf`: the export layer sits above the recipes).
+    `resume`: continue the run directory's latest checkpoint."""
     started = time.perf_counter()
-    refuse_used_run_dir(config.run_dir)
+    latest = latest_checkpoint(config) if resume else None
+    if not resume:
+        refuse_used_run_dir(config.run_dir)
     data = config.data
     train_pairs = load_pairs(data.train)
     if data.heldout:
@@ -89,10 +105,20 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
         log.info("reward model: %d training and %d held-out pairs longer than data.max_length=%d left out",
                  dropped, held_dropped, data.max_length)
     rm = RewardModelTrainer(pretrained.arch, config.trainer, hf_state=pretrained.state, head_lr=config.head_lr)
-    metrics_log = MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config))
-    metrics_log.progress = Progress(config.epochs * -(-len(chosen) // config.pairs_per_step), 0)
+    checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
+    steps_per_epoch = -(-len(chosen) // config.pairs_per_step)
+    total_steps = config.epochs * steps_per_epoch
+    done = 0
+    if latest is not None:
+        saved = checkpoints.load(latest, rm)
+        done, before = int(saved["step"]), float(saved["accuracy_before"])
+        truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), done)
+        log.info("reward model: resuming %s after step %d of %d", latest, done, total_steps)
+    metrics_log = MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config), resume=resume)
+    metrics_log.progress = Progress(total_steps, done)
     try:
-        before, _ = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
+        if latest is None:
+            before, _ = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
         log.info("reward model: held-out pairwise accuracy before %.3f (%d pairs); training on %d pairs, %d epoch(s)",
                  before, len(held_chosen), len(chosen), config.epochs)
         step = 0
@@ -100,10 +126,15 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
             order = list(range(len(chosen)))
             random.Random(data.seed * 1000 + epoch).shuffle(order)
             for start in range(0, len(order), config.pairs_per_step):
-                batch = order[start:start + config.pairs_per_step]
                 step += 1
+                if step <= done:  # trained before the checkpoint this run resumed
+                    continue
+                batch = order[start:start + config.pairs_per_step]
                 metrics = rm.update([chosen[i] for i in batch], [rejected[i] for i in batch], pad_token_id=pad)
                 metrics_log.log(step, {"epoch": float(epoch), **metrics})
+                if checkpoints.due(step, total_steps):
+                    checkpoints.save(step, rm, {"step": step, "accuracy_before": before},
+                                     tokenizer=pretrained.tokenizer)
         after, margin = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
         metrics_log.log(step, {"heldout/pairwise_accuracy_before": before, "heldout/pairwise_accuracy": after,
                                "heldout/margin": margin})
