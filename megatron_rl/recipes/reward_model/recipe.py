@@ -95,6 +95,9 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
         raise ConfigError(f"model.path: {config.model.path} has no tokenizer to render conversations with",
                           field="model.path")
     tokenizer = pretrained.tokenizer.hf_tokenizer
+    if not tokenizer.chat_template:
+        raise ConfigError(f"model.path: {config.model.path}'s tokenizer has no chat template; a reward model reads "
+                          "conversations rendered with one (as reward.name: reward_model scores)", field="model.path")
     pad = pretrained.tokenizer.pad_token_id
     chosen, rejected, dropped = tokenize_pairs(tokenizer, train_pairs, data.max_length)
     held_chosen, held_rejected, held_dropped = tokenize_pairs(tokenizer, heldout_pairs, data.max_length)
