@@ -191,7 +191,7 @@ def test_settings_reward_model_training_cannot_honour_are_refused_by_name(tmp_pa
     recipe = tmp_path / "rm.yaml"
     recipe.write_text(f"objective: reward_model\nrun_dir: {tmp_path / 'run'}\ndata: {{train: pairs.jsonl}}\n")
     for extra, field in (("trainer.micro_batch_size=3", "trainer.micro_batch_size"),
-                         ("trainer.parallel.tensor_parallel=2", "trainer.parallel"),
+                         ("trainer.lora.rank=4", "trainer.lora"),
                          ("model.chat_template=tool_use", "model.chat_template")):
         assert main(["train", str(recipe), extra, "--check"]) == 2
         assert field in capsys.readouterr().err
@@ -271,3 +271,47 @@ def test_a_crashed_reward_model_run_resumes_to_the_bits_of_an_uninterrupted_one(
     def without_times(rows):
         return [{k: v for k, v in r.items() if not k.endswith("step_time")} for r in rows]
     assert without_times(records("crashed")) == without_times(records("straight"))
+
+
+def _rm_worker(rank, world_size, model, pairs, run_dir, parallel):
+    from megatron_rl.checkpoints_tools.convert import save_hf
+    from megatron_rl.config import load_yaml
+    from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
+    from megatron_rl.recipes.reward_model.recipe import train_reward_model
+
+    config = load_yaml(RewardModelRunConfig, None, [
+        "objective=reward_model", f"run_dir={run_dir}", f"model.path={model}", f"data.train={pairs}",
+        "data.heldout_fraction=0.2", "pairs_per_step=8", "epochs=1", "head_lr=1.0e-2", "trainer.lr=1.0e-3",
+        "trainer.micro_batch_size=4", "checkpoint.every_steps=2", *parallel])
+    summary = train_reward_model(config, export=save_hf)
+    return summary.accuracy_after
+
+
+@pytest.mark.parametrize("parallel", [["trainer.parallel.tensor_parallel=2"], []], ids=["tp2", "dp2"])
+def test_a_reward_model_trained_over_two_ranks_equals_one_trained_in_one_process(tiny_chat_model, tmp_path, parallel):
+    """Tensor parallel (TP=2) and data parallel (DP=2: each rank half of every step's pairs) end the same Adam
+    steps as one process, up to the rounding their different summation orders allow (tests/helpers.py)."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.placement.launch import run_distributed
+    from tests.helpers import assert_close_after_adam
+
+    _write_pairs(tmp_path / "pairs.jsonl", 40, seed=2)
+    runs = {}
+    for name, world in (("one", 1), ("two", 2)):
+        results = run_distributed(_rm_worker, world, tiny_chat_model, str(tmp_path / "pairs.jsonl"),
+                                  str(tmp_path / name), parallel if world == 2 else [])
+        assert len(set(results)) == 1  # every rank measured the same held-out accuracy
+        runs[name] = load_file(str(tmp_path / name / "reward_model" / "model.safetensors"))
+    steps = 4  # 32 training pairs, 8 a step
+    head = {SCORE: runs["one"][SCORE]}
+    assert_close_after_adam({SCORE: runs["two"][SCORE]}, head, [1e-2] * steps)
+    backbone = {k: v for k, v in runs["one"].items() if k != SCORE}
+    assert_close_after_adam(runs["two"], backbone, [1e-3] * steps)
+    assert sorted((tmp_path / "two" / "checkpoints").iterdir())[-1].name.startswith("step_")
+
+    def losses(run):  # the mean over the whole batch's pairs, however many ranks shared them (Adam cannot tell)
+        return [r["reward_model/loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text()
+                                                         .splitlines()) if "reward_model/loss" in r]
+    assert len(losses("two")) == steps
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-3)

@@ -69,10 +69,11 @@ def train_reward_model_command(config: RewardModelRunConfig, args: argparse.Name
         print(json.dumps({"check": "ok", "objective": "reward_model", "train_pairs": len(train_pairs),
                           "heldout_pairs": len(heldout), "run_dir": config.run_dir}))
         return 0
-    summary = train_reward_model(config, export=save_hf, resume=args.resume)
-    print(json.dumps({"pairwise_accuracy_before": summary.accuracy_before,
-                      "pairwise_accuracy_after": summary.accuracy_after, "export": summary.export,
-                      "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
+    summary = train_reward_model(config, export=save_hf, resume=args.resume)  # on every rank of a launch
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"pairwise_accuracy_before": summary.accuracy_before,
+                          "pairwise_accuracy_after": summary.accuracy_after, "export": summary.export,
+                          "wall_time_s": round(summary.wall_time_s, 1), "run_dir": config.run_dir}))
     return 0
 
 

@@ -51,22 +51,24 @@ class RewardModelTrainer(ValueTrainer):
         return self.network
 
     def update(self, chosen: list[list[int]], rejected: list[list[int]],  # type: ignore[override]
-               pad_token_id: int = 0) -> dict[str, float]:
-        """One optimizer step of the mean Bradley-Terry loss over these pairs (this data-parallel rank's;
-        `normalizer`: the pair count). Metrics: reward_model/loss, /accuracy (pairs ranked right, before
-        the step), /margin, /grad_norm, /step_time."""
+               pad_token_id: int = 0, normalizer: int | None = None) -> dict[str, float]:
+        """One optimizer step of the mean Bradley-Terry loss over a batch of pairs: these are this
+        data-parallel rank's, `normalizer` the pair count of the whole batch over all ranks (default: these
+        alone). Metrics (averaged over ranks): reward_model/loss, /accuracy (pairs ranked right, before the
+        step), /margin, /grad_norm, /step_time."""
         if len(chosen) != len(rejected) or not chosen:
             raise ValueError(f"{len(chosen)} chosen and {len(rejected)} rejected answers: pairs need one of each")
         rows = [ids for pair in zip(chosen, rejected) for ids in pair]
         batch = self.prompt_batch(rows, pad_token_id=pad_token_id)
-        pairs = len(chosen)
+        pairs = normalizer or len(chosen)
+        local_pairs = len(chosen)
 
         def head_loss(hidden, tokens, mb):
             real = (mb.loss_mask.sum(-1) > 0).to(hidden.device)  # rows filling the last micro-batch carry no pair
             scores = self._values(self._states(hidden, mb.loss_mask)[real]).view(-1, 2)
             loss, metrics = bradley_terry_loss(scores[:, 0], scores[:, 1], normalizer=pairs)
             # micro-batch metrics are averaged over micro-batches: weigh each by its share of the pairs
-            share = scores.shape[0] * math.ceil(batch.batch_size / self.config.micro_batch_size) / pairs
+            share = scores.shape[0] * math.ceil(batch.batch_size / self.config.micro_batch_size) / local_pairs
             return loss, {k: v * share for k, v in metrics.items()}
 
         metrics = self.train_step_on_hidden(batch, head_loss, trim=True)

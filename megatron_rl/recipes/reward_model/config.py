@@ -49,12 +49,14 @@ class RewardModelRunConfig:
     data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
     epochs: int = 1
     pairs_per_step: int = 16
-    """Pairs in one optimizer step (a multiple of micro_batch_size / 2 keeps micro-batches full)."""
+    """Pairs in one optimizer step, over all data-parallel ranks (a multiple of the data-parallel size; a
+    multiple of data-parallel size x micro_batch_size / 2 keeps micro-batches full)."""
     head_lr: float = 1e-3
     """Adam learning rate of the scalar head, which starts at zero (the backbone uses trainer.lr)."""
     trainer: TrainerConfig = dataclasses.field(
         default_factory=lambda: TrainerConfig(lr=1e-5, micro_batch_size=8, lr_warmup_steps=0))
-    """Backbone optimizer, precision and micro-batching (an even micro_batch_size: pairs stay whole)."""
+    """Backbone optimizer, precision, micro-batching (an even micro_batch_size: pairs stay whole) and the
+    tensor x pipeline x data layout of a torchrun / srun launch (`trainer.parallel`)."""
     checkpoint: CheckpointConfig = dataclasses.field(
         default_factory=lambda: CheckpointConfig(every_steps=50, keep_last=1, save_at_end=False))
     """Mid-run checkpoints (`--resume` continues the latest, bit for bit); the finished model is the export."""
@@ -70,7 +72,3 @@ class RewardModelRunConfig:
         require(self.trainer.micro_batch_size % 2 == 0, "trainer.micro_batch_size",
                 "must be even: a micro-batch holds whole pairs (a chosen and a rejected row)")
         require(not self.trainer.lora.enabled, "trainer.lora", "the reward model trains all its weights (no adapters)")
-        parallel = self.trainer.parallel
-        require(parallel.tensor_parallel == parallel.pipeline_parallel == parallel.expert_parallel == 1,
-                "trainer.parallel", "reward-model training runs in one process (no tensor, pipeline or expert "
-                "parallelism yet)")

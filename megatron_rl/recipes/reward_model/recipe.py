@@ -22,6 +22,7 @@ import random
 import time
 from typing import Callable
 
+from megatron_rl import ranks
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.models.pretrained import load_pretrained
@@ -107,18 +108,28 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
     if dropped or held_dropped:
         log.info("reward model: %d training and %d held-out pairs longer than data.max_length=%d left out",
                  dropped, held_dropped, data.max_length)
+    # Under torchrun / srun every rank runs this function: the checks above read the same files on every rank,
+    # and the trainer's construction is the first collective, so no rank writes before all have checked.
     rm = RewardModelTrainer(pretrained.arch, config.trainer, hf_state=pretrained.state, head_lr=config.head_lr)
+    dp_size, dp_rank = rm.dp_size, rm.pg.dp.rank()
+    if config.pairs_per_step % dp_size:
+        raise ConfigError(f"pairs_per_step={config.pairs_per_step} is not a multiple of the {dp_size} data-parallel "
+                          "ranks that share each step's pairs", field="pairs_per_step")
+    driver = ranks.is_driver()
     checkpoints = CheckpointManager(config.run_dir, config.checkpoint)
-    steps_per_epoch = -(-len(chosen) // config.pairs_per_step)
+    steps_per_epoch = len(chosen) // config.pairs_per_step if dp_size > 1 else -(-len(chosen) // config.pairs_per_step)
     total_steps = config.epochs * steps_per_epoch
     done = 0
     if latest is not None:
         saved = checkpoints.load(latest, rm)
         done, before = int(saved["step"]), float(saved["accuracy_before"])
-        truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), done)
+        if driver:
+            truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), done)
         log.info("reward model: resuming %s after step %d of %d", latest, done, total_steps)
-    metrics_log = MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config), resume=resume)
-    metrics_log.progress = Progress(total_steps, done)
+    metrics_log = (MetricsLogger(config.run_dir, LoggingConfig(plots=False), to_dict(config), resume=resume)
+                   if driver else None)
+    if metrics_log is not None:
+        metrics_log.progress = Progress(total_steps, done)
     try:
         if latest is None:
             before, _ = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
@@ -128,27 +139,37 @@ def train_reward_model(config: RewardModelRunConfig, *, export: Callable[..., No
         for epoch in range(config.epochs):
             order = list(range(len(chosen)))
             random.Random(data.seed * 1000 + epoch).shuffle(order)
-            for start in range(0, len(order), config.pairs_per_step):
+            # with several data-parallel ranks every step takes a whole batch (each rank an equal share): the
+            # epoch's last pairs short of one are not trained in that epoch (each epoch shuffles anew)
+            for start in range(0, steps_per_epoch * config.pairs_per_step, config.pairs_per_step):
                 step += 1
                 if step <= done:  # trained before the checkpoint this run resumed
                     continue
                 batch = order[start:start + config.pairs_per_step]
-                metrics = rm.update([chosen[i] for i in batch], [rejected[i] for i in batch], pad_token_id=pad)
-                metrics_log.log(step, {"epoch": float(epoch), **metrics})
+                mine = batch[dp_rank::dp_size]
+                metrics = rm.update([chosen[i] for i in mine], [rejected[i] for i in mine], pad_token_id=pad,
+                                    normalizer=len(batch))
+                if metrics_log is not None:
+                    metrics_log.log(step, {"epoch": float(epoch), **metrics})
                 if checkpoints.due(step, total_steps):
                     checkpoints.save(step, rm, {"step": step, "accuracy_before": before},
                                      tokenizer=pretrained.tokenizer)
         after, margin = pairwise_accuracy(rm, held_chosen, held_rejected, pad)
-        metrics_log.log(step, {"heldout/pairwise_accuracy_before": before, "heldout/pairwise_accuracy": after,
-                               "heldout/margin": margin})
+        if metrics_log is not None:
+            metrics_log.log(step, {"heldout/pairwise_accuracy_before": before, "heldout/pairwise_accuracy": after,
+                                   "heldout/margin": margin})
     finally:
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
     path = os.path.join(config.run_dir, EXPORT_DIR)
-    export(path, pretrained.arch, rm.gather_reward_model_state(), pretrained.tokenizer, task="sequence_classification")
+    state = rm.gather_reward_model_state()  # a collective: the whole model on the driver
     summary = RewardModelSummary(accuracy_before=before, accuracy_after=after, margin_after=margin,
                                  train_pairs=len(chosen), heldout_pairs=len(held_chosen),
                                  dropped_pairs=dropped + held_dropped, steps=step,
                                  wall_time_s=time.perf_counter() - started, export=path)
+    if not driver:
+        return summary
+    export(path, pretrained.arch, state, pretrained.tokenizer, task="sequence_classification")
     with open(os.path.join(config.run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(dataclasses.asdict(summary), f, indent=1)
     log.info("reward model: held-out pairwise accuracy %.3f -> %.3f; exported to %s", before, after, path)
