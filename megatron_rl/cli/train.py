@@ -23,7 +23,7 @@ from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs
 from megatron_rl.recipes.reward_model.recipe import latest_checkpoint, refuse_used_run_dir, train_reward_model
 from megatron_rl.rollout.vllm_engine import vllm_python
-from megatron_rl.run_config import RunConfig, load_run_config
+from megatron_rl.run_config import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     data, source = load_yaml_data(path, overrides)
     if data.get("objective") == "reward_model":  # not RL: Bradley-Terry training on preference pairs
         return train_reward_model_command(from_dict(RewardModelRunConfig, data, source), args)
-    config = load_run_config(args.config, args.overrides)
+    config = from_dict(RunConfig, data, source)  # what load_run_config does, without reading the file again
     if args.check:
         return check(config, resume=args.resume, fresh=args.fresh)
     summary = train(config, resume=args.resume, fresh=args.fresh)  # every rank of a torchrun / srun launch runs it

@@ -25,7 +25,8 @@ from megatron_rl.algorithms.losses import bradley_terry_loss
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import megatron_to_hf
 from megatron_rl.trainer.config import TrainerConfig, ValueModelConfig
-from megatron_rl.trainer.value import HEAD, ValueNetwork, ValueTrainer
+from megatron_rl.trainer.trainer import MegatronTrainer
+from megatron_rl.trainer.value import ValueNetwork, ValueTrainer
 
 SCORE = "score.weight"
 """The head's name in transformers' *ForSequenceClassification models."""
@@ -83,11 +84,9 @@ class RewardModelTrainer(ValueTrainer):
         head = self.network.value_head
         weight = self._broadcast_from_last_stage(
             head.weight.detach().float() if head is not None else None, (1, self.arch.hidden_size), torch.float32)
-        shards = self._gather_shards(self.shard_state(), dst)
+        shards = self._gather_shards(MegatronTrainer.shard_state(self), dst)  # the backbone's, without the head
         if shards is None:
             return None
-        shards = [[{k: v for k, v in shard.items() if not k.startswith(HEAD + ".")} for shard in stage]
-                  for stage in shards]
         state = {k: v for k, v in megatron_to_hf(shards, self.layout).items() if k != "lm_head.weight"}
         dtype = next(iter(state.values())).dtype
         state[SCORE] = weight.to(dtype)

@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from megatron_rl import ranks
+from megatron_rl.algorithms.losses import bradley_terry_loss
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import ConfigError, to_dict
 from megatron_rl.models.pretrained import load_pretrained
@@ -53,9 +54,8 @@ def pairwise_accuracy(rm: RewardModelTrainer, chosen: list[list[int]], rejected:
                       ) -> tuple[float, float]:
     """(share of pairs whose chosen answer scores higher, a tie counting half; mean margin)."""
     scores = rm.predict(chosen + rejected, pad_token_id=pad)
-    margin = scores[:len(chosen)] - scores[len(chosen):]
-    right = (margin > 0).float() + 0.5 * (margin == 0).float()
-    return float(right.mean()), float(margin.mean())
+    _, metrics = bradley_terry_loss(scores[:len(chosen)], scores[len(chosen):], normalizer=len(chosen))
+    return float(metrics["accuracy"]), float(metrics["margin"])
 
 
 def refuse_used_run_dir(run_dir: str) -> None:
