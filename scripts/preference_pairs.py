@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl.config import ConfigError  # noqa: E402
 from megatron_rl.data.sources import build_datasets  # noqa: E402
 from megatron_rl.models.pretrained import load_pretrained  # noqa: E402
 from megatron_rl.rewards.registry import Reward  # noqa: E402
@@ -59,6 +60,18 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    try:
+        return write_pairs(args)
+    except ConfigError as exc:  # a bad recipe or data: one line, as the megatron-rl commands say it
+        print(f"preference_pairs: {exc}", file=sys.stderr)
+        return 2
+
+
+def write_pairs(args: argparse.Namespace) -> int:
+    paths = {name: os.path.join(args.out, f"{name}.jsonl") for name in ("train", "heldout")}
+    for path in paths.values():
+        if os.path.exists(path):
+            raise ConfigError(f"--out: {path} exists; choose another folder (nothing is overwritten)")
     config = load_run_config(args.config)
     train, heldout = build_datasets(config.data)
     model = load_pretrained(config.model.path)
@@ -68,9 +81,7 @@ def main() -> int:
     counts = {}
     with NativeEngine(model.arch, model.state, tokenizer=model.tokenizer, config=config.engine) as engine:
         for name, prompts in (("train", list(train)[:args.prompts]), ("heldout", list(heldout))):
-            path = os.path.join(args.out, f"{name}.jsonl")
-            if os.path.exists(path):
-                raise SystemExit(f"{path} exists: choose another --out (nothing is overwritten)")
+            path = paths[name]
             rows, counts[name] = graded_pairs(engine, model.tokenizer, reward, prompts, samples=args.samples,
                                               pairs_per_prompt=args.pairs_per_prompt,
                                               max_new_tokens=config.rollout.max_new_tokens,
