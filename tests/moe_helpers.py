@@ -29,6 +29,13 @@ CASES = {
                                                             "norm_topk_prob": False}),
 }
 FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Dense layers among the MoE ones: Qwen2-MoE's mlp_only_layers (layer 0 dense, 1 to 3 MoE; PP=2 puts a dense and an
+# MoE layer on stage 0). Dense MLP width 96, shared expert 48, experts 32: all divide by TP=2.
+DENSE_LAYERS = parity.Case("qwen2_moe (dense layer 0)", "Qwen2MoeConfig", {
+    **_BASE, "num_hidden_layers": 4, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+    "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [0]})
+CASES[DENSE_LAYERS.name] = DENSE_LAYERS
+FAMILY_CASES += (DENSE_LAYERS.name,)
 
 
 def build(name: str, seed: int = 0):
@@ -42,10 +49,9 @@ def hf_forced_routing(model, record: torch.Tensor):
     """transformers' routers take the experts of `record` [B, S, L, k] (-1: the router's own top-k) for a
     forward of B x S tokens; the weights are the router's own probabilities of those experts, renormalised
     when the family renormalises (the semantics of routing replay)."""
-    layers = model.model.layers
+    routers = [(index, layer.mlp.gate) for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
     originals = []
-    for index, layer in enumerate(layers):
-        router = layer.mlp.gate
+    for index, router in routers:
         originals.append(router.forward)
 
         def forced(hidden_states, router=router, index=index):
@@ -64,14 +70,20 @@ def hf_forced_routing(model, record: torch.Tensor):
     try:
         yield
     finally:
-        for layer, original in zip(layers, originals):
-            layer.mlp.gate.forward = original
+        for (_, router), original in zip(routers, originals):
+            router.forward = original
+
+
+def _is_moe(layer) -> bool:
+    return hasattr(layer.mlp, "gate")  # a dense layer's MLP has gate_proj, no router
 
 
 def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in descending probability."""
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2])) for layer in model.model.layers]
+    """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in descending probability
+    (-1 in dense layers)."""
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o, index=index: chosen.__setitem__(index, o[2]))
+             for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
     try:
         with torch.no_grad():
             model(tokens)
@@ -79,4 +91,6 @@ def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
         for hook in hooks:
             hook.remove()
     b, s = tokens.shape
-    return torch.stack([c.reshape(b, s, -1) for c in chosen], dim=2)
+    k = next(iter(chosen.values())).shape[-1]
+    return torch.stack([chosen[i].reshape(b, s, k) if i in chosen else torch.full((b, s, k), -1)
+                        for i in range(len(model.model.layers))], dim=2)

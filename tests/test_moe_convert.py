@@ -48,26 +48,31 @@ def test_config_round_trips_through_the_registry(built, name):
     for field in (experts_field, "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
         assert getattr(reread, field) == getattr(config, field), field
     assert arch.shared_expert_ffn_hidden_size == getattr(config, "shared_expert_intermediate_size", 0)
-    assert arch.shared_expert_gate == (name == "qwen2_moe")
-    if name == "qwen2_moe":
+    assert arch.shared_expert_gate == (arch.family == "qwen2_moe")
+    if arch.family == "qwen2_moe":
         assert reread.shared_expert_intermediate_size == config.shared_expert_intermediate_size
     if name.startswith("qwen"):
         assert (reread.moe_intermediate_size, reread.norm_topk_prob) == (config.moe_intermediate_size,
                                                                           config.norm_topk_prob)
-        assert reread.decoder_sparse_step == 1 and reread.mlp_only_layers == []
+        assert reread.decoder_sparse_step == 1 and reread.mlp_only_layers == config.mlp_only_layers
+        assert arch.moe_layer_indices == tuple(i for i in range(config.num_hidden_layers)
+                                               if i not in config.mlp_only_layers)
 
 
 @pytest.mark.parametrize("family,field,value", [
-    ("qwen3_moe", "decoder_sparse_step", 2),
-    ("qwen3_moe", "mlp_only_layers", [0]),
+    ("qwen3_moe", "mlp_only_layers", [0, 1]),   # no MoE layer left
+    ("qwen3_moe", "decoder_sparse_step", 0),
+    ("qwen3_moe", "first_k_dense_replace", 1),   # another family's spelling
+    ("mixtral", "mlp_only_layers", [0]),
+    ("mixtral", "decoder_sparse_step", 2),
     ("qwen3_moe", "shared_expert_intermediate_size", 64),
     ("qwen3_moe", "attention_bias", True),
     ("mixtral", "router_jitter_noise", 0.1),
     ("mixtral", "sliding_window", 0),
     ("mixtral", "n_shared_experts", 1),
     ("mixtral", "scoring_func", "sigmoid"),
-    ("qwen2_moe", "mlp_only_layers", [0]),
-    ("qwen2_moe", "decoder_sparse_step", 2),
+    ("qwen2_moe", "mlp_only_layers", [2]),       # out of range
+    ("qwen2_moe", "mlp_only_layers", "0"),
     ("qwen2_moe", "qkv_bias", False),
     ("qwen2_moe", "shared_expert_intermediate_size", 0),
 ])
@@ -94,6 +99,19 @@ def test_moe_arch_validation():
         MegatronLayout(dense, ep=2)
     with pytest.raises(ConfigError, match="moe_ffn_hidden_size"):
         MegatronLayout(dataclass_replace(arch, moe_ffn_hidden_size=15), tp=2)
+    two = dict(base, num_layers=2, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+    assert ModelArch(**two, moe_layers=(1, 0)).moe_layers is None  # every layer: one spelling
+    mixed = ModelArch(**two, moe_layers=(1,))
+    assert (mixed.moe_layer_indices, mixed.has_dense_mlp) == ((1,), True)
+    assert mixed.num_parameters() == ModelArch(**two).num_parameters() - arch.mlp_parameters() + 3 * 32 * 64
+    for bad in ((), (2,)):
+        with pytest.raises(ConfigError, match="moe_layers"):
+            ModelArch(**two, moe_layers=bad)
+    with pytest.raises(ConfigError, match="moe_layers"):
+        ModelArch(**{**base, "family": "llama"}, moe_layers=(0,))
+    with pytest.raises(ConfigError, match="ffn_hidden_size=63"):  # a dense layer's MLP is split over TP too
+        MegatronLayout(dataclass_replace(mixed, ffn_hidden_size=63), tp=2)
+    MegatronLayout(dataclass_replace(arch, ffn_hidden_size=63), tp=2)  # all-MoE: the dense width is unused
 
 
 def dataclass_replace(arch, **changes):
@@ -128,8 +146,10 @@ def test_in_memory_round_trip_any_layout(built, name, tp, pp, ep):
     layout = MegatronLayout(arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=1)
     shards = hf_to_megatron(state, layout)
     assert len(shards) == pp and all(len(row) == tp * ep for row in shards)
-    experts = [k for k in shards[0][0] if ".local_experts." in k and "layers.0." in k and "fc1" in k]
-    assert len(experts) == arch.num_experts // ep
+    for layer in range(layout.layers_per_stage):  # stage 0's layers
+        experts = [k for k in shards[0][0] if ".local_experts." in k and f"layers.{layer}." in k and "fc1" in k]
+        assert len(experts) == (arch.num_experts // ep if arch.layer_is_moe(layer) else 0)
+        assert (f"decoder.layers.{layer}.mlp.linear_fc1.weight" in shards[0][0]) == (not arch.layer_is_moe(layer))
     back = megatron_to_hf(shards, layout)
     published = canonical_hf_state(state, arch)
     assert back.keys() == published.keys()

@@ -20,6 +20,7 @@ from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.native.parity import default_prompts, engine_parity
 from megatron_rl.weight_sync import reshard as R
 from megatron_rl.weight_sync.shared_memory import write_shard
+from tests import moe_helpers
 from tests.test_engine_families import random_model
 
 SHAPES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -39,6 +40,11 @@ CONFIGS = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=48, num_experts=8,
                                                      num_experts_per_tok=4, norm_topk_prob=False),
+    # dense layers among the MoE ones: layer 0 Qwen2-MoE's dense MLP (mlp_only_layers), layer 1 MoE
+    "qwen2_moe_dense": lambda: transformers.Qwen2MoeConfig(**SHAPES, intermediate_size=96, moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=48, num_experts=8,
+                                                           num_experts_per_tok=2, norm_topk_prob=True,
+                                                           mlp_only_layers=[0]),
 }
 
 
@@ -52,26 +58,19 @@ def _model(kind: str, seed: int = 0):
 def test_greedy_and_logprobs_match_transformers(kind):
     config, model, state, arch = _model(kind)
     assert arch.is_moe and arch.moe_norm_topk_prob == (kind not in ("qwen3_moe", "qwen2_moe"))
-    assert (arch.shared_expert_ffn_hidden_size > 0) == (kind == "qwen2_moe")
+    assert (arch.shared_expert_ffn_hidden_size > 0) == kind.startswith("qwen2_moe")
+    assert arch.moe_layer_indices == ((1,) if kind == "qwen2_moe_dense" else (0, 1))
     equal, diff = engine_parity(model, arch, state, max_new_tokens=32)
     assert equal and diff < 1e-4, (kind, equal, diff)
 
 
 def _hf_routing(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), layers, k]: the expert ids transformers' routers choose in one forward over `ids`."""
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: chosen.append(out[2]))
-             for layer in model.model.layers]
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(chosen, dim=1)
+    """[len(ids), layers, k]: the expert ids transformers' routers choose in one forward over `ids` (-1 in
+    dense layers)."""
+    return moe_helpers.hf_own_routing(model, torch.tensor([ids]))[0]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense"])
 def test_routing_record_equals_transformers_routing(kind, tmp_path):
     """Sampled answers (temperature 1), a 40-token prompt sampled twice (the second copy shares its prefix's
     K/V and routing) plus a prompt sharing 24 tokens with it, prefill chunked at 16 tokens."""
@@ -139,12 +138,12 @@ def test_published_and_fused_names_load_the_same_and_bad_names_are_refused(kind,
             e.update_weights({hf_router_name(family, 0): torch.zeros(8, 64)})
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense"])
 def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kind):
     config, model, state, arch = _model(kind, seed=6)
     layout = MegatronLayout(arch, tp=2, ep=2)
     shards = hf_to_megatron(state, layout)
-    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in shards[0][layout.shard_index(1, 1)]
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in shards[0][layout.shard_index(1, 1)]
     plan = R.build_reshard_plan(layout, R.EngineLayout(arch, tp=1))
     resharded = R.execute_plan(plan, 0, shards, backend="torch")
     family = get_family(arch.family)
@@ -177,7 +176,7 @@ def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kin
     halves = [R.execute_plan(plan2, r, shards, backend="torch") for r in range(2)]
     assert torch.equal(torch.cat([h[g] for h in halves]), resharded[g])
     assert torch.equal(torch.cat([h[d] for h in halves], dim=1), resharded[d])
-    router = hf_router_name(family, 0)
+    router = hf_router_name(family, 1)
     assert torch.equal(halves[1][router], resharded[router])
 
 

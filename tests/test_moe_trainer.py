@@ -105,7 +105,7 @@ def test_ep2_qwen3_moe(built):
 
 @pytest.mark.slow
 def test_pp2_moe(built):
-    _check_parallel(built, ["qwen3_moe"], tp=1, ep=1, pp=2, world=2, steps=3)
+    _check_parallel(built, ["qwen3_moe", moe_helpers.DENSE_LAYERS.name], tp=1, ep=1, pp=2, world=2, steps=3)
 
 
 def _forced_record(model, tokens, arch):
@@ -114,9 +114,10 @@ def _forced_record(model, tokens, arch):
     the last token, which is no input)."""
     own = moe_helpers.hf_own_routing(model, tokens[:, :-1])
     b, s, layers, k = own.shape
-    chosen = torch.zeros(b, s, layers, arch.num_experts, dtype=torch.bool).scatter_(-1, own, True)
+    chosen = torch.zeros(b, s, layers, arch.num_experts, dtype=torch.bool).scatter_(-1, own.clamp(min=0), True)
     record = (~chosen).float().argsort(dim=-1, descending=True, stable=True)[..., :k]
     record[0, -5:] = -1
+    record[:, :, [i for i in range(layers) if not arch.layer_is_moe(i)]] = -1  # dense layers route nothing
     return own, torch.cat([record, record.new_full((b, 1, layers, k), -1)], dim=1)
 
 

@@ -34,11 +34,11 @@ SMALL = {"vocab_size": 512, "num_layers": 3, "hidden_size": 64, "ffn_hidden_size
          "moe_ffn_hidden_size": 32}
 
 
-def _small_arch() -> ModelArch:
-    return ModelArch(**SMALL, family="qwen3_moe", qk_norm=True)
+def _small_arch(**changes) -> ModelArch:
+    return ModelArch(**SMALL, family="qwen3_moe", qk_norm=True, **changes)
 
 
-def _hf_counts() -> tuple[int, int]:
+def _hf_counts(mlp_only_layers: tuple[int, ...] = ()) -> tuple[int, int]:
     """(non-expert, expert) parameters of transformers' Qwen3-MoE of the SMALL shape, built on the meta device."""
     from transformers import (  # heavy: only this test needs it
         Qwen3MoeConfig,
@@ -50,7 +50,8 @@ def _hf_counts() -> tuple[int, int]:
                             num_attention_heads=SMALL["num_attention_heads"],
                             num_key_value_heads=SMALL["num_query_groups"], head_dim=SMALL["head_dim"],
                             num_experts=SMALL["num_experts"], num_experts_per_tok=SMALL["moe_top_k"],
-                            moe_intermediate_size=SMALL["moe_ffn_hidden_size"], tie_word_embeddings=False)
+                            moe_intermediate_size=SMALL["moe_ffn_hidden_size"], tie_word_embeddings=False,
+                            mlp_only_layers=list(mlp_only_layers))
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -67,6 +68,16 @@ def test_parameter_split_matches_transformers_qwen3_moe():
     assert cost.active_parameters(arch) == pytest.approx(dense_hf + experts_hf * 2 / 8)
     # EP 4 x ETP 2: each GPU holds 2 of 8 experts, each split in two
     assert cost.stage_parameter_split(arch, 2, 1, 0, 128, ep=4)[1] == pytest.approx(experts_hf / 8)
+
+
+def test_parameter_split_with_dense_layers_matches_transformers():
+    """Qwen3-MoE with layers 0 and 2 dense (mlp_only_layers): only layer 1 holds experts."""
+    arch = _small_arch(moe_layers=(1,))
+    dense_hf, experts_hf = _hf_counts(mlp_only_layers=(0, 2))
+    assert cost.expert_parameters(arch) == experts_hf == 8 * 3 * 64 * 32
+    assert cost.stage_parameter_split(arch, 1, 1, 0, 128) == (dense_hf, experts_hf)
+    assert arch.num_parameters() == dense_hf + experts_hf
+    assert cost.active_parameters(arch) == pytest.approx(dense_hf + experts_hf * 2 / 8)
 
 
 def test_parameter_split_matches_megatron_moe_model():

@@ -99,7 +99,11 @@ class ModelArch:
     """The 0-based layers the window applies to (Qwen2 / Qwen3 `layer_types`); None: every layer (Mistral,
     Mixtral, Qwen3-MoE). Only meaningful with a `sliding_window`."""
     num_experts: int = 0
-    """0 = dense MLP; > 0 = every decoder layer's MLP is a mixture of this many SwiGLU experts."""
+    """0 = dense MLP; > 0 = the MLP of every layer `moe_layers` names is a mixture of this many SwiGLU experts."""
+    moe_layers: tuple[int, ...] | None = None
+    """The 0-based layers whose MLP is the mixture of experts (MoE models only); None: every layer. The others
+    run the dense SwiGLU MLP of `ffn_hidden_size` (DeepSeek's and GLM-4.5's `first_k_dense_replace` leading
+    layers, Qwen-MoE's `mlp_only_layers`)."""
     moe_top_k: int = 0
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int = 0
@@ -141,6 +145,15 @@ class ModelArch:
             if len(layers) == self.num_layers:  # one spelling of "every layer", so equal archs compare equal
                 object.__setattr__(self, "sliding_window_layers", None)
         require(self.num_experts >= 0, "num_experts", f"must be >= 0, got {self.num_experts}")
+        if self.moe_layers is not None:
+            layers = tuple(sorted(set(int(i) for i in self.moe_layers)))
+            object.__setattr__(self, "moe_layers", layers)
+            require(self.num_experts > 0, "moe_layers", "set on a dense model (num_experts is 0)")
+            require(all(0 <= i < self.num_layers for i in layers), "moe_layers",
+                    f"{list(layers)}: layers must be in 0..{self.num_layers - 1}")
+            require(bool(layers), "moe_layers", "empty: no layer would be a mixture of experts (set num_experts 0)")
+            if len(layers) == self.num_layers:  # one spelling of "every layer", so equal archs compare equal
+                object.__setattr__(self, "moe_layers", None)
         if self.num_experts > 0:
             require(0 < self.moe_top_k <= self.num_experts, "moe_top_k",
                     f"must be in 1..num_experts={self.num_experts}, got {self.moe_top_k}")
@@ -167,6 +180,20 @@ class ModelArch:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether 0-based `layer`'s MLP is the mixture of experts."""
+        return self.is_moe and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """The 0-based layers whose MLP is the mixture of experts (empty for a dense model)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Some layer runs the dense MLP of `ffn_hidden_size` (every layer of a dense model)."""
+        return len(self.moe_layer_indices) < self.num_layers
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of 0-based `layer` (None: full causal attention)."""
         if self.sliding_window is None:
@@ -180,23 +207,25 @@ class ModelArch:
         """The 0-based layers that attend through the sliding window."""
         return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
-    def mlp_parameters(self) -> int:
-        """Parameters of one layer's MLP (every expert, the router and any shared expert for an MoE model)."""
+    def mlp_parameters(self, layer: int | None = None) -> int:
+        """Parameters of one layer's MLP (every expert, the router and any shared expert for an MoE layer);
+        `layer` None: an MoE layer of an MoE model."""
         h = self.hidden_size
-        if self.is_moe:
+        if self.is_moe and (layer is None or self.layer_is_moe(layer)):
             shared = 3 * h * self.shared_expert_ffn_hidden_size + (h if self.shared_expert_gate else 0)
             return self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h + shared
         return 3 * h * self.ffn_hidden_size
 
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_parameters() + 2 * h
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        mlps = sum(self.mlp_parameters(i) for i in range(self.num_layers))
+        return self.num_layers * per_layer + mlps + embed + h
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "arch") -> ModelArch:

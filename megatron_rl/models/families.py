@@ -55,6 +55,10 @@ class Family:
     shared_expert_field: str | None = None
     """HF field holding the intermediate size of each MoE layer's gated shared expert (Qwen2-MoE); None: the
     family has none (the field is refused where another family spells it)."""
+    dense_layers_field: str | None = None
+    """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
+    list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
+    (DeepSeek, GLM-4.5: the leading k layers); None: every layer is MoE (Mixtral)."""
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -67,12 +71,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            window_flag="use_sliding_window", has_window=True, window_layer_types=True),
     Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", qk_norm=True,
            bias_field="attention_bias", window_flag="use_sliding_window", has_window=True, moe_block="mlp",
-           norm_topk_field="norm_topk_prob"),
+           norm_topk_field="norm_topk_prob", dense_layers_field="mlp_only_layers"),
     # Qwen1.5-MoE and Qwen2-MoE: Qwen2's attention (q/k/v biases), softmax top-k routing and a shared expert
     # behind a sigmoid gate in every MoE layer.
     Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "Qwen2MoeConfig", qkv_bias=True,
            window_flag="use_sliding_window", has_window=True, window_layer_types=True, moe_block="mlp",
-           norm_topk_field="norm_topk_prob", shared_expert_field="shared_expert_intermediate_size"),
+           norm_topk_field="norm_topk_prob", shared_expert_field="shared_expert_intermediate_size",
+           dense_layers_field="mlp_only_layers"),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -86,8 +91,8 @@ _MOE_REFUSED = {
     "moe_shared_expert_intermediate_size": "shared experts are not implemented",
     "router_jitter_noise": "router jitter (multiplicative input noise in training) is not implemented",
     "router_z_loss_coef": "a router z-loss is not implemented",
-    "first_k_dense_replace": "dense leading layers are not implemented (every layer must be MoE)",
-    "moe_layer_freq": "interleaved dense/MoE layers are not implemented (every layer must be MoE)",
+    "first_k_dense_replace": "dense leading layers are not part of this family (every layer is MoE)",
+    "moe_layer_freq": "interleaved dense/MoE layers at a stride are not implemented",
     "topk_method": "grouped or biased top-k routing is not implemented (softmax top-k only)",
     "scoring_func": "only a softmax router is implemented",
     "n_group": "grouped top-k routing is not implemented",
@@ -229,7 +234,8 @@ def with_family_defaults(family: Family, config: dict[str, Any], where: str = "c
     config_class = getattr(transformers, family.config_class)
     try:
         resolved = config_class.from_dict(dict(config)).to_dict()
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any refusal of the class (huggingface_hub's strict-field errors
+        # derive from Exception alone) is a bad config, reported in one line
         raise ConfigError(f"{where}: transformers' {family.config_class} cannot read it: {exc}") from None
     # what the class made of each absent or null field (a null it keeps, e.g. sliding_window, stays null)
     filled = {**config, **{k: v for k, v in resolved.items() if config.get(k) is None}}
@@ -297,20 +303,14 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "norm_eps": "rms_norm_ep
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelArch MoE fields of an MoE family's config; refuses the MoE variants we do not implement."""
+    honoured = {family.shared_expert_field, family.dense_layers_field}
     for field, why in _MOE_REFUSED.items():
         value = config.get(field)
-        if field != family.shared_expert_field and value not in (None, 0, 0.0, False) \
-                and _MOE_NEUTRAL.get(field) != value:
+        if field not in honoured and value not in (None, 0, 0.0, False) and _MOE_NEUTRAL.get(field) != value:
             raise _refuse(where, field, f"{value!r}: {why}")
     if "qkv_bias" in config and bool(config["qkv_bias"]) != family.qkv_bias:
         raise _refuse(where, "qkv_bias", f"{config['qkv_bias']!r}: {family.name} without q/k/v biases is not "
                       "implemented")
-    if int(config.get("decoder_sparse_step", 1) or 1) != 1:
-        raise _refuse(where, "decoder_sparse_step", f"{config['decoder_sparse_step']}: interleaved dense/MoE layers "
-                      "are not implemented (every layer must be MoE: decoder_sparse_step 1)")
-    if config.get("mlp_only_layers"):
-        raise _refuse(where, "mlp_only_layers", f"{config['mlp_only_layers']}: dense layers among MoE layers are not "
-                      "implemented (must be empty)")
     experts = config.get(family.experts_field, config.get("num_local_experts", config.get("num_experts")))
     if experts is None:
         raise ConfigError(f"{where}: missing field {family.experts_field!r}")
@@ -323,11 +323,53 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
             raise _refuse(where, family.shared_expert_field, f"{shared}: {family.name}'s shared expert needs a "
                           "positive intermediate size")
         return dict(num_experts=int(experts), moe_top_k=int(config["num_experts_per_tok"]),
+                    moe_layers=_moe_layers(family, config, where),
                     moe_ffn_hidden_size=int(config[family.expert_size_field]), moe_norm_topk_prob=norm_topk,
                     router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
                     shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0)
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
+
+
+def _moe_layers(family: Family, config: dict[str, Any], where: str) -> tuple[int, ...]:
+    """The 0-based MoE layers, as transformers' decoder layer of the family chooses them."""
+    layers = int(config["num_hidden_layers"])
+    step_field, step = "decoder_sparse_step", config.get("decoder_sparse_step", 1)
+    if family.dense_layers_field != "mlp_only_layers":
+        if config.get("mlp_only_layers"):
+            raise _refuse(where, "mlp_only_layers", f"{config['mlp_only_layers']}: not a field of {family.name}")
+        if step not in (None, 1):
+            raise _refuse(where, step_field, f"{step!r}: not a field of {family.name} (only 1 is neutral)")
+    if family.dense_layers_field == "first_k_dense_replace":
+        first = config.get("first_k_dense_replace") or 0
+        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < layers:
+            raise _refuse(where, "first_k_dense_replace", f"{first!r}: must be an integer in 0..{layers - 1} "
+                          "(at least one MoE layer)")
+        return tuple(range(first, layers))
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        raise _refuse(where, "mlp_only_layers", f"{dense!r}: must be a list of layer indices in 0..{layers - 1}")
+    step = 1 if step is None else step
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise _refuse(where, step_field, f"{step!r}: must be a positive integer")
+    moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if not moe:
+        raise _refuse(where, "mlp_only_layers", f"{dense} with {step_field} {step}: no layer would be a mixture of "
+                      "experts")
+    return moe
+
+
+def _dense_layers_config(family: Family, arch: ModelArch) -> dict[str, Any]:
+    """The HF fields that place `arch`'s dense layers (refusing a placement the family cannot spell)."""
+    dense = [i for i in range(arch.num_layers) if not arch.layer_is_moe(i)]
+    if family.dense_layers_field == "mlp_only_layers":
+        return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+    if family.dense_layers_field == "first_k_dense_replace" and dense == list(range(len(dense))):
+        return {"first_k_dense_replace": len(dense)}
+    if dense:
+        raise ConfigError(f"model family {family.name!r} cannot express dense layers {dense} among its MoE layers "
+                          "in an HF config")
+    return {}
 
 
 def rope_parameters(arch: ModelArch) -> dict[str, Any]:
@@ -391,8 +433,7 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
                               "in an HF config")
         if family.shared_expert_field:
             config[family.shared_expert_field] = arch.shared_expert_ffn_hidden_size
-        if family.name in ("qwen3_moe", "qwen2_moe"):
-            config.update(decoder_sparse_step=1, mlp_only_layers=[])
+        config.update(_dense_layers_config(family, arch))
         if family.name == "mixtral":
             config["router_jitter_noise"] = 0.0
     if arch.sliding_window is not None and not family.has_window:

@@ -20,7 +20,8 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
   `mlp.experts.local_experts.{j}.linear_fc1/linear_fc2.weight`, split over TP like the dense fc1/fc2 (Megatron's
   expert tensor parallel size = TP), and held by expert-parallel rank e // (E / EP) as its local expert
   j = e % (E / EP). The MLP norm stays `pre_mlp_layernorm.weight` with both specs. A stage's shards are
-  listed per (EP rank, TP rank): index ep_rank * TP + tp_rank (`MegatronLayout.shard_index`). A shared expert
+  listed per (EP rank, TP rank): index ep_rank * TP + tp_rank (`MegatronLayout.shard_index`). Dense layers
+  among the MoE ones (`ModelArch.moe_layers`) keep the dense `mlp.linear_fc1/linear_fc2` names. A shared expert
   (Qwen2-MoE) is `mlp.shared_experts.linear_fc1/linear_fc2.weight`, split over TP like a dense MLP and held by
   every EP rank, with its sigmoid gate `mlp.shared_experts.gate_weight` [1, H] replicated.
 - HF side: published per-expert names (models/families.py `hf_expert_names`); transformers 5's fused
@@ -81,10 +82,11 @@ class MegatronLayout:
         last = pp_rank == self.pp - 1
         return last and (not self.arch.tie_word_embeddings or self.pp > 1)
 
-    def norm_names(self) -> tuple[str, str]:
+    def norm_names(self, layer: int) -> tuple[str, str]:
+        """The Megatron names of global layer `layer`'s attention and MLP norms."""
         if self.layer_spec == "te":
             # An MoE layer's MLP norm is its own module (TE cannot fuse it into the router and experts).
-            mlp = "pre_mlp_layernorm.weight" if self.arch.is_moe else "mlp.linear_fc1.layer_norm_weight"
+            mlp = "pre_mlp_layernorm.weight" if self.arch.layer_is_moe(layer) else "mlp.linear_fc1.layer_norm_weight"
             return "self_attention.linear_qkv.layer_norm_weight", mlp
         return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
@@ -112,7 +114,7 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> Non
             f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
             f"(num_query_groups; {arch.num_attention_heads} attention heads): choose a TP size that divides "
             f"{arch.num_query_groups}")
-    if not arch.is_moe and arch.ffn_hidden_size % tp:
+    if arch.has_dense_mlp and arch.ffn_hidden_size % tp:
         raise ConfigError(f"tensor_parallel={tp} does not divide ffn_hidden_size={arch.ffn_hidden_size}")
     if arch.num_layers % pp:
         raise ConfigError(f"pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
@@ -189,7 +191,7 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
         return state
     family = get_family(arch.family)
     out = dict(state)
-    for layer in range(arch.num_layers):
+    for layer in arch.moe_layer_indices:
         fused = f"model.layers.{layer}.mlp."
         gate_up, down = out.pop(fused + "experts.gate_up_proj", None), out.pop(fused + "experts.down_proj", None)
         if gate_up is None or down is None:
@@ -226,7 +228,6 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
     embed = _pad_vocab(_require(state, "model.embed_tokens.weight"), layout.padded_vocab_size)
     head = embed if arch.tie_word_embeddings else _pad_vocab(_require(state, "lm_head.weight"),
                                                             layout.padded_vocab_size)
-    norm_attn, norm_mlp = layout.norm_names()
     embed_chunks = _split_rows(embed, tp)
     for t, _, shard in each(0):
         shard["embedding.word_embeddings.weight"] = embed_chunks[t]
@@ -240,10 +241,12 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         stage, local = divmod(layer, layout.layers_per_stage)
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
+        moe = arch.layer_is_moe(layer)
+        norm_attn, norm_mlp = layout.norm_names(layer)
         qkv = fuse_qkv(_require(state, hf + "self_attn.q_proj.weight"), _require(state, hf + "self_attn.k_proj.weight"),
                        _require(state, hf + "self_attn.v_proj.weight"), arch, tp)
         proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
-        if arch.is_moe:
+        if moe:
             router = _require(state, hf_router_name(family, layer))
             experts = {}
             for expert in range(arch.num_experts):
@@ -261,7 +264,7 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         for t, e, shard in each(stage):
             shard[meg + "self_attention.linear_qkv.weight"] = qkv[t]
             shard[meg + "self_attention.linear_proj.weight"] = proj[t]
-            if arch.is_moe:
+            if moe:
                 shard[meg + "mlp.router.weight"] = router.clone()
                 for j, expert in enumerate(_expert_range(layout, e)):
                     fc1_e, fc2_e = experts[expert]
@@ -296,8 +299,6 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     per_layer = {"self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
                  "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    if not arch.is_moe:
-        per_layer.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
     if arch.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (arch.q_size,), "self_attn.k_proj.bias": (arch.kv_size,),
                           "self_attn.v_proj.bias": (arch.kv_size,)})
@@ -305,7 +306,10 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     for layer in range(arch.num_layers):
         shapes.update({f"model.layers.{layer}.{n}": s for n, s in per_layer.items()})
-        if arch.is_moe:
+        if not arch.layer_is_moe(layer):
+            shapes.update({f"model.layers.{layer}.mlp.{n}.weight": s
+                           for n, s in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f)))})
+        else:
             family, i = get_family(arch.family), arch.moe_ffn_hidden_size
             shapes[hf_router_name(family, layer)] = (arch.num_experts, h)
             for expert in range(arch.num_experts):
@@ -357,17 +361,17 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
     if not arch.tie_word_embeddings:
         state["lm_head.weight"] = torch.cat(gather(pp - 1, "output_layer.weight"))[:vocab].contiguous()
     state["model.norm.weight"] = _require(shards[pp - 1][0], "decoder.final_layernorm.weight").clone()
-    norm_attn, norm_mlp = layout.norm_names()
     for layer in range(arch.num_layers):
         stage, local = divmod(layer, layout.layers_per_stage)
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
+        norm_attn, norm_mlp = layout.norm_names(layer)
         q, k, v = split_qkv(gather(stage, meg + "self_attention.linear_qkv.weight"), arch)
         state[hf + "self_attn.q_proj.weight"] = q
         state[hf + "self_attn.k_proj.weight"] = k
         state[hf + "self_attn.v_proj.weight"] = v
         state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
-        if arch.is_moe:
+        if arch.layer_is_moe(layer):
             state[hf_router_name(family, layer)] = _require(shards[stage][0], meg + "mlp.router.weight").clone()
             for e in range(ep):
                 for j, expert in enumerate(_expert_range(layout, e)):

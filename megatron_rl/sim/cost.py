@@ -47,16 +47,23 @@ def padded_vocab(arch: ModelArch, tp: int, divisible_by: int = 128) -> int:
     return -(-arch.vocab_size // multiple) * multiple
 
 
-def dense_layer_parameters(arch: ModelArch, tp: int = 1) -> float:
+def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
+    """The global layers pipeline stage `stage` holds (an even split)."""
+    per = arch.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def dense_layer_parameters(arch: ModelArch, tp: int = 1, layer: int | None = None) -> float:
     """Non-expert parameters of one transformer layer on one TP rank: attention, norms and the dense MLP,
     or for an MoE layer the router [experts, hidden] and any shared expert instead of the MLP. The RMSNorm weights (q/k norms
-    included) and the router are replicated over TP; q/k/v biases are split like their rows."""
+    included) and the router are replicated over TP; q/k/v biases are split like their rows. `layer` None: an
+    MoE layer of an MoE model."""
     h = arch.hidden_size
     sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
     if arch.attention_bias:
         sharded += arch.q_size + 2 * arch.kv_size
     replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
-    if arch.is_moe:  # the router; a shared expert is split over TP like a dense MLP, its gate replicated
+    if _moe_layer(arch, layer):  # the router; a shared expert is split over TP like a dense MLP, its gate replicated
         replicated += arch.num_experts * h + (h if arch.shared_expert_gate else 0)
         sharded += 3 * h * arch.shared_expert_ffn_hidden_size
     else:
@@ -64,9 +71,14 @@ def dense_layer_parameters(arch: ModelArch, tp: int = 1) -> float:
     return sharded / tp + replicated
 
 
-def expert_layer_parameters(arch: ModelArch, ep: int = 1, etp: int = 1) -> float:
-    """Expert parameters of one MoE layer on one GPU: E / EP local SwiGLU experts, each split over ETP."""
-    if not arch.is_moe:
+def _moe_layer(arch: ModelArch, layer: int | None) -> bool:
+    return arch.layer_is_moe(layer) if layer is not None else arch.is_moe
+
+
+def expert_layer_parameters(arch: ModelArch, ep: int = 1, etp: int = 1, layer: int | None = None) -> float:
+    """Expert parameters of one MoE layer on one GPU: E / EP local SwiGLU experts, each split over ETP (0 for
+    a dense layer)."""
+    if not _moe_layer(arch, layer):
         return 0.0
     return arch.num_experts / ep * 3 * arch.hidden_size * arch.moe_ffn_hidden_size / etp
 
@@ -78,7 +90,7 @@ def layer_parameters(arch: ModelArch, tp: int = 1, ep: int = 1, etp: int | None 
 
 def expert_parameters(arch: ModelArch) -> float:
     """Every expert's parameters in the model (0 for a dense model)."""
-    return arch.num_layers * expert_layer_parameters(arch)
+    return len(arch.moe_layer_indices) * expert_layer_parameters(arch)
 
 
 def active_parameters(arch: ModelArch) -> float:
@@ -100,9 +112,9 @@ def stage_parameter_split(arch: ModelArch, tp: int, pp: int, stage: int, vocab_d
                           ep: int = 1, etp: int | None = None) -> tuple[float, float]:
     """(dense, expert) parameters held by one GPU of pipeline stage `stage` (layers, plus the embedding /
     output / final norm on the first and last stage)."""
-    layers = arch.num_layers / pp
-    dense = dense_layer_parameters(arch, tp) * layers
-    experts = expert_layer_parameters(arch, ep, tp if etp is None else etp) * layers
+    layers = stage_layers(arch, pp, stage)
+    dense = sum(dense_layer_parameters(arch, tp, i) for i in layers)
+    experts = sum(expert_layer_parameters(arch, ep, tp if etp is None else etp, i) for i in layers)
     embed = padded_vocab(arch, tp, vocab_divisible_by) * arch.hidden_size / tp
     if stage == 0:
         dense += embed
@@ -114,7 +126,7 @@ def stage_parameter_split(arch: ModelArch, tp: int, pp: int, stage: int, vocab_d
 
 
 def lora_layer_parameters(arch: ModelArch, rank: int, targets: tuple[str, ...], tp: int = 1, ep: int = 1,
-                          etp: int = 1) -> tuple[float, float]:
+                          etp: int = 1, layer: int | None = None) -> tuple[float, float]:
     """(dense, expert) adapter parameters of one layer on one GPU (trainer/lora.py): a column-parallel linear's
     A [r, in] is replicated and B [out / TP, r] split; a row-parallel one's A [r, in / TP] split and B [out, r]
     replicated. In an MoE layer linear_fc1 / linear_fc2 are every local expert's, and a shared expert's (dense)."""
@@ -122,7 +134,7 @@ def lora_layer_parameters(arch: ModelArch, rank: int, targets: tuple[str, ...], 
     qkv = arch.q_size + 2 * arch.kv_size
     attention = {"linear_qkv": rank * (h + qkv / tp), "linear_proj": rank * (arch.q_size / tp + h)}
     dense = sum(v for t, v in attention.items() if t in targets)
-    if arch.is_moe:
+    if _moe_layer(arch, layer):
         i, shared = arch.moe_ffn_hidden_size, arch.shared_expert_ffn_hidden_size
         per_expert = (rank * (h + 2 * i / etp) if "linear_fc1" in targets else 0) + \
             (rank * (i / etp + h) if "linear_fc2" in targets else 0)
@@ -183,8 +195,8 @@ class TrainerLayout:
         return max(1, self.tp * self.dp // (self.expert_tp * self.ep))
 
 
-def layer_activation_elements(arch: ModelArch, seq_len: int, tp: int,
-                              attention: Literal["flash", "unfused"]) -> float:
+def layer_activation_elements(arch: ModelArch, seq_len: int, tp: int, attention: Literal["flash", "unfused"],
+                              layer: int | None = None) -> float:
     """Elements one token keeps alive per transformer layer for the backward pass (no recompute).
 
     Counted tensor by tensor for our Megatron layer (checked on CPU against the tensors autograd saves in a
@@ -199,26 +211,30 @@ def layer_activation_elements(arch: ModelArch, seq_len: int, tp: int,
 
     An MoE layer keeps, instead of the MLP, the router's logits and probabilities [2E] (the routed experts'
     own tensors are `routed_activation_elements`). Megatron trains MoE with TP > 1 only under sequence
-    parallelism, which splits the norms and residuals over TP as well."""
+    parallelism, which splits the norms and residuals over TP as well, in its dense layers too. `layer` None:
+    an MoE layer of an MoE model."""
     h, f, q, kv, heads = arch.hidden_size, arch.ffn_hidden_size, arch.q_size, arch.kv_size, arch.num_attention_heads
     replicated = 4 * h + 2
     if attention == "unfused":
         attn = 4 * q + heads * seq_len
     else:
         attn = 3 * q + 3 * kv + heads
-    if arch.is_moe:
+    if _moe_layer(arch, layer):
         return replicated / tp + attn / tp + 2 * arch.num_experts
+    if arch.is_moe:  # a dense layer of an MoE model: sequence-parallel too
+        return (replicated + attn + 3 * f) / tp
     return replicated + (attn + 3 * f) / tp
 
 
-def routed_activation_elements(arch: ModelArch, tp: int, etp: int, imbalance: float) -> float:
+def routed_activation_elements(arch: ModelArch, tp: int, etp: int, imbalance: float,
+                               layer: int | None = None) -> float:
     """Elements per token of one MoE layer on the busiest expert rank: each token is dispatched to k experts,
     and under EP the rank receives `imbalance` x the mean share; every routed copy keeps its permuted input
     [h] and Megatron's expert MLP (Python SwiGLU, routing weight applied inside the expert): fc1's output
     [2f], silu(gate), up, their product, the weighted product (fc2's input) [4f], f = the expert's width
     over ETP (checked on CPU against the saved tensors of a real step). Tokens arrive split over TP
-    (sequence parallelism)."""
-    if not arch.is_moe:
+    (sequence parallelism). 0 for a dense layer."""
+    if not _moe_layer(arch, layer):
         return 0.0
     per_copy = arch.hidden_size + 6 * arch.moe_ffn_hidden_size / etp
     return imbalance * arch.moe_top_k * per_copy / tp
@@ -245,9 +261,9 @@ def trainer_memory(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssu
         trained, trained_experts = params, experts
         weights, expert_weights = params, experts
         if layout.lora_rank:  # only the adapters train; the frozen base keeps its weights alone
-            adapters = lora_layer_parameters(arch, layout.lora_rank, layout.lora_targets, layout.tp, layout.ep,
-                                             layout.expert_tp)
-            trained, trained_experts = (a * arch.num_layers / layout.pp for a in adapters)
+            adapters = [lora_layer_parameters(arch, layout.lora_rank, layout.lora_targets, layout.tp, layout.ep,
+                                              layout.expert_tp, i) for i in stage_layers(arch, layout.pp, stage)]
+            trained, trained_experts = (sum(a[j] for a in adapters) for j in (0, 1))
             weights, expert_weights = params + trained, experts + trained_experts
         terms = {
             "weights": weights * layout.params_bytes,
@@ -269,17 +285,19 @@ def _activations(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssump
                  on_gpu: bool) -> dict[str, float]:
     tokens = layout.micro_batch_size * layout.seq_len
     act_bytes = layout.params_bytes
-    layers = arch.num_layers / layout.pp
+    layers = stage_layers(arch, layout.pp, stage)
     in_flight = min(layout.pp - stage, layout.micro_batches)  # 1F1B: stage s holds PP - s micro-batches
-    per_layer = layer_activation_elements(arch, layout.seq_len, layout.tp, assumptions.attention) * tokens * act_bytes
     imbalance = assumptions.moe_imbalance if layout.ep > 1 else 1.0  # one EP rank computes every routed copy
-    routed = routed_activation_elements(arch, layout.tp, layout.expert_tp, imbalance) * tokens * act_bytes
+    per_layer = [layer_activation_elements(arch, layout.seq_len, layout.tp, assumptions.attention, i) * tokens
+                 * act_bytes for i in layers]
+    routed = [routed_activation_elements(arch, layout.tp, layout.expert_tp, imbalance, i) * tokens * act_bytes
+              for i in layers]
     if layout.recompute:  # full, uniform: each layer keeps its input; one layer is rebuilt at a time
-        stored = layers * in_flight * tokens * arch.hidden_size * act_bytes + per_layer
-        routed_stored = routed
+        stored = len(layers) * in_flight * tokens * arch.hidden_size * act_bytes + max(per_layer)
+        routed_stored = max(routed)
     else:
-        stored = layers * in_flight * per_layer
-        routed_stored = layers * in_flight * routed
+        stored = in_flight * sum(per_layer)
+        routed_stored = in_flight * sum(routed)
     terms = {"activations": stored}
     if arch.is_moe:
         terms["routed_tokens"] = routed_stored
@@ -452,7 +470,7 @@ def train_alltoall_seconds(arch: ModelArch, *, pp: int, micro_batches: int, reco
     passes = 2 * (3 if recompute else 2)
     per_layer = alltoall_seconds(moe_alltoall_bytes(arch, micro_batch_tokens / tp, assumptions), ep, hw, assumptions,
                                  etp=tp if etp is None else etp)
-    return micro_batches * arch.num_layers / pp * passes * per_layer
+    return micro_batches * len(arch.moe_layer_indices) / pp * passes * per_layer
 
 
 def sync_seconds(arch: ModelArch, *, engines: int, engine_tp: int, precision: str, trainer_gpus: int,

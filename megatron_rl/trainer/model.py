@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -163,6 +164,7 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
                 moe_router_dtype="fp32", moe_enable_routing_replay=True, expert_model_parallel_size=expert_parallel,
                 moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
                 moe_shared_expert_gate=arch.shared_expert_gate,
+                moe_layer_freq=[int(arch.layer_is_moe(i)) for i in range(arch.num_layers)],
                 # Megatron trains MoE layers under TP only with sequence parallelism.
                 sequence_parallel=tensor_parallel > 1)
 
@@ -176,6 +178,21 @@ def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_exper
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
+
+
+def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool):
+    """The layer specs of pipeline stage `pp_rank`: an MoE layer's or a dense one's as `ModelArch.layer_is_moe`
+    says (one spec for all when they agree)."""
+    arch, kind = layout.arch, layout.layer_spec
+    dense = layer_spec(kind, qk_norm=arch.qk_norm)
+    moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts) if arch.is_moe else dense
+    first = pp_rank * layout.layers_per_stage
+    layers = [moe if arch.layer_is_moe(first + i) else dense for i in range(layout.layers_per_stage)]
+    if sequence_parallel and kind == "local":
+        return sequence_parallel_block_spec(layers)
+    if all(spec is layers[0] for spec in layers):
+        return layers[0]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # what Megatron gives one spec
 
 
 def _sdpa_attention_class():
@@ -243,9 +260,7 @@ class ArchRotaryEmbedding(RotaryEmbedding):
 def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_process: bool, post_process: bool):
     """The GPTModel stage this rank holds. Its vocabulary is padded as `layout` says."""
     arch = layout.arch
-    spec = layer_spec(layout.layer_spec, qk_norm=arch.qk_norm, num_experts=arch.num_experts)
-    if config.sequence_parallel and layout.layer_spec == "local":
-        spec = sequence_parallel_block_spec(spec, layout.layers_per_stage)
+    spec = block_spec(layout, pg_collection.pp.rank(), sequence_parallel=config.sequence_parallel)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

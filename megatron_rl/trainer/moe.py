@@ -8,7 +8,7 @@ response's last token, which no engine forward saw) take the router's own top-k.
 recorded tokens the router itself would have sent elsewhere, with replay on or off.
 
 `MoERouting` owns one model's routers: it feeds each micro-batch's record to them (global layer l of
-`TrainBatch.routed_experts` to the router of layer l; tokens in Megatron's [sequence, batch] order, this
+`TrainBatch.routed_experts` to the router of layer l; dense layers have no router and their rows are unused; tokens in Megatron's [sequence, batch] order, this
 rank's sequence-parallel chunk) and gathers router entropy, per-expert load and the load-balancing loss.
 """
 from __future__ import annotations
@@ -64,12 +64,12 @@ class PartialRouterReplay(RouterReplay):
 class MoERouting:
     """Routing replay and statistics for the MoE layers of one model stage."""
 
-    def __init__(self, model: torch.nn.Module, *, num_experts: int, top_k: int, first_layer: int,
+    def __init__(self, model: torch.nn.Module, *, num_experts: int, top_k: int,
                  replay: bool, sequence_parallel_size: int = 1) -> None:
         """`sequence_parallel_size`: TP ranks that each route a chunk of the sequence (their load-balancing
         losses are partial sums of the layer's loss)."""
         self.routers: list[TopKRouter] = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.num_experts, self.top_k, self.first_layer = num_experts, top_k, first_layer
+        self.num_experts, self.top_k = num_experts, top_k
         self.replay = replay
         self.sp_size = sequence_parallel_size
         for router in self.routers:
@@ -78,6 +78,8 @@ class MoERouting:
             router.router_replay = PartialRouterReplay()
             router.register_forward_hook(self._observe)
         self._valid: torch.Tensor | None = None
+        # Megatron's process-wide tracker sizes its per-layer buffer on first use: drop one another model sized
+        get_moe_layer_wise_logging_tracker().pop("load_balancing_loss", None)
         self.reset_stats()
 
     # --- statistics -------------------------------------------------------------------------------
@@ -147,8 +149,8 @@ class MoERouting:
         if routed is None:
             return
         routed = self.fit_record(routed, seq_len)
-        for i, router in enumerate(self.routers):
-            target = self._tokens_first(routed[:, :, self.first_layer + i], rows).reshape(-1, self.top_k)
+        for router in self.routers:  # Megatron numbers layers globally from 1
+            target = self._tokens_first(routed[:, :, router.layer_number - 1], rows).reshape(-1, self.top_k)
             router.router_replay.set_target_indices(target)
             if self.replay:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -186,9 +188,14 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def sequence_parallel_block_spec(layer: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
-    """The block spec of `num_layers` copies of a local-spec layer with every torch norm made sequence-parallel
-    capable (the layer norms, q/k norms and the final norm)."""
+def sequence_parallel_block_spec(layers: list[ModuleSpec]) -> TransformerBlockSubmodules:
+    """The block spec of a stage's local-spec layers with every torch norm made sequence-parallel capable (the
+    layer norms, q/k norms and the final norm)."""
+    return TransformerBlockSubmodules(layer_specs=[_sequence_parallel_norms(spec) for spec in layers],
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
+def _sequence_parallel_norms(layer: ModuleSpec) -> ModuleSpec:
     layer = copy.deepcopy(layer)
     layer.submodules.input_layernorm = SequenceParallelTorchNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
@@ -196,4 +203,4 @@ def sequence_parallel_block_spec(layer: ModuleSpec, num_layers: int) -> Transfor
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attention, name, None) not in (None, IdentityOp):
             setattr(attention, name, SequenceParallelTorchNorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelTorchNorm)
+    return layer

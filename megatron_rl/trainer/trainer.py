@@ -155,7 +155,6 @@ class MegatronTrainer:
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
         self.routing = MoERouting(model, num_experts=self.arch.num_experts, top_k=self.arch.moe_top_k,
-                                  first_layer=self.pp_rank * self.layout.layers_per_stage,
                                   replay=cfg.moe_routing_replay,
                                   sequence_parallel_size=self.tp_size if self.sequence_parallel else 1,
                                   ) if self.arch.is_moe else None

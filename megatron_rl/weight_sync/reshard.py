@@ -61,10 +61,10 @@ class EngineLayout:
         if (a.num_query_groups % tp) if tp <= a.num_query_groups else (tp % a.num_query_groups):
             raise ConfigError(f"engine tensor_parallel={tp} and num_query_groups={a.num_query_groups}: one must "
                               "divide the other")
-        ffn, field = ((a.moe_ffn_hidden_size, "moe_ffn_hidden_size") if a.is_moe
-                      else (a.ffn_hidden_size, "ffn_hidden_size"))
-        if ffn % tp:
-            raise ConfigError(f"engine tensor_parallel={tp} does not divide {field}={ffn}")
+        if a.is_moe and a.moe_ffn_hidden_size % tp:
+            raise ConfigError(f"engine tensor_parallel={tp} does not divide moe_ffn_hidden_size={a.moe_ffn_hidden_size}")
+        if a.has_dense_mlp and a.ffn_hidden_size % tp:
+            raise ConfigError(f"engine tensor_parallel={tp} does not divide ffn_hidden_size={a.ffn_hidden_size}")
         if a.shared_expert_ffn_hidden_size % tp:
             raise ConfigError(f"engine tensor_parallel={tp} does not divide shared_expert_ffn_hidden_size="
                               f"{a.shared_expert_ffn_hidden_size}")
@@ -186,7 +186,6 @@ class _PlanBuilder:
         proj_map = proj_map_f(a.q_size // tpm)
         vm = m.padded_vocab_size // tpm
         vocab_map = lambda i: (i // vm, i % vm)  # noqa: E731
-        norm_attn, norm_mlp = m.norm_names()
         qe, fe = a.q_size // e.tp, f // e.tp
         for r in range(e.tp):
             lo, hi = e.vocab_rows(r)
@@ -202,6 +201,7 @@ class _PlanBuilder:
             for layer in range(a.num_layers):
                 pp, local = divmod(layer, m.layers_per_stage)
                 hf, meg = f"model.layers.{layer}.", f"decoder.layers.{local}."
+                norm_attn, norm_mlp = m.norm_names(layer)
                 qkv = meg + "self_attention.linear_qkv.weight"
                 self.add(r, hf + "self_attn.q_proj.weight", (qe, h), 0, r * qe, (r + 1) * qe, pp, qkv, q_map, h)
                 for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
@@ -217,7 +217,7 @@ class _PlanBuilder:
                                  meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
                 self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
                          meg + "self_attention.linear_proj.weight", proj_map, h)
-                if a.is_moe:
+                if a.layer_is_moe(layer):
                     self._add_experts(r, layer, pp, meg, replicated)
                 else:
                     fc1 = meg + "mlp.linear_fc1.weight"

@@ -17,7 +17,7 @@ SGLang loads). The middle block is exactly transformers 5's in-memory `mlp.exper
 and the last its `mlp.experts.down_proj` [E, H, I], so those fused names are accepted too (same memory).
 
 Routing record (`NativeEngineConfig.record_routing`): every forward fills an int16 [N, layers, k] tensor of
-the chosen expert ids (top-k order: descending router probability); the scheduler copies each row into its
+the chosen expert ids (top-k order: descending router probability; -1 in the rows of dense layers); the scheduler copies each row into its
 sequence's buffer (`store_routing`), prefix-shared prompt rows from the donor sequence, and the completion
 carries rows [0, P + R - 1) (`routing_record`). A running sequence holds at most
 min(P + max_new_tokens, max_seq_len) x layers x k int16 values; nothing is kept once it completes.
@@ -129,7 +129,7 @@ def unknown_name_hint(arch: ModelArch, name: str) -> str | None:
     if not arch.is_moe:
         return f" (an MoE tensor, but the model config (family {arch.family}) is dense: num_experts=0)"
     return (f" (this {arch.family} model has num_experts={arch.num_experts}, named like "
-            f"{expert_names(arch, 0).gate[0]!r})")
+            f"{expert_names(arch, arch.moe_layer_indices[0]).gate[0]!r})")
 
 
 def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tensor | None = None) -> torch.Tensor:

@@ -271,7 +271,8 @@ class _Scheduler:
                        rope_lens=None if rope_lens is None else torch.tensor(rope_lens, dtype=torch.long, device=dev))
         record = self.config.record_routing and self.arch.is_moe
         if record:
-            batch.routing = torch.empty((len(tokens), self.arch.num_layers, self.arch.moe_top_k), dtype=torch.int16)
+            # dense layers among the MoE ones keep NO_RECORD (-1): no expert chosen there
+            batch.routing = torch.full((len(tokens), self.arch.num_layers, self.arch.moe_top_k), -1, dtype=torch.int16)
         logits = self.model.forward(batch, kv)
         if kv.drops:  # sliding-window layers: give back keys no later query reads, nor a waiting prefix copy
             pinned: dict[int, int] = {}

@@ -105,7 +105,7 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
         if arch.qk_norm:
             block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
         block((p + "self_attn.o_proj.weight", (h, q)))
-        if arch.is_moe:  # router, experts' gate/up, experts' down (rollout/native/moe.py)
+        if arch.layer_is_moe(i):  # router, experts' gate/up, experts' down (rollout/native/moe.py)
             for tensors in arena_blocks(arch, i):
                 block(*tensors)
         else:
@@ -157,7 +157,7 @@ class LlamaWeights:
             if arch.qk_norm:
                 layer.q_norm, layer.k_norm = t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"]
             layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
-            if arch.is_moe:
+            if arch.layer_is_moe(i):
                 layer.gate_up = layer.down = None
                 layer.moe, aliases, covers = layer_views(arch, i, arena, offsets)
                 t.update(aliases)  # transformers 5's fused in-memory names: the same memory
