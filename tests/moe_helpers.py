@@ -27,8 +27,16 @@ CASES = {
                                                             "moe_intermediate_size": 32, "num_experts": 4,
                                                             "shared_expert_intermediate_size": 48,
                                                             "norm_topk_prob": False}),
+    # GLM-4.5: layer 0 dense (first_k_dense_replace), a sigmoid router with a random expert bias choosing top-4 of 8
+    # within the best 2 of 4 groups, weights renormalised and scaled by 2.5, one ungated shared expert, q/k/v biases,
+    # q/k norms, RoPE on half of each head.
+    "glm4_moe": parity.Case("glm4_moe", "Glm4MoeConfig", {
+        **_BASE, "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
 }
-FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
 # Dense layers among the MoE ones: Qwen2-MoE's mlp_only_layers (layer 0 dense, 1 to 3 MoE; PP=2 puts a dense and an
 # MoE layer on stage 0). Dense MLP width 96, shared expert 48, experts 32: all divide by TP=2.
 DENSE_LAYERS = parity.Case("qwen2_moe (dense layer 0)", "Qwen2MoeConfig", {
@@ -54,14 +62,17 @@ def hf_forced_routing(model, record: torch.Tensor):
     for index, router in routers:
         originals.append(router.forward)
 
-        def forced(hidden_states, router=router, index=index):
+        def forced(hidden_states, router=router, index=index, original=router.forward):
             hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-            logits = torch.nn.functional.linear(hidden_states, router.weight)
-            probs = torch.softmax(logits.float(), dim=-1)
-            own = torch.topk(probs, router.top_k, dim=-1).indices
+            logits, _, own = original(hidden_states)
             wanted = record[:, :, index].reshape(-1, router.top_k).long()
             chosen = torch.where((wanted >= 0).all(-1, keepdim=True), wanted, own)
-            weights = probs.gather(1, chosen)
+            if hasattr(router, "e_score_correction_bias"):  # sigmoid router (GLM-4.5, DeepSeek-V3)
+                weights = logits.float().sigmoid().gather(1, chosen)
+                if router.norm_topk_prob:
+                    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+                return logits, weights * router.routed_scaling_factor, chosen
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
             if getattr(router, "norm_topk_prob", True):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights.to(logits.dtype), chosen
@@ -79,8 +90,8 @@ def _is_moe(layer) -> bool:
 
 
 def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in descending probability
-    (-1 in dense layers)."""
+    """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in ascending expert id (-1 in dense
+    layers)."""
     chosen: dict[int, torch.Tensor] = {}
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o, index=index: chosen.__setitem__(index, o[2]))
              for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
@@ -92,5 +103,5 @@ def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
             hook.remove()
     b, s = tokens.shape
     k = next(iter(chosen.values())).shape[-1]
-    return torch.stack([chosen[i].reshape(b, s, k) if i in chosen else torch.full((b, s, k), -1)
+    return torch.stack([chosen[i].reshape(b, s, k).sort(dim=-1).values if i in chosen else torch.full((b, s, k), -1)
                         for i in range(len(model.model.layers))], dim=2)

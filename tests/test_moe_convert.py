@@ -35,9 +35,9 @@ def test_config_round_trips_through_the_registry(built, name):
     model, arch, _, _ = built[name]
     config = model.config
     assert arch.family == config.model_type and arch.is_moe
-    experts = config.num_experts if name.startswith("qwen") else config.num_local_experts
+    experts = config.num_local_experts if arch.family in ("mixtral", "glm4_moe") else config.num_experts
     assert (arch.num_experts, arch.moe_top_k) == (experts, config.num_experts_per_tok)
-    expert_size = config.moe_intermediate_size if name.startswith("qwen") else config.intermediate_size
+    expert_size = config.intermediate_size if arch.family == "mixtral" else config.moe_intermediate_size
     assert arch.moe_ffn_hidden_size == expert_size
     assert arch.moe_norm_topk_prob == getattr(config, "norm_topk_prob", True)
     assert arch.router_aux_loss_coef == config.router_aux_loss_coef
@@ -47,7 +47,15 @@ def test_config_round_trips_through_the_registry(built, name):
     experts_field = "num_experts" if name.startswith("qwen") else "num_local_experts"
     for field in (experts_field, "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
         assert getattr(reread, field) == getattr(config, field), field
-    assert arch.shared_expert_ffn_hidden_size == getattr(config, "shared_expert_intermediate_size", 0)
+    shared = getattr(config, "n_shared_experts", 0) * config.moe_intermediate_size if arch.family == "glm4_moe" \
+        else getattr(config, "shared_expert_intermediate_size", 0)
+    assert arch.shared_expert_ffn_hidden_size == shared
+    if arch.family == "glm4_moe":  # every field the router, attention and RoPE read survives the export
+        assert arch.moe_layer_indices == tuple(range(config.first_k_dense_replace, config.num_hidden_layers))
+        for field in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+                      "norm_topk_prob", "attention_bias", "use_qk_norm", "moe_intermediate_size"):
+            assert getattr(reread, field) == getattr(config, field), field
+        assert reread.rope_parameters["partial_rotary_factor"] == config.rope_parameters["partial_rotary_factor"]
     assert arch.shared_expert_gate == (arch.family == "qwen2_moe")
     if arch.family == "qwen2_moe":
         assert reread.shared_expert_intermediate_size == config.shared_expert_intermediate_size

@@ -232,3 +232,32 @@ def test_moe_only_settings_are_refused_elsewhere(built, tiny_arch):
     _, arch, state, _ = built["mixtral"]
     with pytest.raises(ConfigError, match="moe_routing_replay"):
         _trainer(arch, state, replay=True, recompute_activations=True)
+
+
+def test_expert_bias_moves_towards_uniform_load_and_is_exported(built):
+    """Aux-loss-free balancing (GLM-4.5's sigmoid router): after every step each MoE layer's expert bias moves by
+    exactly +-rate (towards experts that got fewer tokens than the mean), the routing evens out over 20 steps on a
+    fixed batch, the metric reports it, and the export carries the moved bias; rate 0 keeps it fixed."""
+    model, arch, state, tokens = built["glm4_moe"]
+    rate = 0.02
+    trainer = _trainer(arch, state, lr=0.0, moe_expert_bias_update_rate=rate, moe_aux_loss_coeff=0.0)
+    router = next(m for n, m in trainer.gpt.named_modules() if n.endswith("mlp.router"))
+    train = _batch(tokens)
+    first = None
+    for step in range(20):
+        before = router.expert_bias.clone()
+        metrics = trainer.train_step(train, _lm_loss(train.loss_mask.sum()))
+        moved = (router.expert_bias - before).abs()
+        assert set(moved.round(decimals=6).tolist()) <= {0.0, rate}, moved  # 0 only for an exactly mean load
+        if step == 0:
+            first = metrics
+    assert metrics["moe/expert_load_max"] < first["moe/expert_load_max"]
+    assert metrics["moe/expert_bias_mean_abs"] != pytest.approx(first["moe/expert_bias_mean_abs"])
+    exported = trainer.gather_hf_state()
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(exported[bias_name], router.expert_bias.cpu())
+    assert not torch.equal(exported[bias_name], state[bias_name])
+    fixed = _trainer(arch, state, lr=0.0, moe_expert_bias_update_rate=0.0)
+    fixed.train_step(train, _lm_loss(train.loss_mask.sum()))
+    fixed_router = next(m for n, m in fixed.gpt.named_modules() if n.endswith("mlp.router"))
+    assert torch.equal(fixed_router.expert_bias.cpu(), state[bias_name])

@@ -105,6 +105,9 @@ def hf_model(case: Case, seed: int = 0):
                 param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / math.sqrt(param.shape[-1]))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init; random, it changes which experts win
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     return model
 
 

@@ -117,7 +117,25 @@ class ModelArch:
     """0: none; > 0: every MoE layer also runs one shared SwiGLU expert of this intermediate size on every token
     (Qwen2-MoE `shared_expert_intermediate_size`), its output added to the routed experts'."""
     shared_expert_gate: bool = False
-    """The shared expert's output is scaled by sigmoid(h w_g) per token, w_g [1, H] (Qwen2-MoE)."""
+    """The shared expert's output is scaled by sigmoid(h w_g) per token, w_g [1, H] (Qwen2-MoE); False: added as is
+    (GLM-4.5, DeepSeek)."""
+    moe_router_score: str = "softmax"
+    """'softmax' over all experts' logits (Mixtral, Qwen-MoE) or 'sigmoid' of each logit (GLM-4.5, DeepSeek-V3):
+    the k chosen experts' scores are then the weights, renormalised to sum to 1 with `moe_norm_topk_prob`."""
+    moe_router_expert_bias: bool = False
+    """Every MoE layer's router carries a per-expert bias [E] (HF `e_score_correction_bias`), added to the sigmoid
+    scores to choose the experts (the weights stay the unbiased scores): aux-loss-free load balancing, which
+    training updates towards a uniform load (Megatron's `moe_router_bias_update_rate`)."""
+    moe_router_groups: int = 1
+    """Group-limited routing (HF `n_group`): the experts form this many equal groups; each token keeps the
+    `moe_router_group_topk` groups whose two best (biased) scores sum highest and picks its k experts there."""
+    moe_router_group_topk: int = 1
+    """Groups each token may route to (HF `topk_group`)."""
+    moe_routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (HF `routed_scaling_factor`) after renormalising."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first int(head_dim * factor) dims of each head (rotate-half within them) and passes the
+    rest through (GLM-4.5: 0.5)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -162,11 +180,50 @@ class ModelArch:
         else:
             require(self.moe_top_k == 0 and self.moe_ffn_hidden_size == 0, "num_experts",
                     "moe_top_k / moe_ffn_hidden_size are set but num_experts is 0")
+        self._check_router()
+        require(0 < self.partial_rotary_factor <= 1, "partial_rotary_factor",
+                f"must be in (0, 1], got {self.partial_rotary_factor}")
+        require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "partial_rotary_factor",
+                f"{self.partial_rotary_factor} x head_dim {self.head_dim} leaves {self.rotary_dim} rotary dims "
+                "(must be even and positive)")
         require(self.shared_expert_ffn_hidden_size >= 0, "shared_expert_ffn_hidden_size", "must be >= 0")
         require(self.shared_expert_ffn_hidden_size == 0 or self.num_experts > 0, "shared_expert_ffn_hidden_size",
                 "a shared expert needs a mixture-of-experts model (num_experts > 0)")
         require(not self.shared_expert_gate or self.shared_expert_ffn_hidden_size > 0, "shared_expert_gate",
                 "set without a shared expert (shared_expert_ffn_hidden_size is 0)")
+
+    def _check_router(self) -> None:
+        """The routers transformers and Megatron compute alike."""
+        require(self.moe_router_score in ("softmax", "sigmoid"), "moe_router_score",
+                f"{self.moe_router_score!r} is not supported (softmax, sigmoid)")
+        sigmoid = self.moe_router_score == "sigmoid"
+        require(sigmoid or not self.moe_router_expert_bias, "moe_router_expert_bias",
+                "an expert bias needs the sigmoid router")
+        require(sigmoid or self.moe_router_groups == 1, "moe_router_groups",
+                "group-limited routing is implemented for the sigmoid router only")
+        require(self.moe_routed_scaling_factor > 0, "moe_routed_scaling_factor", "must be positive")
+        if not self.is_moe:
+            require(not sigmoid and self.moe_router_groups == 1 and self.moe_routed_scaling_factor == 1.0,
+                    "moe_router_score", "router settings on a dense model (num_experts is 0)")
+            return
+        if sigmoid:  # Megatron renormalises the sigmoid top-k exactly when k > 1
+            require(self.moe_norm_topk_prob == (self.moe_top_k > 1), "moe_norm_topk_prob",
+                    f"{self.moe_norm_topk_prob} with top-{self.moe_top_k} of a sigmoid router: Megatron renormalises "
+                    "the sigmoid weights exactly when k > 1")
+        groups, topk_groups = self.moe_router_groups, self.moe_router_group_topk
+        require(groups >= 1 and self.num_experts % groups == 0 and self.num_experts // groups >= 2,
+                "moe_router_groups", f"{groups} must divide num_experts={self.num_experts} into groups of >= 2")
+        require(1 <= topk_groups <= groups, "moe_router_group_topk", f"must be in 1..{groups}, got {topk_groups}")
+        if topk_groups < groups:  # transformers scores a group by its best two; Megatron by its best k / topk_groups
+            require(self.moe_top_k // topk_groups == 2, "moe_router_group_topk",
+                    f"top-{self.moe_top_k} over {topk_groups} groups: a group's score is its best two experts' sum "
+                    f"in transformers but its best {self.moe_top_k // topk_groups} in Megatron (k / topk_group "
+                    "must be 2)")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (all of them unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

@@ -55,6 +55,20 @@ class Family:
     shared_expert_field: str | None = None
     """HF field holding the intermediate size of each MoE layer's gated shared expert (Qwen2-MoE); None: the
     family has none (the field is refused where another family spells it)."""
+    shared_expert_count_field: str | None = None
+    """HF field counting each MoE layer's ungated shared experts, run as one SwiGLU of count x the expert width
+    (GLM-4.5, DeepSeek `n_shared_experts`); None: see `shared_expert_field`."""
+    shared_expert_module: str = "shared_expert"
+    """The shared expert's module name under the MoE block (Qwen2-MoE `shared_expert`, GLM-4.5 `shared_experts`)."""
+    sigmoid_router: bool = False
+    """The router scores each expert with a sigmoid and chooses with a per-expert `e_score_correction_bias`,
+    group-limited (`n_group`, `topk_group`) and scaled (`routed_scaling_factor`) as DeepSeek-V3 (GLM-4.5)."""
+    qkv_bias_field: str | None = None
+    """HF field that switches q/k/v biases on (never the output projection's): GLM-4.5's `attention_bias`."""
+    qk_norm_field: str | None = None
+    """HF field that switches the per-head q/k RMSNorm on (GLM-4.5's `use_qk_norm`)."""
+    partial_rotary: bool = False
+    """The family's transformers model rotates only the first `partial_rotary_factor` of each head (GLM-4.5)."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -78,6 +92,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            window_flag="use_sliding_window", has_window=True, window_layer_types=True, moe_block="mlp",
            norm_topk_field="norm_topk_prob", shared_expert_field="shared_expert_intermediate_size",
            dense_layers_field="mlp_only_layers"),
+    # GLM-4.5 / 4.6 (and GLM-4.5-Air): GQA with optional q/k/v biases and q/k norms, half-rotary RoPE, leading dense
+    # layers, DeepSeek-V3's router (sigmoid, expert-score bias, groups, scaling) and an ungated shared expert.
+    Family("glm4_moe", ("glm4_moe",), ("Glm4MoeForCausalLM",), "Glm4MoeConfig", moe_block="mlp",
+           experts_field="n_routed_experts", norm_topk_field="norm_topk_prob",
+           shared_expert_count_field="n_shared_experts", shared_expert_module="shared_experts", sigmoid_router=True,
+           qkv_bias_field="attention_bias", qk_norm_field="use_qk_norm", partial_rotary=True,
+           dense_layers_field="first_k_dense_replace"),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -107,12 +128,18 @@ def hf_router_name(family: Family, layer: int) -> str:
     return f"model.layers.{layer}.{family.moe_block}.gate.weight"
 
 
+def hf_router_bias_name(family: Family, layer: int) -> str:
+    """The published HF name of layer `layer`'s expert-score correction bias [E] (sigmoid routers)."""
+    return f"model.layers.{layer}.{family.moe_block}.gate.e_score_correction_bias"
+
+
 def hf_shared_expert_names(family: Family, layer: int) -> tuple[str, str, str, str]:
     """The published HF names of layer `layer`'s shared expert (gate [S, H], up [S, H], down [H, S]) and its
     gate [1, H] (Qwen2-MoE)."""
     prefix = f"model.layers.{layer}.{family.moe_block}."
-    return (prefix + "shared_expert.gate_proj.weight", prefix + "shared_expert.up_proj.weight",
-            prefix + "shared_expert.down_proj.weight", prefix + "shared_expert_gate.weight")
+    module = prefix + family.shared_expert_module
+    return (module + ".gate_proj.weight", module + ".up_proj.weight", module + ".down_proj.weight",
+            prefix + "shared_expert_gate.weight")
 
 
 def hf_expert_names(family: Family, layer: int, expert: int) -> tuple[str, str, str]:
@@ -143,14 +170,23 @@ def _refuse(where: str, field: str, why: str) -> ConfigError:
     return ConfigError(f"{where}: field '{field}': {why}")
 
 
+def _partial_rotary(family: Family, config: dict[str, Any], where: str) -> float:
+    """The share of each head RoPE rotates (1.0 unless the family's transformers model honours less)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
+        return 1.0
+    if not family.partial_rotary:
+        raise _refuse(where, "partial_rotary_factor", f"{partial}: {family.name}'s transformers model rotates every "
+                      "dim of a head (partial rotary embeddings are honoured for glm4_moe)")
+    return float(partial)
+
+
 def _rope_scaling(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from either the transformers 5 `rope_parameters` or the older `rope_scaling`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
-        raise _refuse(where, "partial_rotary_factor", f"{partial}: partial rotary embeddings are not implemented")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -257,7 +293,7 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
     if config.get("mlp_bias"):
         raise _refuse(where, "mlp_bias", "MLP biases are not implemented")
-    if config.get("attention_bias") and not family.qkv_bias:
+    if config.get("attention_bias") and not family.qkv_bias and family.qkv_bias_field != "attention_bias":
         raise _refuse(where, "attention_bias", f"true adds biases to q/k/v and o_proj in {family.name}; "
                       "an output-projection bias is not implemented")
     if float(config.get("attention_dropout") or 0.0) != 0.0:
@@ -285,9 +321,12 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
     window, window_layers = _sliding_window(family, config, where)
     if family.moe_block:
         arch_fields.update(_moe_fields(family, config, where))
+    qkv_bias = bool(config.get(family.qkv_bias_field)) if family.qkv_bias_field else family.qkv_bias
+    qk_norm = bool(config.get(family.qk_norm_field)) if family.qk_norm_field else family.qk_norm
     try:
-        return ModelArch(**arch_fields, family=family.name, attention_bias=family.qkv_bias, qk_norm=family.qk_norm,
-                         rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers)
+        return ModelArch(**arch_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
+                         rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers,
+                         partial_rotary_factor=_partial_rotary(family, config, where))
     except ConfigError as exc:
         hf_name = _HF_NAMES.get(exc.field or "")
         if hf_name:  # name the field as the file spells it
@@ -303,7 +342,9 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "norm_eps": "rms_norm_ep
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelArch MoE fields of an MoE family's config; refuses the MoE variants we do not implement."""
-    honoured = {family.shared_expert_field, family.dense_layers_field}
+    honoured = {family.shared_expert_field, family.shared_expert_count_field, family.dense_layers_field}
+    if family.sigmoid_router:
+        honoured |= {"n_group", "topk_group", "routed_scaling_factor"}
     for field, why in _MOE_REFUSED.items():
         value = config.get(field)
         if field not in honoured and value not in (None, 0, 0.0, False) and _MOE_NEUTRAL.get(field) != value:
@@ -322,13 +363,25 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
         if family.shared_expert_field and shared < 1:
             raise _refuse(where, family.shared_expert_field, f"{shared}: {family.name}'s shared expert needs a "
                           "positive intermediate size")
-        return dict(num_experts=int(experts), moe_top_k=int(config["num_experts_per_tok"]),
-                    moe_layers=_moe_layers(family, config, where),
-                    moe_ffn_hidden_size=int(config[family.expert_size_field]), moe_norm_topk_prob=norm_topk,
-                    router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
-                    shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0)
+        if family.shared_expert_count_field:  # n ungated shared experts run as one MLP of n x the expert width
+            count = config.get(family.shared_expert_count_field) or 0
+            if not isinstance(count, int) or count < 0:
+                raise _refuse(where, family.shared_expert_count_field, f"{count!r}: must be a count >= 0")
+            shared = count * int(config[family.expert_size_field])
+        fields = dict(num_experts=int(experts), moe_top_k=int(config["num_experts_per_tok"]),
+                      moe_layers=_moe_layers(family, config, where),
+                      moe_ffn_hidden_size=int(config[family.expert_size_field]), moe_norm_topk_prob=norm_topk,
+                      router_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
+                      shared_expert_ffn_hidden_size=shared,
+                      shared_expert_gate=shared > 0 and family.shared_expert_field is not None)
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
+    if family.sigmoid_router:
+        fields.update(moe_router_score="sigmoid", moe_router_expert_bias=True,
+                      moe_router_groups=int(config.get("n_group") or 1),
+                      moe_router_group_topk=int(config.get("topk_group") or 1),
+                      moe_routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
+    return fields
 
 
 def _moe_layers(family: Family, config: dict[str, Any], where: str) -> tuple[int, ...]:
@@ -372,6 +425,30 @@ def _dense_layers_config(family: Family, arch: ModelArch) -> dict[str, Any]:
     return {}
 
 
+def _shared_expert_config(family: Family, arch: ModelArch) -> dict[str, Any]:
+    """The HF fields of `arch`'s shared expert (refusing one the family cannot spell)."""
+    size, gated = arch.shared_expert_ffn_hidden_size, arch.shared_expert_gate
+    if family.shared_expert_field and size > 0 and gated:
+        return {family.shared_expert_field: size}
+    if family.shared_expert_count_field and not gated and size % arch.moe_ffn_hidden_size == 0:
+        return {family.shared_expert_count_field: size // arch.moe_ffn_hidden_size}
+    if size == 0 and not family.shared_expert_field:
+        return {}
+    raise ConfigError(f"model family {family.name!r} cannot express shared_expert_ffn_hidden_size={size}, "
+                      f"shared_expert_gate={gated} in an HF config")
+
+
+def _router_config(family: Family, arch: ModelArch) -> dict[str, Any]:
+    """The HF fields of `arch`'s router beyond top-k (refusing one the family cannot spell)."""
+    if family.sigmoid_router and arch.moe_router_score == "sigmoid" and arch.moe_router_expert_bias:
+        return {"n_group": arch.moe_router_groups, "topk_group": arch.moe_router_group_topk,
+                "routed_scaling_factor": arch.moe_routed_scaling_factor}
+    if not family.sigmoid_router and arch.moe_router_score == "softmax" and arch.moe_routed_scaling_factor == 1.0:
+        return {}
+    raise ConfigError(f"model family {family.name!r} cannot express a {arch.moe_router_score} router (expert bias "
+                      f"{arch.moe_router_expert_bias}, scaling {arch.moe_routed_scaling_factor}) in an HF config")
+
+
 def rope_parameters(arch: ModelArch) -> dict[str, Any]:
     """The transformers 5 `rope_parameters` dict for `arch` (None fields left out, as HF would default them)."""
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": arch.rope_theta}
@@ -383,10 +460,16 @@ def rope_parameters(arch: ModelArch) -> dict[str, Any]:
 def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
     """An HF config.json for `arch` that transformers loads as the family's own class with the same numerics."""
     family = get_family(arch.family)
-    if arch.attention_bias != family.qkv_bias or arch.qk_norm != family.qk_norm:
+    if (arch.attention_bias != family.qkv_bias and not family.qkv_bias_field) \
+            or (arch.qk_norm != family.qk_norm and not family.qk_norm_field):
         raise ConfigError(f"model family {family.name!r} cannot express attention_bias={arch.attention_bias}, "
                           f"qk_norm={arch.qk_norm} in an HF config")
     params = rope_parameters(arch)
+    if arch.partial_rotary_factor != 1.0:
+        if not family.partial_rotary:
+            raise ConfigError(f"model family {family.name!r} cannot express partial_rotary_factor="
+                              f"{arch.partial_rotary_factor} in an HF config")
+        params["partial_rotary_factor"] = arch.partial_rotary_factor
     config: dict[str, Any] = {
         "architectures": [family.architectures[0]],
         "model_type": family.model_types[0],
@@ -408,6 +491,10 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
     }
     if family.bias_field:
         config[family.bias_field] = False
+    if family.qkv_bias_field:
+        config[family.qkv_bias_field] = arch.attention_bias
+    if family.qk_norm_field:
+        config[family.qk_norm_field] = arch.qk_norm
     if family.name == "llama":
         config["mlp_bias"] = False
     if bool(family.moe_block) != arch.is_moe:
@@ -426,16 +513,13 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         elif not arch.moe_norm_topk_prob:
             raise ConfigError(f"model family {family.name!r} always renormalises its top-k router weights "
                               "(moe_norm_topk_prob=False cannot be exported)")
-        if bool(family.shared_expert_field) != (arch.shared_expert_ffn_hidden_size > 0) \
-                or arch.shared_expert_gate != (arch.shared_expert_ffn_hidden_size > 0):
-            raise ConfigError(f"model family {family.name!r} cannot express shared_expert_ffn_hidden_size="
-                              f"{arch.shared_expert_ffn_hidden_size}, shared_expert_gate={arch.shared_expert_gate} "
-                              "in an HF config")
-        if family.shared_expert_field:
-            config[family.shared_expert_field] = arch.shared_expert_ffn_hidden_size
+        config.update(_shared_expert_config(family, arch))
+        config.update(_router_config(family, arch))
         config.update(_dense_layers_config(family, arch))
         if family.name == "mixtral":
             config["router_jitter_noise"] = 0.0
+        if family.name == "glm4_moe":
+            config["num_nextn_predict_layers"] = 0  # the multi-token-prediction layers are not kept
     if arch.sliding_window is not None and not family.has_window:
         raise ConfigError(f"model family {family.name!r} has no sliding-window attention (sliding_window="
                           f"{arch.sliding_window} cannot be exported)")

@@ -16,7 +16,8 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
   the embedding as `output_layer.weight` (Megatron all-reduces the two copies' gradients).
 - With the TE spec the two RMSNorm weights are fused into the following linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
-- Mixture of experts (docs/moe.md): `mlp.router.weight` [E, H] is replicated over TP; expert e's weights are
+- Mixture of experts (docs/moe.md): `mlp.router.weight` [E, H] is replicated over TP, as is a sigmoid router's
+  expert bias `mlp.router.expert_bias` [E] (fp32; HF `mlp.gate.e_score_correction_bias`); expert e's weights are
   `mlp.experts.local_experts.{j}.linear_fc1/linear_fc2.weight`, split over TP like the dense fc1/fc2 (Megatron's
   expert tensor parallel size = TP), and held by expert-parallel rank e // (E / EP) as its local expert
   j = e % (E / EP). The MLP norm stays `pre_mlp_layernorm.weight` with both specs. A stage's shards are
@@ -37,7 +38,13 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
+from megatron_rl.models.families import (
+    get_family,
+    hf_expert_names,
+    hf_router_bias_name,
+    hf_router_name,
+    hf_shared_expert_names,
+)
 
 LayerSpec = Literal["local", "te"]
 
@@ -248,6 +255,7 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
         if moe:
             router = _require(state, hf_router_name(family, layer))
+            router_bias = _require(state, hf_router_bias_name(family, layer)) if arch.moe_router_expert_bias else None
             experts = {}
             for expert in range(arch.num_experts):
                 g, u, d = (_require(state, n) for n in hf_expert_names(family, layer, expert))
@@ -266,6 +274,8 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
             shard[meg + "self_attention.linear_proj.weight"] = proj[t]
             if moe:
                 shard[meg + "mlp.router.weight"] = router.clone()
+                if router_bias is not None:  # Megatron keeps it as an fp32 buffer
+                    shard[meg + "mlp.router.expert_bias"] = router_bias.float().clone()
                 for j, expert in enumerate(_expert_range(layout, e)):
                     fc1_e, fc2_e = experts[expert]
                     shard[meg + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1_e[t]
@@ -312,6 +322,8 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         else:
             family, i = get_family(arch.family), arch.moe_ffn_hidden_size
             shapes[hf_router_name(family, layer)] = (arch.num_experts, h)
+            if arch.moe_router_expert_bias:
+                shapes[hf_router_bias_name(family, layer)] = (arch.num_experts,)
             for expert in range(arch.num_experts):
                 g, u, d = hf_expert_names(family, layer, expert)
                 shapes.update({g: (i, h), u: (i, h), d: (h, i)})
@@ -373,6 +385,9 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
         if arch.layer_is_moe(layer):
             state[hf_router_name(family, layer)] = _require(shards[stage][0], meg + "mlp.router.weight").clone()
+            if arch.moe_router_expert_bias:
+                state[hf_router_bias_name(family, layer)] = _require(shards[stage][0],
+                                                                     meg + "mlp.router.expert_bias").clone()
             for e in range(ep):
                 for j, expert in enumerate(_expert_range(layout, e)):
                     name = meg + f"mlp.experts.local_experts.{j}."

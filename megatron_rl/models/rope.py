@@ -15,13 +15,14 @@ from megatron_rl.models.arch import ModelArch, RopeScaling
 
 def rope_inv_freq(arch: ModelArch, seq_len: int | None = None,
                   device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq fp32 [head_dim // 2], attention_scaling) for `arch`.
+    """(inv_freq fp32 [rotary_dim // 2], attention_scaling) for `arch` (rotary_dim: head_dim unless the family
+    rotates only part of each head, `ModelArch.partial_rotary_factor`, whose dims set the frequencies as in HF).
 
     `seq_len` matters only for 'dynamic' scaling: it is the longest sequence of the forward (HF uses
     max(position_ids) + 1). HF caches the largest length a module has seen; this function is stateless,
     so it equals HF on a model that has not run a longer sequence before.
     """
-    dim = arch.head_dim
+    dim = arch.rotary_dim
     scaling = arch.rope_scaling
     if scaling is None:
         return _plain(arch.rope_theta, dim, device), 1.0
@@ -45,7 +46,7 @@ def _plain(base: float, dim: int, device) -> torch.Tensor:
 
 
 def _dynamic(arch: ModelArch, scaling: RopeScaling, seq_len: int | None, device) -> torch.Tensor:
-    dim, limit, factor = arch.head_dim, arch.max_position_embeddings, scaling.factor
+    dim, limit, factor = arch.rotary_dim, arch.max_position_embeddings, scaling.factor
     if seq_len is None or seq_len <= limit:
         # HF keeps the frequencies computed at init (seq_len = max_position_embeddings) in Python floats.
         base = arch.rope_theta * ((factor * limit / limit) - (factor - 1)) ** (dim / (dim - 2))

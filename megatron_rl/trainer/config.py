@@ -143,6 +143,11 @@ class TrainerConfig:
     moe_aux_loss_coeff: float | None = None
     """Mixture of experts: coefficient of Megatron's load-balancing (switch) loss added to the policy loss;
     None takes the model's `router_aux_loss_coef` (HF config), 0 turns it off. Dense models ignore it."""
+    moe_expert_bias_update_rate: float = 1e-3
+    """Mixture of experts with a sigmoid router's expert bias (GLM-4.5, DeepSeek-V3): after each step every MoE
+    layer's bias moves by this much towards a uniform load, +rate for each expert with fewer tokens than the mean
+    over the step, -rate for more (aux-loss-free balancing, Megatron's `moe_router_bias_update_rate`); 0 keeps
+    the bias fixed. Logged as moe/expert_bias_mean_abs. Other models ignore it."""
     moe_routing_replay: bool = False
     """Mixture of experts: recompute log-probs and gradients with the experts the rollout engine chose
     (`Completion.routed_experts`, through Megatron's RouterReplay), so the trainer's policy is the one that
@@ -187,6 +192,8 @@ class TrainerConfig:
         require(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", "must be >= 1")
         require(self.lr_warmup_steps >= 0 and self.lr_decay_steps >= 0, "lr_warmup_steps",
                 "warm-up and decay steps must be >= 0")
+        require(0 <= self.moe_expert_bias_update_rate < float("inf"), "moe_expert_bias_update_rate",
+                f"must be a finite number >= 0, got {self.moe_expert_bias_update_rate!r}")
         require(self.moe_aux_loss_coeff is None or 0 <= self.moe_aux_loss_coeff < float("inf"), "moe_aux_loss_coeff",
                 f"must be a finite number >= 0 (or null: the model's router_aux_loss_coef), got {self.moe_aux_loss_coeff!r}")
 

@@ -83,7 +83,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
                        fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024,
                        expert_parallel: int = 1, moe_aux_loss_coeff: float | None = None,
-                       moe_token_dispatcher: str = "auto"):
+                       moe_token_dispatcher: str = "auto", moe_expert_bias_update_rate: float = 1e-3):
     """Megatron's TransformerConfig for `arch` (RMSNorm, SwiGLU, RoPE, GQA, no dropout; q/k/v biases and
     q/k norms as the family has them).
 
@@ -93,7 +93,8 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     check_parallel_layout(arch, tensor_parallel, pipeline_parallel, expert_parallel)
     on_gpu = torch.cuda.is_available()
     kwargs = moe_config_kwargs(arch, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                               aux_loss_coeff=moe_aux_loss_coeff, dispatcher=moe_token_dispatcher)
+                               aux_loss_coeff=moe_aux_loss_coeff, dispatcher=moe_token_dispatcher,
+                               expert_bias_update_rate=moe_expert_bias_update_rate)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8_recipe:
@@ -147,19 +148,29 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
 
 
 def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel: int,
-                      aux_loss_coeff: float | None, dispatcher: str) -> dict:
-    """TransformerConfig fields of a mixture-of-experts arch (docs/moe.md); {} for a dense one. The router is
-    softmax top-k: with `moe_norm_topk_prob` the k weights are renormalised, which is Megatron's softmax over
-    the top-k logits (moe_router_pre_softmax False); without, the softmax over all experts is kept as is. A
-    shared expert (Qwen2-MoE) is Megatron's own SharedExpertMLP, its sigmoid gate included."""
+                      aux_loss_coeff: float | None, dispatcher: str, expert_bias_update_rate: float = 1e-3) -> dict:
+    """TransformerConfig fields of a mixture-of-experts arch (docs/moe.md); {} for a dense one. A softmax router:
+    with `moe_norm_topk_prob` the k weights are renormalised, which is Megatron's softmax over the top-k logits
+    (moe_router_pre_softmax False); without, the softmax over all experts is kept as is. A sigmoid router
+    (GLM-4.5, DeepSeek-V3) is Megatron's own, with its expert bias (updated by `expert_bias_update_rate` per
+    step towards a uniform load), groups and scaling factor. A shared expert is Megatron's SharedExpertMLP, its
+    sigmoid gate included where the family has one (Qwen2-MoE)."""
     if not arch.is_moe:
         return {}
     if dispatcher == "auto":
         dispatcher = "alltoall" if torch.cuda.is_available() else "allgather"
     coeff = arch.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    grouped = arch.moe_router_groups > 1
     return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
                 moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-                moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+                moe_router_score_function=arch.moe_router_score,
+                moe_router_enable_expert_bias=arch.moe_router_expert_bias,
+                moe_router_bias_update_rate=expert_bias_update_rate,
+                moe_router_num_groups=arch.moe_router_groups if grouped else None,
+                moe_router_group_topk=arch.moe_router_group_topk if grouped else None,
+                moe_router_topk_scaling_factor=(arch.moe_routed_scaling_factor
+                                                if arch.moe_routed_scaling_factor != 1.0 else None),
+                moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=coeff, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
                 moe_router_dtype="fp32", moe_enable_routing_replay=True, expert_model_parallel_size=expert_parallel,
                 moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
@@ -244,7 +255,7 @@ class ArchRotaryEmbedding(RotaryEmbedding):
     as HF does from the longest position in its batch."""
 
     def __init__(self, arch: ModelArch, *, use_cpu_initialization: bool, cp_group=None):
-        super().__init__(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_interleaved=False,
+        super().__init__(kv_channels=arch.head_dim, rotary_percent=arch.partial_rotary_factor, rotary_interleaved=False,
                          use_cpu_initialization=use_cpu_initialization, cp_group=cp_group)
         self.arch = arch
         self.dynamic = arch.rope_scaling is not None and arch.rope_scaling.rope_type == "dynamic"
@@ -271,7 +282,7 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=arch.partial_rotary_factor,
         pg_collection=pg_collection,
     )
     model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,

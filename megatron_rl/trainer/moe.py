@@ -116,12 +116,16 @@ class MoERouting:
         aux = float(tracker["values"].sum()) if tracker is not None else 0.0
         mismatched = sum(r.router_replay.mismatched for r in self.routers)
         recorded = sum(r.router_replay.recorded for r in self.routers)
+        biases = [r.expert_bias for r in self.routers if getattr(r, "expert_bias", None) is not None]
+        bias_abs = sum(float(b.abs().sum()) for b in biases)
+        bias_count = float(sum(b.numel() for b in biases))
         totals = torch.cat([torch.tensor([self.tokens, self.entropy_sum, float(mismatched), float(recorded), aux,
-                                          float(len(self.routers))], dtype=torch.float64), self.load])
+                                          float(len(self.routers)), bias_abs, bias_count], dtype=torch.float64),
+                            self.load])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(totals, group=group)
-        tokens, entropy, mismatched, recorded, aux, layers = totals[:6].tolist()
-        load = totals[6:]
+        tokens, entropy, mismatched, recorded, aux, layers, bias_abs, bias_count = totals[:8].tolist()
+        load = totals[8:]
         share = load / load.sum().clamp(min=1) * self.num_experts  # 1.0 = a uniform share
         metrics = {"moe/router_entropy": entropy / max(tokens, 1.0),
                    "moe/expert_load_max": float(share.max()), "moe/expert_load_min": float(share.min()),
@@ -130,6 +134,8 @@ class MoERouting:
             metrics.update({f"moe/expert_load_{e}": float(s) for e, s in enumerate(share)})
         if recorded:
             metrics["moe/routing_mismatch"] = mismatched / recorded
+        if bias_count:  # aux-loss-free balancing: how far the sigmoid routers' expert biases have moved
+            metrics["moe/expert_bias_mean_abs"] = bias_abs / bias_count
         self.reset_stats()
         return metrics
 

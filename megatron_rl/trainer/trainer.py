@@ -150,7 +150,8 @@ class MegatronTrainer:
                                             fp8_recipe=None if cfg.fp8 == "none" else cfg.fp8,
                                             fp8_amax_history_len=cfg.fp8_amax_history_len,
                                             expert_parallel=self.ep_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                                            moe_token_dispatcher=cfg.moe_token_dispatcher)
+                                            moe_token_dispatcher=cfg.moe_token_dispatcher,
+                                            moe_expert_bias_update_rate=cfg.moe_expert_bias_update_rate)
         self.sequence_parallel = bool(self.tf_config.sequence_parallel)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)

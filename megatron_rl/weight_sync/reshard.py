@@ -38,7 +38,13 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
+from megatron_rl.models.families import (
+    get_family,
+    hf_expert_names,
+    hf_router_bias_name,
+    hf_router_name,
+    hf_shared_expert_names,
+)
 from megatron_rl.models.megatron_layout import MegatronLayout
 
 SourceKey = tuple[int, int]  # (pp_rank, tp_rank)
@@ -239,6 +245,9 @@ class _PlanBuilder:
         im, ie = a.moe_ffn_hidden_size // m.tp, a.moe_ffn_hidden_size // e.tp
         self.add(r, hf_router_name(family, layer), (experts, h), 0, 0, experts, pp, meg + "mlp.router.weight",
                  replicated, h)
+        if a.moe_router_expert_bias:  # training moves it (aux-loss-free balancing): synced like a weight
+            self.add(r, hf_router_bias_name(family, layer), (experts,), 0, 0, experts, pp,
+                     meg + "mlp.router.expert_bias", replicated, 1)
         for x in range(experts):
             ep_rank, j = divmod(x, m.local_experts)
             base = m.shard_index(0, ep_rank)  # the shard of (tp 0, this ep rank); its tp ranks follow it

@@ -46,9 +46,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, d]; cos/signed_sin [N, 1, d] (`_signed_sin`): x * cos + rotate_half(x) * sin, as
-    transformers; rotate_half's negation rides on the sine (exact), so this is three kernels, not five."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+    """x [N, heads, d]; cos/signed_sin [N, 1, r] (`_signed_sin`): x * cos + rotate_half(x) * sin over the first
+    r dims, as transformers (r < d: partial rotary, the rest passes through); rotate_half's negation rides on
+    the sine (exact), so this is three kernels, not five."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(r // 2, -1), signed_sin)
+    rot = x[..., :r]
+    return torch.cat((torch.addcmul(rot * cos, rot.roll(r // 2, -1), signed_sin), x[..., r:]), dim=-1)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:

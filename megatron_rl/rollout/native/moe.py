@@ -1,10 +1,10 @@
-"""The native engine's mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and its routing record.
+"""The native engine's mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5) and its routing record.
 
-Router (transformers' MixtralTopKRouter / Qwen3MoeTopKRouter): logits = h W_r^T, softmax over all experts
-in fp32, top-k, and (`ModelArch.moe_norm_topk_prob`) the k weights renormalized to sum to 1. Each expert is
-a SwiGLU MLP; a token's output is the weighted sum of its k experts' outputs, plus (Qwen2-MoE) a shared
-SwiGLU expert's output on every token scaled by sigmoid(h w_g), added after the routed sum as transformers
-adds it.
+Router (`route`; transformers' MixtralTopKRouter / Qwen3MoeTopKRouter): logits = h W_r^T, softmax over all
+experts in fp32, top-k, and (`ModelArch.moe_norm_topk_prob`) the k weights renormalized to sum to 1; or
+GLM-4.5's sigmoid router with its expert bias, groups and scaling. Each expert is a SwiGLU MLP; a token's
+output is the weighted sum of its k experts' outputs, plus a shared SwiGLU expert's output on every token
+(Qwen2-MoE: scaled by sigmoid(h w_g)), added after the routed sum as transformers adds it.
 
 Batched on CPU without a per-token loop: the (token, slot) pairs of a step are sorted by expert (stable, so
 a token's contributions are added in ascending expert order, as transformers does), each expert that got
@@ -32,7 +32,13 @@ import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.families import get_family, hf_expert_names, hf_router_name, hf_shared_expert_names
+from megatron_rl.models.families import (
+    get_family,
+    hf_expert_names,
+    hf_router_bias_name,
+    hf_router_name,
+    hf_shared_expert_names,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,8 @@ def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int,
     h, i = arch.hidden_size, arch.moe_ffn_hidden_size
     gate_up = [t for e in range(arch.num_experts) for t in ((n.gate[e], (i, h)), (n.up[e], (i, h)))]
     blocks = [[(n.router, (arch.num_experts, h))], gate_up, [(d, (h, i)) for d in n.down]]
+    if arch.moe_router_expert_bias:
+        blocks.append([(hf_router_bias_name(get_family(arch.family), layer), (arch.num_experts,))])
     if arch.shared_expert_ffn_hidden_size:
         s = arch.shared_expert_ffn_hidden_size
         gate, up, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
@@ -83,11 +91,13 @@ def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int,
 class MoeLayer:
     """Views into the arena of one layer's router, experts and shared expert."""
 
-    __slots__ = ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")
+    __slots__ = ("router", "router_bias", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")
 
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None):
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+                 router_bias: torch.Tensor | None = None):
         self.router = router      # [E, H]
+        self.router_bias = router_bias  # [E]: a sigmoid router's expert-score correction (None: none)
         self.gate_up = gate_up    # [E, 2I, H]: per expert gate rows then up rows
         self.down = down          # [E, H, I]
         # the shared expert: [2S, H] gate rows then up rows, [H, S], its gate [1, H] (None: ungated / none)
@@ -113,7 +123,9 @@ def layer_views(arch: ModelArch, layer: int, arena: torch.Tensor,
         gate, _, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
         shared = (view(gate, (2 * sh, h)), view(down, (h, sh)),
                   view(shared_gate, (1, h)) if arch.shared_expert_gate else None)
-    moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)), shared)
+    bias = view(hf_router_bias_name(get_family(arch.family), layer), (e,)) if arch.moe_router_expert_bias else None
+    moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)), shared,
+                   router_bias=bias)
     aliases = {n.fused_gate_up: moe.gate_up, n.fused_down: moe.down}
     covers = {n.fused_gate_up: tuple(x for pair in zip(n.gate, n.up) for x in pair), n.fused_down: n.down}
     if n.fused_router != n.router:
@@ -136,11 +148,7 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
     """The MoE MLP of normed hidden states h [N, H]; writes the chosen expert ids into `record` [N, k]
     (int16) when given."""
     k, ffn = arch.moe_top_k, arch.moe_ffn_hidden_size
-    logits = F.linear(h, moe.router)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, k, dim=-1)                     # [N, k], descending
-    if arch.moe_norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = route(F.linear(h, moe.router), moe, arch)
     if record is not None:
         record.copy_(experts)
     flat = experts.reshape(-1)
@@ -166,6 +174,34 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
             shared = torch.sigmoid(F.linear(h, moe.shared_gate)) * shared
         out = out + shared
     return out
+
+
+def route(logits: torch.Tensor, moe: MoeLayer, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 weights [N, k], expert ids [N, k]) of router logits [N, E], as transformers' router of the family.
+
+    softmax: top-k of the softmax over all experts, renormalised with `moe_norm_topk_prob`. sigmoid (GLM-4.5,
+    DeepSeek-V3's Glm4MoeTopkRouter / DeepseekV3TopkRouter): scores sigmoid(logits); the choice ranks scores +
+    expert bias, within the `moe_router_group_topk` groups whose best two biased scores sum highest; the weights
+    are the unbiased scores of the chosen, renormalised (+1e-20) and times `moe_routed_scaling_factor`."""
+    if arch.moe_router_score == "softmax":
+        weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), arch.moe_top_k, dim=-1)  # descending
+        if arch.moe_norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+    scores = torch.sigmoid(logits.float())
+    choice = scores if moe.router_bias is None else scores + moe.router_bias.float()
+    groups, kept = arch.moe_router_groups, arch.moe_router_group_topk
+    if kept < groups:
+        n = choice.shape[0]
+        group_scores = choice.view(n, groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros(n, groups, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, torch.topk(group_scores, kept, dim=-1, sorted=False).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(arch.num_experts // groups, dim=1), float("-inf"))
+    experts = torch.topk(choice, arch.moe_top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if arch.moe_norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * arch.moe_routed_scaling_factor, experts
 
 
 # ------------------------------------------------------------------------------------- routing record
