@@ -248,7 +248,8 @@ def test_expert_bias_moves_towards_uniform_load_and_is_exported(built):
         before = router.expert_bias.clone()
         metrics = trainer.train_step(train, _lm_loss(train.loss_mask.sum()))
         moved = (router.expert_bias - before).abs()
-        assert set(moved.round(decimals=6).tolist()) <= {0.0, rate}, moved  # 0 only for an exactly mean load
+        # fp32 steps of rate (1 ulp of the bias ~ 1e-8); 0 only for an expert with exactly the mean load
+        assert ((moved - rate).abs() < 1e-6).logical_or(moved == 0).all(), moved
         if step == 0:
             first = metrics
     assert metrics["moe/expert_load_max"] < first["moe/expert_load_max"]
