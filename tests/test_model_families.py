@@ -320,7 +320,13 @@ def _expected_from_transformers(config_class: str, config: dict) -> dict:
                 "num_query_groups": conf.num_key_value_heads or heads,
                 "tie_word_embeddings": conf.tie_word_embeddings}
     if getattr(conf, "num_experts_per_tok", None) is not None:
-        expected.update(moe_top_k=conf.num_experts_per_tok, router_aux_loss_coef=conf.router_aux_loss_coef)
+        expected.update(moe_top_k=conf.num_experts_per_tok,
+                        router_aux_loss_coef=getattr(conf, "router_aux_loss_coef", 0.0))  # GLM-4.5 has none
+    if getattr(conf, "n_group", None) is not None:  # DeepSeek-V3's router (GLM-4.5)
+        expected.update(moe_router_groups=conf.n_group, moe_router_group_topk=conf.topk_group,
+                        moe_routed_scaling_factor=conf.routed_scaling_factor, moe_norm_topk_prob=conf.norm_topk_prob,
+                        partial_rotary_factor=conf.rope_parameters.get("partial_rotary_factor", 1.0),
+                        moe_layer_indices=tuple(range(conf.first_k_dense_replace, conf.num_hidden_layers)))
     window = getattr(conf, "sliding_window", None)
     kinds = getattr(conf, "layer_types", None) or ["sliding_attention"] * conf.num_hidden_layers
     expected["windows"] = [window if kind == "sliding_attention" else None for kind in kinds]
@@ -345,6 +351,8 @@ def test_every_missing_field_takes_transformers_default_for_the_family(case):
             continue
         expected = _expected_from_transformers(case.config_class, config)
         windows = expected.pop("windows")
+        moe_layers = expected.pop("moe_layer_indices", ours.moe_layer_indices)
+        assert ours.moe_layer_indices == moe_layers, (case.name, dropped)
         assert [ours.layer_window(i) for i in range(ours.num_layers)] == windows, (case.name, dropped)
         got = {k: getattr(ours, k) for k in expected}
         assert got == pytest.approx(expected), (case.name, dropped)

@@ -210,3 +210,21 @@ def test_convert_round_trip_at_ep2_is_bit_exact_and_reloads_in_transformers(tmp_
     assert type(reloaded) is type(model)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens[:, :-1]).logits, model(tokens[:, :-1]).logits)
+
+
+def test_glm_multi_token_prediction_layers_are_ignored_as_transformers_does(built):
+    """A GLM-4.5 checkpoint stores its MTP layer after the decoder's (layer num_layers); transformers builds none
+    and skips those tensors, and so does the converter. Any other family keeps refusing an extra layer."""
+    _, arch, state, _ = built["glm4_moe"]
+    published = canonical_hf_state(state, arch)
+    mtp = {k.replace("model.layers.1.", f"model.layers.{arch.num_layers}."): v for k, v in published.items()
+           if k.startswith("model.layers.1.")}
+    mtp["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    read = canonical_hf_state({**published, **mtp}, arch)
+    assert read.keys() == published.keys()
+    layout = MegatronLayout(arch, vocab_divisible_by=1)
+    assert megatron_to_hf(hf_to_megatron({**published, **mtp}, layout), layout).keys() == published.keys()
+    _, qwen, qwen_state, _ = built["qwen3_moe"]
+    extra = {"model.layers.2.input_layernorm.weight": torch.ones(64)}
+    with pytest.raises(ConfigError, match="model.layers.2"):
+        hf_to_megatron({**canonical_hf_state(qwen_state, qwen), **extra}, MegatronLayout(qwen, vocab_divisible_by=1))

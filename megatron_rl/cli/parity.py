@@ -76,6 +76,11 @@ CASES: tuple[Case, ...] = (
     Case("qwen2_moe (top-4 of 8, gated shared expert)", "Qwen2MoeConfig", {
         **_BASE, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 8,
         "num_experts_per_tok": 4, "norm_topk_prob": False, **_rope("default", 1000000.0)}),
+    Case("glm4_moe (sigmoid top-4 of 8 in 2 of 4 groups, dense layer 0, half rotary)", "Glm4MoeConfig", {
+        **_BASE, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
+        **_rope("default", 1000000.0, partial_rotary_factor=0.5)}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(

@@ -213,12 +213,14 @@ class ModelArch:
         groups, topk_groups = self.moe_router_groups, self.moe_router_group_topk
         require(groups >= 1 and self.num_experts % groups == 0 and self.num_experts // groups >= 2,
                 "moe_router_groups", f"{groups} must divide num_experts={self.num_experts} into groups of >= 2")
-        require(1 <= topk_groups <= groups, "moe_router_group_topk", f"must be in 1..{groups}, got {topk_groups}")
+        require(topk_groups >= 1, "moe_router_group_topk", f"must be >= 1, got {topk_groups}")
+        require(topk_groups <= groups, "moe_router_groups",
+                f"{groups} group(s) cannot give each token the {topk_groups} groups moe_router_group_topk asks for")
         if topk_groups < groups:  # transformers scores a group by its best two; Megatron by its best k / topk_groups
-            require(self.moe_top_k // topk_groups == 2, "moe_router_group_topk",
-                    f"top-{self.moe_top_k} over {topk_groups} groups: a group's score is its best two experts' sum "
-                    f"in transformers but its best {self.moe_top_k // topk_groups} in Megatron (k / topk_group "
-                    "must be 2)")
+            require(self.moe_top_k // topk_groups == 2, "moe_top_k",
+                    f"top-{self.moe_top_k} within {topk_groups} of {groups} groups (moe_router_group_topk): a group's "
+                    f"score is its best two experts' sum in transformers but its best {self.moe_top_k // topk_groups} "
+                    "in Megatron (k / group top-k must be 2)")
 
     @property
     def rotary_dim(self) -> int:

@@ -69,6 +69,9 @@ class Family:
     """HF field that switches the per-head q/k RMSNorm on (GLM-4.5's `use_qk_norm`)."""
     partial_rotary: bool = False
     """The family's transformers model rotates only the first `partial_rotary_factor` of each head (GLM-4.5)."""
+    mtp_layers_field: str | None = None
+    """HF field counting multi-token-prediction layers stored after the decoder's (GLM-4.5
+    `num_nextn_predict_layers`): transformers builds none and ignores their tensors on load, and so do we."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -98,7 +101,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            experts_field="n_routed_experts", norm_topk_field="norm_topk_prob",
            shared_expert_count_field="n_shared_experts", shared_expert_module="shared_experts", sigmoid_router=True,
            qkv_bias_field="attention_bias", qk_norm_field="use_qk_norm", partial_rotary=True,
-           dense_layers_field="first_k_dense_replace"),
+           dense_layers_field="first_k_dense_replace", mtp_layers_field="num_nextn_predict_layers"),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -337,7 +340,9 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
 
 # ModelArch's field names -> the HF config's
 _HF_NAMES = {"num_query_groups": "num_key_value_heads", "norm_eps": "rms_norm_eps", "num_layers": "num_hidden_layers",
-             "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim"}
+             "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim", "moe_top_k": "num_experts_per_tok",
+             "moe_norm_topk_prob": "norm_topk_prob", "moe_router_groups": "n_group", "moe_router_group_topk": "topk_group",
+             "moe_routed_scaling_factor": "routed_scaling_factor", "partial_rotary_factor": "partial_rotary_factor"}
 
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -377,6 +382,12 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
     if family.sigmoid_router:
+        k, groups, kept = fields["moe_top_k"], int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+        if kept < groups and k // max(kept, 1) != 2:  # the three fields together decide: name them all
+            raise ConfigError(f"{where}: field 'num_experts_per_tok' {k} with field 'topk_group' {kept} of field "
+                              f"'n_group' {groups}: transformers scores a group by its best two experts, Megatron by "
+                              f"its best k / topk_group = {k // max(kept, 1)}; supported when that is 2 (DeepSeek-V3: "
+                              "8 / 4) or when every group is kept")
         fields.update(moe_router_score="sigmoid", moe_router_expert_bias=True,
                       moe_router_groups=int(config.get("n_group") or 1),
                       moe_router_group_topk=int(config.get("topk_group") or 1),
@@ -518,8 +529,6 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         config.update(_dense_layers_config(family, arch))
         if family.name == "mixtral":
             config["router_jitter_noise"] = 0.0
-        if family.name == "glm4_moe":
-            config["num_nextn_predict_layers"] = 0  # the multi-token-prediction layers are not kept
     if arch.sliding_window is not None and not family.has_window:
         raise ConfigError(f"model family {family.name!r} has no sliding-window attention (sliding_window="
                           f"{arch.sliding_window} cannot be exported)")
@@ -534,6 +543,8 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         elif arch.sliding_window_layers is not None:
             raise ConfigError(f"model family {family.name!r} windows every layer or none (sliding_window_layers="
                               f"{list(arch.sliding_window_layers)} cannot be exported)")
+    if family.mtp_layers_field:
+        config[family.mtp_layers_field] = 0  # multi-token-prediction layers are not kept
     config.update(extra)
     return config
 

@@ -32,6 +32,7 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
 
 import torch
@@ -45,6 +46,8 @@ from megatron_rl.models.families import (
     hf_router_name,
     hf_shared_expert_names,
 )
+
+logger = logging.getLogger(__name__)
 
 LayerSpec = Literal["local", "te"]
 
@@ -193,7 +196,14 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
     """`state` with an MoE model's experts under their published per-expert names: transformers 5's fused
     in-memory form (`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] = gate rows then up rows,
     `...mlp.experts.down_proj` [E, H, I], router `...mlp.gate.weight`) is split (views, no copy). Dense
-    models and states already in the published form are returned as they are."""
+    models and states already in the published form are returned as they are. A family's multi-token-prediction
+    layers (GLM-4.5's, stored as layers num_layers and on) are left out, as transformers leaves them."""
+    if get_family(arch.family).mtp_layers_field:
+        mtp = {k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= arch.num_layers}
+        if mtp:
+            logger.info("ignoring %d multi-token-prediction tensors (layers >= %d), as transformers does",
+                        len(mtp), arch.num_layers)
+            state = {k: v for k, v in state.items() if k not in mtp}
     if not arch.is_moe or not any(k.endswith(".experts.gate_up_proj") for k in state):
         return state
     family = get_family(arch.family)
