@@ -180,8 +180,17 @@ class RunConfig:
                 f"got {self.rollout.samples_per_prompt}; use reinforce_pp without group_baseline for one sample per prompt")
         generator = self.cluster.generator
         require(self.rollout.weight_sync == "full" or generator.backend == "native", "rollout.weight_sync",
-                f"delta sends changed elements that only the native engine applies; cluster.generator.backend "
-                f"{generator.backend} takes whole tensors (use rollout.weight_sync=full)")
+                f"{self.rollout.weight_sync} sends what only the native engine applies (changed elements, LoRA "
+                f"adapters); cluster.generator.backend {generator.backend} takes whole tensors (use "
+                "rollout.weight_sync=full)")
+        if self.rollout.weight_sync == "adapters":
+            require(self.trainer.lora.rank > 0, "rollout.weight_sync",
+                    "adapters sends LoRA adapters: set trainer.lora.rank > 0 (or use rollout.weight_sync=full)")
+            require(self.rollout.placement == "colocated" and generator.precision != "fp8"
+                    and not generator.launch_ranks, "rollout.weight_sync",
+                    "adapters feeds the native engine in this process (rollout.placement colocated, bf16/fp32 "
+                    f"weights, no generator ranks); got placement {self.rollout.placement}, precision "
+                    f"{generator.precision}, launch_ranks {generator.launch_ranks} (use rollout.weight_sync=full)")
         require(not (self.rollout.weight_sync == "delta" and generator.precision == "fp8"
                      and self.rollout.placement == "disaggregated"), "rollout.weight_sync",
                 "delta cannot feed an fp8 native engine in a generator process: its weights go through "

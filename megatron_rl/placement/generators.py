@@ -118,4 +118,4 @@ def policy_weight_channel(config, trainer, engine):
     fp8_engine = generator.precision == "fp8" and generator.backend == "native"  # SGLang and vLLM quantize themselves
     return make_weight_channel(trainer, engine, transform=(
         (lambda state: generator_weights(state, generator)) if fp8_engine else None),
-        delta=config.rollout.weight_sync == "delta")
+        delta=config.rollout.weight_sync == "delta", adapters=config.rollout.weight_sync == "adapters")

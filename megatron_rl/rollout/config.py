@@ -53,14 +53,16 @@ class RolloutConfig:
     update, and the KV cache is freed (when no response is in flight) before it resumes."""
     verify_weight_sync: bool = False
     """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
-    weight_sync: Literal["full", "delta"] = "full"
+    weight_sync: Literal["full", "delta", "adapters"] = "full"
     """full: every weight byte goes to the engine on every sync. delta: only the elements whose bits changed
     (in the engine's dtype) since the version it holds, each tensor sent as nothing, sparse positions, a
     bitmask or whole, whichever is smallest (weight_sync/delta.py); the first sync and the one after a resume
     send everything, and a delta whose checksum mismatches is sent again at once, whole. Native engines only
     (in this process, a generator process or generator ranks): SGLang and vLLM take whole tensors. For
     generator ranks the driver keeps one copy of the engine-dtype weights to compare with. It saves bytes on a
-    network; on one host a full sync, a memory copy, is faster (docs/async.md)."""
+    network; on one host a full sync, a memory copy, is faster (docs/async.md). adapters (LoRA training,
+    trainer.lora.rank > 0): only the adapters go, and the native engine in this process (colocated placement)
+    applies them beside the base weights it was built with (docs/lora.md)."""
     offload_idle: bool = True
     """Colocated synchronous runs (max_staleness 0): while the trainer steps, the engine frees its KV
     cache (and on a GPU moves its weights to host memory); while the engine generates, the trainer's

@@ -54,10 +54,11 @@ class InProcessWeightChannel:
 
     def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
+        self._bytes = 0
         if self.plan is None:
             state = self.trainer.export_hf_state()
             self._send(self.transform(state) if self.transform is not None else state.items(), version)
-            return {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
+            return self._metrics(start)
         named = assemble_hf_buckets(self.trainer, self.plan, self.bucket_bytes)
         try:
             if self.engine is not None:
@@ -66,11 +67,23 @@ class InProcessWeightChannel:
         finally:
             for _ in named:  # the other ranks take part in every bucket's collective
                 pass
-        return {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
+        return self._metrics(start)
+
+    def _metrics(self, start: float) -> dict[str, float]:
+        metrics = {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
+        if self.engine is not None and self.delta is None:
+            metrics["perf/weight_sync_bytes"] = float(self._bytes)
+        return metrics
+
+    def _counted(self, named):
+        """`named` ((name, tensor) pairs) passed through, its bytes added to this push's count."""
+        for name, tensor in named:
+            self._bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
     def _send(self, named, version: int) -> None:
         if self.delta is None:
-            self.engine.update_weights(named, version)
+            self.engine.update_weights(self._counted(named.items() if isinstance(named, dict) else named), version)
             return
         try:
             changes = self.delta.encode(named.items() if isinstance(named, dict) else named)
@@ -81,6 +94,35 @@ class InProcessWeightChannel:
 
     def _delta_metrics(self) -> dict[str, float]:
         return self.delta.stats.metrics() if self.delta is not None else {}
+
+
+class AdapterWeightChannel:
+    """LoRA trainer -> a native engine in this process through its `update_adapters`: each push gathers the
+    adapters (PEFT's names; every trainer rank takes part) and the engine applies them beside the base weights
+    it was built with (rollout/native/lora.py): megabytes per sync instead of the model."""
+
+    def __init__(self, trainer, engine):
+        if trainer.lora is None:
+            raise ConfigError("rollout.weight_sync: adapters needs LoRA training (trainer.lora.rank > 0)",
+                              field="rollout.weight_sync")
+        if engine is not None and not hasattr(engine, "update_adapters"):
+            raise ConfigError(f"rollout.weight_sync: adapters needs the native engine in this process (the colocated "
+                              f"placement); {type(engine).__name__} takes merged weights (use rollout.weight_sync "
+                              "full)", field="rollout.weight_sync")
+        self.trainer, self.engine = trainer, engine
+        self.scaling = trainer.lora.alpha / trainer.lora.rank
+
+    def reset(self) -> None:
+        """Every push sends all the adapters: nothing to forget."""
+
+    def push(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        adapters = self.trainer.gather_peft_state(dst=0)
+        if self.engine is None:
+            return {}
+        self.engine.update_adapters(adapters, scaling=self.scaling, version=version)
+        return {"perf/weight_sync_time": time.perf_counter() - start,
+                "perf/weight_sync_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values()))}
 
 
 def delta_encoder(engine) -> DeltaEncoder:
@@ -151,10 +193,13 @@ def cpu_tensor_group(group=None):
     return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo")
 
 
-def make_weight_channel(trainer, engine, transform=None, *, delta: bool = False):
+def make_weight_channel(trainer, engine, transform=None, *, delta: bool = False, adapters: bool = False):
     """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
-    weights go as they are), else its `update_weights`; `delta` sends only what changed. Collective:
-    every trainer rank calls it, the driver (rank 0) with its engine, the others with None."""
+    weights go as they are), else its `update_weights`; `delta` sends only what changed, `adapters` only a
+    LoRA trainer's adapters. Collective: every trainer rank calls it, the driver (rank 0) with its engine, the
+    others with None."""
+    if adapters:
+        return AdapterWeightChannel(trainer, engine)
     shared = broadcast_records(transform is None and getattr(engine, "shared_weights", None) is not None)
     if shared:
         return SharedMemoryWeightChannel(trainer, engine, delta=delta)

@@ -46,6 +46,7 @@ from megatron_rl.rollout.engine import (
     validate_request,
 )
 from megatron_rl.rollout.native.kv_cache import KVCache
+from megatron_rl.rollout.native.lora import EngineAdapters
 from megatron_rl.rollout.native.model import LlamaModel, _Batch, dynamic_rope_base
 from megatron_rl.rollout.native.sampling import _sample_seed
 from megatron_rl.rollout.native.scheduler import _Scheduler, _Seq
@@ -293,6 +294,20 @@ class NativeEngine(_Scheduler):
         the version. Returns the number of tensors loaded. Names and shapes are checked per tensor;
         an error leaves the tensors before it applied and the version unchanged."""
         return self._apply_weights(lambda: self.weights.load(iter_named_tensors(named_tensors)), version)
+
+    def update_adapters(self, named_tensors: NamedTensors, *, scaling: float, version: int | None = None) -> int:
+        """Replace the LoRA adapters the engine applies beside its base weights (PEFT-named lora_A / lora_B
+        factors, `scaling` = alpha / rank; rollout/native/lora.py) and set the version; the base weights stay as
+        they are. An empty set removes the adapters. Returns the bytes the adapters hold."""
+        named = dict(iter_named_tensors(named_tensors))
+        adapters = EngineAdapters(self.arch, named, scaling=scaling, device=self.device, dtype=self.dtype) \
+            if named else None  # checked before the engine pauses
+
+        def switch() -> int:
+            self.model.adapters = adapters
+            return 0 if adapters is None else adapters.nbytes
+
+        return self._apply_weights(switch, version)
 
     def adopt_weight_arena(self, arena: torch.Tensor, version: int | None = None) -> None:
         """Switch to weights that already sit in `arena` (laid out by `weight_arena_layout`): no copy,

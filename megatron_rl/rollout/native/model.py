@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.kv_cache import KVCache
+from megatron_rl.rollout.native.lora import EngineAdapters
 from megatron_rl.rollout.native.moe import moe_mlp
 from megatron_rl.rollout.native.weights import LlamaWeights, PackedMatrix
 
@@ -126,6 +127,7 @@ class LlamaModel:
         self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
         self.scale = 1.0 / math.sqrt(a.head_dim)
         self.windows = [a.layer_window(i) for i in range(a.num_layers)]
+        self.adapters: EngineAdapters | None = None  # LoRA beside the base weights (lora.py)
 
     def forward(self, batch: _Batch, cache: KVCache) -> torch.Tensor:
         """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns fp32
@@ -178,10 +180,13 @@ class LlamaModel:
                     if window is not None:
                         hidden |= keys <= rows - window
                     causal[key] = first, hidden
+        adapters = self.adapters
         for li, layer in enumerate(w.layers):
             packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
             qkv = matmul(h, layer.qkv, packed[0], layer.qkv_bias)
+            if adapters is not None:
+                qkv = adapters.apply(li, "qkv", h, qkv)
             qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
             if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
                 q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
@@ -223,13 +228,18 @@ class LlamaModel:
                 oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, d]
                 out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
                     length, n_heads * d)
-            x = x + matmul(out, layer.o, packed[1])
+            attn = matmul(out, layer.o, packed[1])
+            x = x + (attn if adapters is None else adapters.apply(li, "o", out, attn))
             h = _rms_norm(x, layer.ln2, a.norm_eps)
             if layer.moe is not None:  # mixture of experts (moe.py)
                 x = x + moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
                 continue
             gate_up = matmul(h, layer.gate_up, packed[2])
-            x = x + matmul(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], layer.down, packed[3])
+            if adapters is not None:
+                gate_up = adapters.apply(li, "gate_up", h, gate_up)
+            act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            down = matmul(act, layer.down, packed[3])
+            x = x + (down if adapters is None else adapters.apply(li, "down", act, down))
         rows = batch.logit_rows.numel()
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
