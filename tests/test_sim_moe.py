@@ -280,3 +280,24 @@ def test_moe_memory_within_10_percent_of_measured_cpu_step():
     static = sum(v for k, v in estimate.items() if k in ("weights", "gradients", "optimizer", "expert_weights",
                                                          "expert_gradients", "expert_optimizer"))
     assert static <= measured["static"] < (static + estimate["activation_buffers"]) * 1.02
+
+
+def test_glm4_5_recipe_dry_run_counts_its_dense_layers_and_shared_experts():
+    """GLM-4.5 355B: 3 dense layers and 89 MoE layers of 160 experts (+ a shared one), priced per stage; the
+    published total (355B with its multi-token-prediction layer, which is not kept: one MoE layer less)."""
+    from megatron_rl.models.families import from_json
+
+    arch = from_json(os.path.join(REPO, "examples", "configs", "models", "glm4.5-355b.json"))
+    assert arch.moe_layer_indices == tuple(range(3, 92)) and arch.shared_expert_ffn_hidden_size == 1536
+    assert cost.expert_parameters(arch) == 89 * 160 * 3 * 5120 * 1536
+    assert 350e9 < arch.num_parameters() < 355e9 and 32e9 < cost.active_parameters(arch) < 35e9
+    # stage 0 holds the 3 dense layers, so fewer expert parameters than the last stage
+    first, last = (cost.stage_parameter_split(arch, 2, 4, s, ep=8)[1] for s in (0, 3))
+    assert first == pytest.approx(last * 20 / 23)
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_JOB_NUM_NODES", None)
+    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_glm4_5_355b.sh"), "--dry-run"],
+                            check=False, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "experts: EP 8 x ETP 2 x expert-DP 1 (20 of 160 experts per GPU)" in result.stdout
+    assert "configured, best" in result.stdout
