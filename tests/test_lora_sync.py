@@ -102,8 +102,8 @@ def test_trainer_adapters_synced_alone_equal_the_merged_sync(qwen2):
     adapter_bytes = 4 * sum(v.numel() for v in trainer.checkpoint_state().values())
     # PEFT's names repeat a fused linear's A once per projection (q/k/v, gate/up): at most 3x the trained A's;
     # rank 4 of width 64 is ~1/16 of each matrix here (of SmolLM2's 576 at rank 8, ~1/36)
-    assert adapter_bytes <= metrics["perf/weight_sync_bytes"] <= 3 * adapter_bytes
-    assert metrics["perf/weight_sync_bytes"] < full_bytes / 4
+    assert adapter_bytes <= metrics["weight_sync/sent_bytes"] <= 3 * adapter_bytes
+    assert metrics["weight_sync/sent_bytes"] < full_bytes / 4
 
 
 def test_bad_adapters_are_refused_by_name(qwen2):
@@ -135,8 +135,8 @@ def test_a_run_synced_by_adapters_trains_like_one_synced_merged(tmp_path, tiny_c
         runs[mode] = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     full, adapters = runs["full"], runs["adapters"]
     assert [m["rollout/reward_mean"] for m in full] == [m["rollout/reward_mean"] for m in adapters]
-    assert all(a["perf/weight_sync_bytes"] < 0.2 * f["perf/weight_sync_bytes"]
-               for f, a in zip(full, adapters) if "perf/weight_sync_bytes" in f)
+    sent = [(f["weight_sync/sent_bytes"], a["weight_sync/sent_bytes"]) for f, a in zip(full, adapters)]
+    assert len(sent) == 2 and all(0 < a < 0.2 * f for f, a in sent), sent
 
 
 @pytest.mark.parametrize("extra", [[], ["trainer.lora.rank=4", "rollout.placement=disaggregated"],

@@ -72,7 +72,7 @@ class InProcessWeightChannel:
     def _metrics(self, start: float) -> dict[str, float]:
         metrics = {"perf/weight_sync_time": time.perf_counter() - start, **self._delta_metrics()}
         if self.engine is not None and self.delta is None:
-            metrics["perf/weight_sync_bytes"] = float(self._bytes)
+            metrics["weight_sync/sent_bytes"] = float(self._bytes)
         return metrics
 
     def _counted(self, named):
@@ -122,7 +122,7 @@ class AdapterWeightChannel:
             return {}
         self.engine.update_adapters(adapters, scaling=self.scaling, version=version)
         return {"perf/weight_sync_time": time.perf_counter() - start,
-                "perf/weight_sync_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values()))}
+                "weight_sync/sent_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values()))}
 
 
 def delta_encoder(engine) -> DeltaEncoder:
@@ -267,8 +267,8 @@ class SharedMemoryWeightChannel:
         end = time.perf_counter()
         metrics = {"perf/weight_sync_time": end - start, "perf/weight_sync_write_time": staged - start,
                    "perf/weight_sync_commit_time": end - staged, "perf/weight_sync_bytes": float(total.item())}
+        metrics["weight_sync/sent_bytes"] = float(total.item())
         if self.delta:
             full = self._arena_bytes[arena]
-            metrics.update({"weight_sync/sent_bytes": float(total.item()), "weight_sync/full_bytes": full,
-                            "weight_sync/sent_fraction": float(total.item()) / max(full, 1.0)})
+            metrics.update({"weight_sync/full_bytes": full, "weight_sync/sent_fraction": float(total.item()) / max(full, 1.0)})
         return metrics
