@@ -35,8 +35,15 @@ CASES = {
         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # DeepSeek-V3: multi-latent attention (q latent 24, kv latent 16, 12 + 8 q/k dims with 8 rotary, interleaved, values
+    # 12 per head), then GLM-4.5's router and layout (it is DeepSeek-V3's).
+    "deepseek_v3": parity.Case("deepseek_v3", "DeepseekV3Config", {
+        **_BASE, "head_dim": 8, "num_key_value_heads": 4, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 24,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_interleave": True}),
 }
-FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
 # Dense layers among the MoE ones: Qwen2-MoE's mlp_only_layers (layer 0 dense, 1 to 3 MoE; PP=2 puts a dense and an
 # MoE layer on stage 0). Dense MLP width 96, shared expert 48, experts 32: all divide by TP=2.
 DENSE_LAYERS = parity.Case("qwen2_moe (dense layer 0)", "Qwen2MoeConfig", {

@@ -35,7 +35,7 @@ def test_config_round_trips_through_the_registry(built, name):
     model, arch, _, _ = built[name]
     config = model.config
     assert arch.family == config.model_type and arch.is_moe
-    experts = config.num_local_experts if arch.family in ("mixtral", "glm4_moe") else config.num_experts
+    experts = config.num_local_experts if arch.family in ("mixtral", "glm4_moe", "deepseek_v3") else config.num_experts
     assert (arch.num_experts, arch.moe_top_k) == (experts, config.num_experts_per_tok)
     expert_size = config.intermediate_size if arch.family == "mixtral" else config.moe_intermediate_size
     assert arch.moe_ffn_hidden_size == expert_size
@@ -45,9 +45,14 @@ def test_config_round_trips_through_the_registry(built, name):
     assert families.from_hf_config(exported) == arch
     reread = getattr(transformers, type(config).__name__)(**exported)
     experts_field = "num_experts" if name.startswith("qwen") else "num_local_experts"
+    if arch.family == "deepseek_v3":  # multi-latent attention's fields survive the export
+        for field in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "rope_interleave", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"):
+            assert getattr(reread, field) == getattr(config, field), field
     for field in (experts_field, "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef"):
         assert getattr(reread, field) == getattr(config, field), field
-    shared = getattr(config, "n_shared_experts", 0) * config.moe_intermediate_size if arch.family == "glm4_moe" \
+    shared = getattr(config, "n_shared_experts", 0) * config.moe_intermediate_size \
+        if arch.family in ("glm4_moe", "deepseek_v3") \
         else getattr(config, "shared_expert_intermediate_size", 0)
     assert arch.shared_expert_ffn_hidden_size == shared
     if arch.family == "glm4_moe":  # every field the router, attention and RoPE read survives the export

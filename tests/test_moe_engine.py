@@ -54,6 +54,14 @@ CONFIGS = {
                                                    use_qk_norm=True, rope_parameters={
                                                        "rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.5}),
+    # DeepSeek-V3: multi-latent attention (latent cache), the same router and layout as GLM-4.5
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**SHAPES, "num_key_value_heads": 4}, intermediate_size=96,
+                                                         moe_intermediate_size=32, n_routed_experts=8,
+                                                         num_experts_per_tok=4, n_group=4, topk_group=2,
+                                                         routed_scaling_factor=2.5, n_shared_experts=1,
+                                                         first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=24,
+                                                         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                                                         v_head_dim=12),
 }
 
 
@@ -67,8 +75,8 @@ def _model(kind: str, seed: int = 0):
 def test_greedy_and_logprobs_match_transformers(kind):
     config, model, state, arch = _model(kind)
     assert arch.is_moe and arch.moe_norm_topk_prob == (kind not in ("qwen3_moe", "qwen2_moe"))
-    assert (arch.shared_expert_ffn_hidden_size > 0) == kind.startswith(("qwen2_moe", "glm4_moe"))
-    assert arch.moe_layer_indices == ((1,) if kind in ("qwen2_moe_dense", "glm4_moe") else (0, 1))
+    assert (arch.shared_expert_ffn_hidden_size > 0) == kind.startswith(("qwen2_moe", "glm4_moe", "deepseek_v3"))
+    assert arch.moe_layer_indices == ((1,) if kind in ("qwen2_moe_dense", "glm4_moe", "deepseek_v3") else (0, 1))
     equal, diff = engine_parity(model, arch, state, max_new_tokens=32)
     assert equal and diff < 1e-4, (kind, equal, diff)
 
@@ -79,7 +87,7 @@ def _hf_routing(model, ids: list[int]) -> torch.Tensor:
     return moe_helpers.hf_own_routing(model, torch.tensor([ids]))[0]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3"])
 def test_routing_record_equals_transformers_routing(kind, tmp_path):
     """Sampled answers (temperature 1), a 40-token prompt sampled twice (the second copy shares its prefix's
     K/V and routing) plus a prompt sharing 24 tokens with it, prefill chunked at 16 tokens."""
@@ -148,7 +156,7 @@ def test_published_and_fused_names_load_the_same_and_bad_names_are_refused(kind,
             e.update_weights({hf_router_name(family, 0): torch.zeros(8, 64)})
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3"])
 def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kind):
     config, model, state, arch = _model(kind, seed=6)
     layout = MegatronLayout(arch, tp=2, ep=2)
@@ -182,6 +190,10 @@ def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kin
     # an EP rank > 0 feeds only its experts; an engine at TP=2 gets row halves of every expert
     ep1 = plan.copies_from(0, layout.shard_index(0, 1))[0]
     assert ep1 and all(".experts." in c.dst for c in ep1)
+    if arch.is_mla:  # resharded for one-rank engines only
+        with pytest.raises(ConfigError, match="multi-latent"):
+            R.EngineLayout(arch, tp=2)
+        return
     plan2 = R.build_reshard_plan(layout, R.EngineLayout(arch, tp=2))
     halves = [R.execute_plan(plan2, r, shards, backend="torch") for r in range(2)]
     assert torch.equal(torch.cat([h[g] for h in halves]), resharded[g])
@@ -233,3 +245,25 @@ def test_routing_record_served_as_sglang_does_and_decoded_by_our_sglang_client()
                 HTTPEngine(server.url, routing=(layers, k)).generate([GenerateRequest("y", prompt, greedy)])
         finally:
             server.shutdown()
+
+
+def test_mla_cache_holds_the_latent_and_rotary_key_alone():
+    """DeepSeek-V3's cache: kv_lora_rank + qk_rope_head_dim numbers per token and layer (16 + 8 here), against K and
+    V of every head for a grouped-query model of the same width (4 heads of 8 dims: 64), and the planner's count
+    equals the engine's bytes."""
+    from megatron_rl.rollout.native.kv_cache import KVCache
+    from megatron_rl.sim.cost import kv_bytes_per_sequence
+
+    _, _, state, arch = _model("deepseek_v3")
+    assert arch.kv_cache_width == arch.kv_lora_rank + arch.qk_rope_head_dim == 24
+    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=2, max_seq_len=32, dtype="fp32"),
+                      eos_token_ids=[]) as engine:
+        engine.generate([GenerateRequest("r", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4))])
+        cache = engine.kv_cache
+        per_token = cache.nbytes / (cache.slots * cache.max_len * arch.num_layers)
+    assert per_token == 4 * 24
+    gqa = from_hf_config(transformers.LlamaConfig(**{**SHAPES, "num_key_value_heads": 4}, intermediate_size=96).to_dict())
+    gqa_cache = KVCache(gqa, 2, 32, torch.device("cpu"), torch.float32)
+    gqa_cache.ensure()
+    assert gqa_cache.nbytes / (2 * 32 * gqa.num_layers) == 4 * 2 * 64  # 5.3x the latent cache
+    assert kv_bytes_per_sequence(arch, 32, 4) == cache.nbytes / cache.slots

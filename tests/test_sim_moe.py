@@ -301,3 +301,15 @@ def test_glm4_5_recipe_dry_run_counts_its_dense_layers_and_shared_experts():
     assert result.returncode == 0, result.stderr
     assert "experts: EP 8 x ETP 2 x expert-DP 1 (20 of 160 experts per GPU)" in result.stdout
     assert "configured, best" in result.stdout
+
+
+def test_deepseek_v3_671b_counts_and_latent_cache():
+    """DeepSeek-V3's published config: 671.0B parameters, 37.6B active (the published 671B / 37B), and a KV cache of
+    kv_lora_rank + qk_rope_head_dim = 576 numbers per token and layer, against 2 x 128 heads x 192 = 49,152 for the
+    same attention without the latent (85x)."""
+    from megatron_rl.models.families import from_json
+
+    arch = from_json(os.path.join(REPO, "examples", "configs", "models", "deepseek-v3.json"))
+    assert arch.is_mla and arch.moe_layer_indices == tuple(range(3, 61))
+    assert round(arch.num_parameters() / 1e9, 1) == 671.0 and round(cost.active_parameters(arch) / 1e9, 1) == 37.6
+    assert cost.kv_bytes_per_sequence(arch, 1536, 2) == 1536 * 61 * 576 * 2

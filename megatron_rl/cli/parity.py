@@ -81,6 +81,12 @@ CASES: tuple[Case, ...] = (
         "topk_group": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
         **_rope("default", 1000000.0, partial_rotary_factor=0.5)}),
+    Case("deepseek_v3 (multi-latent attention: q latent 24, kv latent 16; glm4_moe's router and layout)",
+         "DeepseekV3Config", {**_BASE, "head_dim": 8, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                              "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                              "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                              "norm_topk_prob": True, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+                              "qk_rope_head_dim": 8, "v_head_dim": 12, **_rope("default", 10000.0)}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(

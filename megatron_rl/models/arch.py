@@ -133,6 +133,21 @@ class ModelArch:
     """Groups each token may route to (HF `topk_group`)."""
     moe_routed_scaling_factor: float = 1.0
     """The routed experts' weights are multiplied by this (HF `routed_scaling_factor`) after renormalising."""
+    kv_lora_rank: int = 0
+    """> 0: multi-latent attention (DeepSeek-V2/V3): each token's keys and values come from one latent of this width
+    (kv_a_proj -> RMSNorm -> kv_b_proj) plus a `qk_rope_head_dim` rotary key shared by every head; a cache holds the
+    latent and the rotary key alone. 0: grouped-query attention."""
+    q_lora_rank: int = 0
+    """Multi-latent attention: queries through a latent of this width (q_a_proj -> RMSNorm -> q_b_proj); 0: one
+    projection (q_proj)."""
+    qk_nope_head_dim: int = 0
+    """Multi-latent attention: each head's query/key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """Multi-latent attention: each head's query/key dims with RoPE (`head_dim` is this, as transformers sets it)."""
+    v_head_dim: int = 0
+    """Multi-latent attention: each head's value dims."""
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves (DeepSeek's layout)."""
     partial_rotary_factor: float = 1.0
     """RoPE rotates the first int(head_dim * factor) dims of each head (rotate-half within them) and passes the
     rest through (GLM-4.5: 0.5)."""
@@ -181,6 +196,18 @@ class ModelArch:
             require(self.moe_top_k == 0 and self.moe_ffn_hidden_size == 0, "num_experts",
                     "moe_top_k / moe_ffn_hidden_size are set but num_experts is 0")
         self._check_router()
+        if self.kv_lora_rank:
+            require(min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) > 0, "qk_nope_head_dim",
+                    "multi-latent attention needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim > 0")
+            require(self.head_dim == self.qk_rope_head_dim, "head_dim",
+                    f"multi-latent attention: head_dim is the rotary width qk_rope_head_dim={self.qk_rope_head_dim}")
+            require(self.num_query_groups == self.num_attention_heads, "num_query_groups",
+                    "multi-latent attention gives every head its own key and value (num_query_groups = heads)")
+            require(not (self.qk_norm or self.attention_bias or self.sliding_window), "kv_lora_rank",
+                    "multi-latent attention with q/k norms, attention biases or a sliding window is not implemented")
+        else:
+            require(not (self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim), "kv_lora_rank",
+                    "q_lora_rank / qk_nope_head_dim / v_head_dim are multi-latent attention fields (kv_lora_rank is 0)")
         require(0 < self.partial_rotary_factor <= 1, "partial_rotary_factor",
                 f"must be in (0, 1], got {self.partial_rotary_factor}")
         require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "partial_rotary_factor",
@@ -226,6 +253,33 @@ class ModelArch:
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (all of them unless `partial_rotary_factor` < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_parameters(self) -> int:
+        """Parameters of one layer's attention (projections, their biases and norms)."""
+        h = self.hidden_size
+        if self.is_mla:
+            heads, qk = self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk) if self.q_lora_rank \
+                else h * heads * qk
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank \
+                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * h
+        params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            params += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            params += 2 * self.head_dim
+        return params
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Numbers a KV cache holds per token and layer: the latent and the rotary key (multi-latent attention),
+        else K and V of every KV head."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else 2 * self.kv_size
 
     @property
     def q_size(self) -> int:
@@ -277,11 +331,7 @@ class ModelArch:
 
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
-        if self.attention_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
+        per_layer = self.attention_parameters() + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         mlps = sum(self.mlp_parameters(i) for i in range(self.num_layers))
         return self.num_layers * per_layer + mlps + embed + h

@@ -72,6 +72,9 @@ class Family:
     mtp_layers_field: str | None = None
     """HF field counting multi-token-prediction layers stored after the decoder's (GLM-4.5
     `num_nextn_predict_layers`): transformers builds none and ignores their tensors on load, and so do we."""
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3): `kv_lora_rank`, `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
+    `v_head_dim` and `rope_interleave` are read."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -102,6 +105,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shared_expert_count_field="n_shared_experts", shared_expert_module="shared_experts", sigmoid_router=True,
            qkv_bias_field="attention_bias", qk_norm_field="use_qk_norm", partial_rotary=True,
            dense_layers_field="first_k_dense_replace", mtp_layers_field="num_nextn_predict_layers"),
+    # DeepSeek-V3 / R1 / V3.1 (and Kimi-K2's layout): multi-latent attention, leading dense layers, the sigmoid router
+    # with expert bias and groups, one ungated shared expert.
+    Family("deepseek_v3", ("deepseek_v3",), ("DeepseekV3ForCausalLM",), "DeepseekV3Config", moe_block="mlp",
+           experts_field="n_routed_experts", norm_topk_field="norm_topk_prob",
+           shared_expert_count_field="n_shared_experts", shared_expert_module="shared_experts", sigmoid_router=True,
+           mla=True, dense_layers_field="first_k_dense_replace", mtp_layers_field="num_nextn_predict_layers"),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -123,7 +132,9 @@ _MOE_REFUSED = {
     "topk_group": "grouped top-k routing is not implemented",
     "routed_scaling_factor": "scaled routing weights are not implemented",
 }
-_MOE_NEUTRAL = {"scoring_func": "softmax", "topk_method": "greedy", "routed_scaling_factor": 1.0}
+_MOE_NEUTRAL = {"scoring_func": "softmax", "topk_method": "greedy", "routed_scaling_factor": 1.0, "moe_layer_freq": 1}
+_SIGMOID_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+"""What DeepSeek-V3's config.json says of the router a sigmoid family implements (absent: the same)."""
 
 
 def hf_router_name(family: Family, layer: int) -> str:
@@ -324,6 +335,8 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
     window, window_layers = _sliding_window(family, config, where)
     if family.moe_block:
         arch_fields.update(_moe_fields(family, config, where))
+    if family.mla:
+        arch_fields.update(_mla_fields(config, where))
     qkv_bias = bool(config.get(family.qkv_bias_field)) if family.qkv_bias_field else family.qkv_bias
     qk_norm = bool(config.get(family.qk_norm_field)) if family.qk_norm_field else family.qk_norm
     try:
@@ -339,7 +352,7 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
 
 
 # ModelArch's field names -> the HF config's
-_HF_NAMES = {"num_query_groups": "num_key_value_heads", "norm_eps": "rms_norm_eps", "num_layers": "num_hidden_layers",
+_HF_NAMES = {"num_query_groups": "num_key_value_heads", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim", "norm_eps": "rms_norm_eps", "num_layers": "num_hidden_layers",
              "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim", "moe_top_k": "num_experts_per_tok",
              "moe_norm_topk_prob": "norm_topk_prob", "moe_router_groups": "n_group", "moe_router_group_topk": "topk_group",
              "moe_routed_scaling_factor": "routed_scaling_factor", "partial_rotary_factor": "partial_rotary_factor"}
@@ -349,7 +362,10 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
     """The ModelArch MoE fields of an MoE family's config; refuses the MoE variants we do not implement."""
     honoured = {family.shared_expert_field, family.shared_expert_count_field, family.dense_layers_field}
     if family.sigmoid_router:
-        honoured |= {"n_group", "topk_group", "routed_scaling_factor"}
+        honoured |= {"n_group", "topk_group", "routed_scaling_factor", *_SIGMOID_ROUTER}
+        for field, value in _SIGMOID_ROUTER.items():
+            if config.get(field, value) != value:
+                raise _refuse(where, field, f"{config[field]!r}: {family.name}'s router is {field}={value!r}")
     for field, why in _MOE_REFUSED.items():
         value = config.get(field)
         if field not in honoured and value not in (None, 0, 0.0, False) and _MOE_NEUTRAL.get(field) != value:
@@ -393,6 +409,22 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
                       moe_router_group_topk=int(config.get("topk_group") or 1),
                       moe_routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
     return fields
+
+
+def _mla_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArch fields of multi-latent attention (DeepSeek-V3's config.json)."""
+    head_dim, rope = config.get("head_dim"), config.get("qk_rope_head_dim")
+    if head_dim is not None and rope is not None and head_dim != rope:
+        raise ConfigError(f"{where}: field 'head_dim' {head_dim} differs from field 'qk_rope_head_dim' {rope}: "
+                          "transformers' rotary embedding is head_dim wide and rotates the qk_rope_head_dim dims")
+    try:
+        # transformers sets head_dim to the rotary width (its rotary embedding's size)
+        return dict(head_dim=int(config["qk_rope_head_dim"]), kv_lora_rank=int(config["kv_lora_rank"]),
+                    q_lora_rank=int(config.get("q_lora_rank") or 0),
+                    qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+                    v_head_dim=int(config["v_head_dim"]), rope_interleave=bool(config.get("rope_interleave", True)))
+    except KeyError as exc:
+        raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
 
 
 def _moe_layers(family: Family, config: dict[str, Any], where: str) -> tuple[int, ...]:
@@ -543,6 +575,12 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         elif arch.sliding_window_layers is not None:
             raise ConfigError(f"model family {family.name!r} windows every layer or none (sliding_window_layers="
                               f"{list(arch.sliding_window_layers)} cannot be exported)")
+    if family.mla != arch.is_mla:
+        raise ConfigError(f"model family {family.name!r} cannot express kv_lora_rank={arch.kv_lora_rank} in an HF config")
+    if family.mla:
+        config.update(kv_lora_rank=arch.kv_lora_rank, q_lora_rank=arch.q_lora_rank or None,
+                      qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
+                      v_head_dim=arch.v_head_dim, rope_interleave=arch.rope_interleave, attention_bias=False)
     if family.mtp_layers_field:
         config[family.mtp_layers_field] = 0  # multi-token-prediction layers are not kept
     config.update(extra)

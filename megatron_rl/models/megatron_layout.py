@@ -66,6 +66,10 @@ class MegatronLayout:
 
     def __post_init__(self) -> None:
         check_parallel_layout(self.arch, self.tp, self.pp, self.ep)
+        if self.arch.is_mla and self.layer_spec == "te":
+            raise ConfigError("multi-latent attention is mapped onto Megatron's local layer spec only (Transformer "
+                              "Engine's fuses its latent norms into the up projections): trainer.layer_spec local",
+                              field="trainer.layer_spec")
 
     @property
     def shards_per_stage(self) -> int:
@@ -119,6 +123,12 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> Non
             raise ConfigError(f"tensor_parallel={tp} does not divide shared_expert_ffn_hidden_size="
                               f"{arch.shared_expert_ffn_hidden_size} (the shared expert is split over TP like a dense "
                               "MLP)")
+    if arch.is_mla:
+        for field, size in (("q_lora_rank", arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim",
+                                                                arch.kv_lora_rank + arch.qk_rope_head_dim)):
+            if size % tp:
+                raise ConfigError(f"tensor_parallel={tp} does not divide {field}={size} (Megatron splits the latent "
+                                  "down projections' rows over TP)")
     if arch.num_query_groups % tp:
         raise ConfigError(
             f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
@@ -260,9 +270,16 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         meg = f"decoder.layers.{local}."
         moe = arch.layer_is_moe(layer)
         norm_attn, norm_mlp = layout.norm_names(layer)
-        qkv = fuse_qkv(_require(state, hf + "self_attn.q_proj.weight"), _require(state, hf + "self_attn.k_proj.weight"),
-                       _require(state, hf + "self_attn.v_proj.weight"), arch, tp)
-        proj = _split_cols(_require(state, hf + "self_attn.o_proj.weight"), tp)
+        if arch.is_mla:  # Megatron name -> its TP shards
+            attention = {m: _tp_split(_rope_rows(_require(state, hf + h), h, arch), split, tp)
+                         for h, m, split in mla_tensors(arch)}
+        else:
+            qkv = fuse_qkv(_require(state, hf + "self_attn.q_proj.weight"),
+                           _require(state, hf + "self_attn.k_proj.weight"),
+                           _require(state, hf + "self_attn.v_proj.weight"), arch, tp)
+            attention = {"self_attention.linear_qkv.weight": qkv,
+                         "self_attention.linear_proj.weight": _split_cols(_require(state, hf + "self_attn.o_proj.weight"),
+                                                                          tp)}
         if moe:
             router = _require(state, hf_router_name(family, layer))
             router_bias = _require(state, hf_router_bias_name(family, layer)) if arch.moe_router_expert_bias else None
@@ -280,8 +297,8 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         if arch.attention_bias:
             qkv_bias = fuse_qkv_bias(*(_require(state, hf + f"self_attn.{p}_proj.bias") for p in "qkv"), arch, tp)
         for t, e, shard in each(stage):
-            shard[meg + "self_attention.linear_qkv.weight"] = qkv[t]
-            shard[meg + "self_attention.linear_proj.weight"] = proj[t]
+            for name, parts in attention.items():
+                shard[meg + name] = parts[t]
             if moe:
                 shard[meg + "mlp.router.weight"] = router.clone()
                 if router_bias is not None:  # Megatron keeps it as an fp32 buffer
@@ -309,6 +326,68 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
     return shards
 
 
+def mla_tensors(arch: ModelArch) -> list[tuple[str, str, str | None]]:
+    """Multi-latent attention's tensors: (HF name in the layer, Megatron name in the layer, how TP splits it: "rows",
+    "cols" or None for replicated). Megatron's column-parallel down projections split their rows too (each rank
+    gathers the latent before its norm); q_b / kv_b split by heads, o_proj by its input columns."""
+    query = [("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight", "rows")] if not arch.q_lora_rank else [
+        ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight", "rows"),
+        ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight", None),
+        ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight", "rows")]
+    return query + [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight", "rows"),
+                    ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight", None),
+                    ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight", "rows"),
+                    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "cols")]
+
+
+def mla_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """HF shapes of one layer's multi-latent attention tensors (names within the layer)."""
+    h, heads, qk = arch.hidden_size, arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    shapes = {"self_attn.q_proj.weight": (heads * qk, h)} if not arch.q_lora_rank else {
+        "self_attn.q_a_proj.weight": (arch.q_lora_rank, h), "self_attn.q_a_layernorm.weight": (arch.q_lora_rank,),
+        "self_attn.q_b_proj.weight": (heads * qk, arch.q_lora_rank)}
+    shapes.update({"self_attn.kv_a_proj_with_mqa.weight": (arch.kv_lora_rank + arch.qk_rope_head_dim, h),
+                   "self_attn.kv_a_layernorm.weight": (arch.kv_lora_rank,),
+                   "self_attn.kv_b_proj.weight": (heads * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+                   "self_attn.o_proj.weight": (h, heads * arch.v_head_dim)})
+    return shapes
+
+
+def _rope_rows(tensor: torch.Tensor, hf_name: str, arch: ModelArch, inverse: bool = False) -> torch.Tensor:
+    """The rotary rows of the query (per head) and of the shared rotary key as Megatron's MLA wants them. Megatron
+    takes them as DeepSeek lays them out, interleaved pairs (x0, x1), (x2, x3), ..., and de-interleaves them itself
+    before its rotate-half RoPE, which is what transformers computes for `rope_interleave` (nothing to reorder). A
+    model with rotate-half rows (`rope_interleave` false) gets them interleaved here, first half with second, so that
+    Megatron's de-interleaving restores them. `inverse` puts them back."""
+    if arch.rope_interleave or hf_name not in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight",
+                                               "self_attn.kv_a_proj_with_mqa.weight"):
+        return tensor
+    half = arch.qk_rope_head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).reshape(-1)
+    if inverse:
+        order = torch.argsort(order)
+    if hf_name == "self_attn.kv_a_proj_with_mqa.weight":  # rows [latent | rotary key]
+        return torch.cat([tensor[:arch.kv_lora_rank], tensor[arch.kv_lora_rank:][order]])
+    heads = tensor.view(arch.num_attention_heads, arch.qk_nope_head_dim + 2 * half, -1)  # rows per head [nope | rope]
+    return torch.cat([heads[:, :arch.qk_nope_head_dim], heads[:, arch.qk_nope_head_dim:][:, order]], 1).reshape(
+        tensor.shape)
+
+
+def mla_megatron_rows(arch: ModelArch, hf_name: str) -> torch.Tensor:
+    """For each row of the HF tensor `hf_name` (within a layer), its row in Megatron's (whole, unsplit) layout."""
+    rows = mla_tensor_shapes(arch)[hf_name][0]
+    moved = _rope_rows(torch.arange(rows)[:, None], hf_name, arch)[:, 0]  # Megatron row j holds HF row moved[j]
+    return torch.argsort(moved)
+
+
+def _tp_split(tensor: torch.Tensor, split: str | None, tp: int) -> list[torch.Tensor]:
+    if split == "rows":
+        return _split_rows(tensor, tp)
+    if split == "cols":
+        return _split_cols(tensor, tp)
+    return [tensor.clone() for _ in range(tp)]
+
+
 def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of `arch` holds (published names), with its shape (lm_head left out
     when tied)."""
@@ -316,9 +395,10 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
-    per_layer = {"self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
-                 "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size),
-                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    per_layer = mla_tensor_shapes(arch) if arch.is_mla else {
+        "self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
+        "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size)}
+    per_layer.update({"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
     if arch.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (arch.q_size,), "self_attn.k_proj.bias": (arch.kv_size,),
                           "self_attn.v_proj.bias": (arch.kv_size,)})
@@ -388,11 +468,17 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
         norm_attn, norm_mlp = layout.norm_names(layer)
-        q, k, v = split_qkv(gather(stage, meg + "self_attention.linear_qkv.weight"), arch)
-        state[hf + "self_attn.q_proj.weight"] = q
-        state[hf + "self_attn.k_proj.weight"] = k
-        state[hf + "self_attn.v_proj.weight"] = v
-        state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
+        if arch.is_mla:
+            for hf_name, meg_name, split in mla_tensors(arch):
+                parts = gather(stage, meg + meg_name)
+                whole = torch.cat(parts, 0 if split == "rows" else 1) if split else parts[0].clone()
+                state[hf + hf_name] = _rope_rows(whole, hf_name, arch, inverse=True)
+        else:
+            q, k, v = split_qkv(gather(stage, meg + "self_attention.linear_qkv.weight"), arch)
+            state[hf + "self_attn.q_proj.weight"] = q
+            state[hf + "self_attn.k_proj.weight"] = k
+            state[hf + "self_attn.v_proj.weight"] = v
+            state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
         if arch.layer_is_moe(layer):
             state[hf_router_name(family, layer)] = _require(shards[stage][0], meg + "mlp.router.weight").clone()
             if arch.moe_router_expert_bias:

@@ -110,13 +110,16 @@ def matmul_parameters(arch: ModelArch) -> int:
 
 
 def attention_flops_per_pair(arch: ModelArch) -> int:
-    """Forward flops of one (query, key) pair over all layers: q.k scores and the weighted sum of values."""
+    """Forward flops of one (query, key) pair over all layers: q.k scores and the weighted sum of values (under
+    multi-latent attention, as the engine computes it: in the latent, kv_lora_rank + rotary dims per head)."""
+    if arch.is_mla:
+        return 2 * arch.num_layers * arch.num_attention_heads * (2 * arch.kv_lora_rank + arch.qk_rope_head_dim)
     return 2 * 2 * arch.num_layers * arch.q_size
 
 
 def kv_cache_bytes_per_token(arch: ModelArch, bytes_per_value: int) -> int:
-    """Key and value cache bytes of one token over all layers."""
-    return 2 * arch.num_layers * arch.kv_size * bytes_per_value
+    """Key and value cache bytes of one token over all layers (`ModelArch.kv_cache_width` per layer)."""
+    return arch.num_layers * arch.kv_cache_width * bytes_per_value
 
 
 def decode_roofline(arch: ModelArch, batch: int, context: int, ceilings: Ceilings,

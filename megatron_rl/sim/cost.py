@@ -59,10 +59,14 @@ def dense_layer_parameters(arch: ModelArch, tp: int = 1, layer: int | None = Non
     included) and the router are replicated over TP; q/k/v biases are split like their rows. `layer` None: an
     MoE layer of an MoE model."""
     h = arch.hidden_size
-    sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
-    if arch.attention_bias:
-        sharded += arch.q_size + 2 * arch.kv_size
-    replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
+    if arch.is_mla:  # the latent norms replicated, every projection split (Megatron's MLA)
+        norms = arch.q_lora_rank + arch.kv_lora_rank
+        sharded, replicated = arch.attention_parameters() - norms, 2 * h + norms
+    else:
+        sharded = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
+        if arch.attention_bias:
+            sharded += arch.q_size + 2 * arch.kv_size
+        replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
     if _moe_layer(arch, layer):  # the router; a shared expert is split over TP like a dense MLP, its gate replicated
         replicated += arch.num_experts * h + (h if arch.shared_expert_gate else 0)
         sharded += 3 * h * arch.shared_expert_ffn_hidden_size
@@ -153,10 +157,11 @@ def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisi
 
 
 def kv_bytes_per_sequence(arch: ModelArch, context: float, dtype_bytes: int) -> float:
-    """K and V of every layer (all KV heads) for a sequence of `context` tokens: a sliding-window layer
-    keeps (and a decode step reads) at most its window."""
+    """K and V of every layer (all KV heads; under multi-latent attention the latent and the rotary key,
+    `ModelArch.kv_cache_width`) for a sequence of `context` tokens: a sliding-window layer keeps (and a decode step
+    reads) at most its window."""
     positions = sum(min(context, arch.layer_window(layer) or context) for layer in range(arch.num_layers))
-    return 2 * positions * arch.kv_size * dtype_bytes
+    return positions * arch.kv_cache_width * dtype_bytes
 
 
 # --- memory --------------------------------------------------------------------------------------

@@ -24,11 +24,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 from megatron_rl.models.rope import rope_inv_freq
@@ -37,6 +39,11 @@ from megatron_rl.trainer.moe import sequence_parallel_block_spec
 from megatron_rl.trainer.packing import causal_attention, varlen_causal_attention
 
 logger = logging.getLogger(__name__)
+
+if not isinstance(multi_latent_attention.TELinear, type):
+    # megatron-core 0.16 binds a mock for TELinear when Transformer Engine is absent, yet sets HAVE_TE: MLA's
+    # isinstance check on it raised TypeError. Without TE no linear is a TELinear.
+    multi_latent_attention.HAVE_TE = False
 
 
 def transformer_engine_available() -> bool:
@@ -106,18 +113,22 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # Megatron / Transformer Engine windows are (left, right) key offsets; 1 marks a windowed layer
         kwargs.update(window_size=(arch.sliding_window - 1, 0),
                       window_attn_skip_freq=[int(arch.layer_window(i) is not None) for i in range(arch.num_layers)])
+    config_class, kv_channels = TransformerConfig, arch.head_dim
+    if arch.is_mla:
+        config_class, kv_channels = MLATransformerConfig, arch.v_head_dim  # the attention output's per-head width
+        kwargs.update(mla_config_kwargs(arch))
     _, rope_scale = rope_inv_freq(arch)
     if rope_scale != 1.0:
         # HF multiplies both cos and sin by the RoPE attention scaling (YaRN), i.e. q.k by its square:
         # the same as a softmax scale of scaling^2 / sqrt(head_dim), which Megatron takes as is.
         kwargs.update(softmax_scale=rope_scale ** 2 / math.sqrt(arch.head_dim))
-    return TransformerConfig(
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim,
+        kv_channels=kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
@@ -138,13 +149,26 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # Engine's (TransformerConfig raises without it); the bias-SwiGLU and masked-softmax fusions have
         # torch / Megatron fallbacks on any CUDA build. persist_layer_norm needs Apex's persistent kernel,
         # which the torch RMSNorm of the local spec asserts against.
-        apply_rope_fusion=transformer_engine_available(),
+        apply_rope_fusion=transformer_engine_available() and not arch.is_mla,  # (MLA's fusion is YaRN-only)
         bias_activation_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **kwargs,
     )
+
+
+def mla_config_kwargs(arch: ModelArch) -> dict:
+    """MLATransformerConfig fields of multi-latent attention (DeepSeek-V3): Megatron's MLA with its own RoPE over
+    the rotary dims (it de-interleaves DeepSeek's interleaved rotary rows itself; the converter interleaves those of a
+    rotate-half model, `models/megatron_layout.py`), softmax scale 1/sqrt(nope + rope dims)."""
+    if arch.rope_scaling is not None:
+        raise ConfigError(f"rope_scaling {arch.rope_scaling.rope_type!r} with multi-latent attention is not in the "
+                          "trainer yet (plain RoPE only)", field="rope_scaling")
+    return dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+                qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+                v_head_dim=arch.v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
+                rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
 def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel: int,
@@ -180,10 +204,14 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
                 sequence_parallel=tensor_parallel > 1)
 
 
-def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0):
+def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0, mla: bool = False):
     """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE;
-    `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM)."""
+    `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM); `mla`:
+    multi-latent attention, with its RMSNorms on the q and kv latents."""
     moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
+    if mla:
+        moe.update(multi_latent_attention=True)
+        qk_norm = True  # Megatron builds MLA's latent norms where a plain layer has its q/k norms
     if kind == "te":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
@@ -195,8 +223,9 @@ def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool)
     """The layer specs of pipeline stage `pp_rank`: an MoE layer's or a dense one's as `ModelArch.layer_is_moe`
     says (one spec for all when they agree)."""
     arch, kind = layout.arch, layout.layer_spec
-    dense = layer_spec(kind, qk_norm=arch.qk_norm)
-    moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts) if arch.is_moe else dense
+    dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla)
+    moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts, mla=arch.is_mla) \
+        if arch.is_moe else dense
     first = pp_rank * layout.layers_per_stage
     layers = [moe if arch.layer_is_moe(first + i) else dense for i in range(layout.layers_per_stage)]
     if sequence_parallel and kind == "local":
@@ -216,7 +245,9 @@ def _sdpa_attention_class():
     marks) is a banded causal mask here; the local class builds its window mask on CUDA only. Other masks,
     attention offsets and biases keep the local path."""
     class SDPADotProductAttention(DotProductAttention):
-        def __init__(self, config, layer_number, *args, **kwargs):
+        def __init__(self, config, layer_number, *args, k_channels=None, v_channels=None, **kwargs):
+            # multi-latent attention passes its q/k and v widths (Transformer Engine's attention takes them); SDPA
+            # reads them off the tensors, and the output width is kv_channels (v_head_dim) per head
             super().__init__(config, layer_number, *args, **kwargs)
             # Megatron's window_size is (left, right): keys in [i - left, i + right]
             self.window = (config.window_size[0] + 1 if is_layer_window_attention(
@@ -285,8 +316,9 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
         rotary_percent=arch.partial_rotary_factor,
         pg_collection=pg_collection,
     )
-    model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,
-                                               cp_group=pg_collection.cp)
+    if not arch.is_mla:  # (multi-latent attention rotates its rotary dims itself)
+        model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,
+                                                   cp_group=pg_collection.cp)
     if layout.layer_spec == "local":  # (Transformer Engine fuses these itself)
         local_fusions.fuse_model(model)
     return model

@@ -206,7 +206,7 @@ def _sequence_parallel_norms(layer: ModuleSpec) -> ModuleSpec:
     layer.submodules.input_layernorm = SequenceParallelTorchNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     attention = layer.submodules.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # (kv_layernorm: multi-latent attention's latent)
         if getattr(attention, name, None) not in (None, IdentityOp):
             setattr(attention, name, SequenceParallelTorchNorm)
     return layer

@@ -173,6 +173,10 @@ class MegatronTrainer:
         if hf_state is not None:
             self.load_hf_state(hf_state)
         if self.lora is not None:
+            if self.arch.is_mla and "linear_qkv" in self.lora.targets:
+                raise ConfigError("trainer.lora.targets: linear_qkv does not exist under multi-latent attention "
+                                  "(its q/kv down and up projections take no adapters yet): target linear_proj, "
+                                  "linear_fc1, linear_fc2", field="trainer.lora.targets")
             first_expert = self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0
             adapted = lora.add_adapters(model, self.lora, seed=cfg.seed, first_expert=first_expert,
                                         first_layer=self.pp_rank * self.layout.layers_per_stage)

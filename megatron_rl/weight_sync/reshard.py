@@ -45,7 +45,7 @@ from megatron_rl.models.families import (
     hf_router_name,
     hf_shared_expert_names,
 )
-from megatron_rl.models.megatron_layout import MegatronLayout
+from megatron_rl.models.megatron_layout import MegatronLayout, mla_megatron_rows, mla_tensor_shapes, mla_tensors
 
 SourceKey = tuple[int, int]  # (pp_rank, tp_rank)
 
@@ -67,6 +67,9 @@ class EngineLayout:
         if (a.num_query_groups % tp) if tp <= a.num_query_groups else (tp % a.num_query_groups):
             raise ConfigError(f"engine tensor_parallel={tp} and num_query_groups={a.num_query_groups}: one must "
                               "divide the other")
+        if a.is_mla and tp > 1:
+            raise ConfigError(f"engine tensor_parallel={tp}: multi-latent attention models are resharded for one-rank "
+                              "engines (the native engine; SGLang loads them from HF checkpoints)")
         if a.is_moe and a.moe_ffn_hidden_size % tp:
             raise ConfigError(f"engine tensor_parallel={tp} does not divide moe_ffn_hidden_size={a.moe_ffn_hidden_size}")
         if a.has_dense_mlp and a.ffn_hidden_size % tp:
@@ -208,21 +211,10 @@ class _PlanBuilder:
                 pp, local = divmod(layer, m.layers_per_stage)
                 hf, meg = f"model.layers.{layer}.", f"decoder.layers.{local}."
                 norm_attn, norm_mlp = m.norm_names(layer)
-                qkv = meg + "self_attention.linear_qkv.weight"
-                self.add(r, hf + "self_attn.q_proj.weight", (qe, h), 0, r * qe, (r + 1) * qe, pp, qkv, q_map, h)
-                for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
-                    self.add(r, hf + f"self_attn.{name}.weight", ((k1 - k0) * hd, h), 0, k0 * hd, k1 * hd, pp, qkv, mp, h)
-                if a.attention_bias:  # fused like the weight's rows: the same row maps, one column
-                    bias = meg + "self_attention.linear_qkv.bias"
-                    self.add(r, hf + "self_attn.q_proj.bias", (qe,), 0, r * qe, (r + 1) * qe, pp, bias, q_map, 1)
-                    for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
-                        self.add(r, hf + f"self_attn.{name}.bias", ((k1 - k0) * hd,), 0, k0 * hd, k1 * hd, pp, bias, mp, 1)
-                if a.qk_norm:
-                    for p in "qk":
-                        self.add(r, hf + f"self_attn.{p}_norm.weight", (hd,), 0, 0, hd, pp,
-                                 meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
-                self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
-                         meg + "self_attention.linear_proj.weight", proj_map, h)
+                if a.is_mla:
+                    self._add_mla(r, hf, meg, pp, replicated)
+                else:
+                    self._add_attention(r, hf, meg, pp, replicated, (q_map, k_map, v_map, proj_map), (qe, k0, k1))
                 if a.layer_is_moe(layer):
                     self._add_experts(r, layer, pp, meg, replicated)
                 else:
@@ -234,6 +226,44 @@ class _PlanBuilder:
                 self.add(r, hf + "input_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_attn, replicated, 1)
                 self.add(r, hf + "post_attention_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_mlp, replicated, 1)
         return ReshardPlan(m, e, self.shapes, self.copies)
+
+    def _add_attention(self, r: int, hf: str, meg: str, pp: int, replicated, maps, rows) -> None:
+        """One layer's grouped-query attention for engine rank r: q/k/v rows from the fused linear_qkv (and its
+        bias), q/k norms replicated, o_proj's columns."""
+        a, h, hd = self.a, self.a.hidden_size, self.a.head_dim
+        q_map, k_map, v_map, proj_map = maps
+        qe, k0, k1 = rows
+        qkv = meg + "self_attention.linear_qkv.weight"
+        self.add(r, hf + "self_attn.q_proj.weight", (qe, h), 0, r * qe, (r + 1) * qe, pp, qkv, q_map, h)
+        for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
+            self.add(r, hf + f"self_attn.{name}.weight", ((k1 - k0) * hd, h), 0, k0 * hd, k1 * hd, pp, qkv, mp, h)
+        if a.attention_bias:  # fused like the weight's rows: the same row maps, one column
+            bias = meg + "self_attention.linear_qkv.bias"
+            self.add(r, hf + "self_attn.q_proj.bias", (qe,), 0, r * qe, (r + 1) * qe, pp, bias, q_map, 1)
+            for name, mp in (("k_proj", k_map), ("v_proj", v_map)):
+                self.add(r, hf + f"self_attn.{name}.bias", ((k1 - k0) * hd,), 0, k0 * hd, k1 * hd, pp, bias, mp, 1)
+        if a.qk_norm:
+            for p in "qk":
+                self.add(r, hf + f"self_attn.{p}_norm.weight", (hd,), 0, 0, hd, pp,
+                         meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
+        self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
+                 meg + "self_attention.linear_proj.weight", proj_map, h)
+
+    def _add_mla(self, r: int, hf: str, meg: str, pp: int, replicated) -> None:
+        """One layer's multi-latent attention, whole on the (single) engine rank: each tensor's rows or columns
+        from the Megatron TP ranks that hold them (`megatron_layout.mla_tensors`), rotary rows in HF's order."""
+        m = self.m
+        for (hf_name, meg_name, split), shape in zip(mla_tensors(self.a), mla_tensor_shapes(self.a).values()):
+            if split == "cols":
+                self.add(r, hf + hf_name, shape, 1, 0, shape[1], pp, meg + meg_name, proj_map_f(shape[1] // m.tp),
+                         shape[0])
+            elif split == "rows":
+                per = shape[0] // m.tp
+                position = mla_megatron_rows(self.a, hf_name)  # HF row -> its row in Megatron's layout
+                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name,
+                         lambda i, pos=position, per=per: (pos[i] // per, pos[i] % per), shape[1])
+            else:
+                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name, replicated, 1)
 
     def _add_experts(self, r: int, layer: int, pp: int, meg: str, replicated) -> None:
         """Router (replicated) and experts of one layer for engine rank r. Megatron: expert x lives on EP rank

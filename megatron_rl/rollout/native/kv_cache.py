@@ -1,7 +1,9 @@
 """The native engine's per-slot KV cache.
 
-Two tensors [layers, slots, kv_heads, max_len, head_dim], allocated on first use with torch.empty so
-that only the pages sequences touch get committed (in base pages, a block of positions ahead at a time),
+Two tensors [layers, slots, kv_heads, max_len, head_dim] (multi-latent attention: `k` [layers, slots, 1, max_len,
+kv_lora_rank + qk_rope_head_dim] holds each token's latent and rotary key, `v` is empty), allocated on first use
+with torch.empty so that only the pages sequences touch get committed (in base pages, a block of positions ahead
+at a time),
 given back slot by slot when a slot frees and no request waits for it (`return_pages`), and freed whole
 when the engine goes idle for a colocated trainer (`NativeEngine.release_memory_occupation`,
 `flush_cache`). A running sequence owns one slot; the scheduler keeps slots in use dense at
@@ -87,7 +89,11 @@ class KVCache:
             self.unit = math.lcm(row, page) // row
             max_len = -(-max_len // self.unit) * self.unit
         self.max_len = max_len
-        self.shape = (arch.num_layers, slots, arch.num_query_groups, max_len, arch.head_dim)
+        if arch.is_mla:  # one latent + rotary key per token and layer in `k`; the values are its first kv_lora_rank
+            self.shape = (arch.num_layers, slots, 1, max_len, arch.kv_lora_rank + arch.qk_rope_head_dim)
+            self.v_shape = (arch.num_layers, slots, 1, max_len, 0)
+        else:
+            self.shape = self.v_shape = (arch.num_layers, slots, arch.num_query_groups, max_len, arch.head_dim)
         self.device, self.dtype = device, dtype
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -101,7 +107,7 @@ class KVCache:
         """A zeroed one-slot cache of `length` positions, apart from the engine's (forward_logits)."""
         cache = cls(arch, 1, length, device, dtype)
         cache.k = torch.zeros(cache.shape, device=device, dtype=dtype)
-        cache.v = torch.zeros_like(cache.k)
+        cache.v = torch.zeros(cache.v_shape, device=device, dtype=dtype)
         return cache
 
     @property
@@ -110,26 +116,26 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        return 0 if self.k is None else (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def ensure(self) -> None:
         if self.k is None:
             # torch.empty: untouched pages of this (mostly unused) buffer are never committed; and in base
             # pages, also where torch's allocator asks for transparent huge pages (THP_MEM_ALLOC_ENABLE, good
             # for the weights): a 2 MiB page would commit a whole (layer, slot, head) block on its first token.
-            self.k, self.v = self._empty(), self._empty()
+            self.k, self.v = self._empty(self.shape), self._empty(self.v_shape)
             self.written = [0] * self.slots
             self.dropped = [0] * self.slots
 
-    def _empty(self) -> torch.Tensor:
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.drops:
-            return without_huge_pages(torch.empty(self.shape, device=self.device, dtype=self.dtype))
+            return without_huge_pages(torch.empty(shape, device=self.device, dtype=self.dtype))
         # page-aligned start, so that each block's pages hold its positions only
-        numel = math.prod(self.shape)
+        numel = math.prod(shape)
         per_page = _libc_and_page()[1] // torch.empty((), dtype=self.dtype).element_size()
         flat = without_huge_pages(torch.empty(numel + per_page, device=self.device, dtype=self.dtype))
         skip = (-flat.data_ptr() // flat.element_size()) % per_page
-        return flat[skip:skip + numel].view(self.shape)
+        return flat[skip:skip + numel].view(shape)
 
     def free(self) -> int:
         """Drop both tensors (re-allocated by the next `ensure`); returns the bytes given back."""

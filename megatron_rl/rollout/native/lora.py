@@ -40,6 +40,9 @@ class EngineAdapters:
         if not scaling > 0:
             raise ConfigError(f"LoRA scaling (alpha / rank) must be positive, got {scaling}")
         self.scaling = float(scaling)
+        if arch.is_mla and named:
+            raise ConfigError("adapter-only sync to a multi-latent attention model is not implemented (its attention "
+                              "projections differ): use rollout.weight_sync full")
         parts: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}
         for name, tensor in named.items():
             match = _NAME.match(name)

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.kv_cache import KVCache
@@ -61,6 +62,48 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated: rotate_half(x) * sin == roll(x, d/2) * signed_sin."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `apply_rotary_pos_emb_interleave` (DeepSeek's layout): pairs (x0, x1), (x2, x3), ... each rotated
+    by one frequency, the result laid out evens then odds; cos/sin [N, 1, r] as `_Rope` gives them (unsigned)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def mla_qkv(w: dict[str, torch.Tensor], h: torch.Tensor, a: ModelArch, cos: torch.Tensor, sin: torch.Tensor,
+            signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed multi-latent attention (DeepSeek-V2/V3) of normed hidden states h [N, H]: (q [N, heads, latent +
+    rope], the cache row k [N, 1, latent + rope]). transformers expands each cached latent c into keys W_uk c and
+    values W_uv c per head; here each head's no-RoPE query is taken into the latent space instead (q_nope W_uk), so
+    q . k = q_nope . (W_uk c) + q_rope . k_rope with the cache holding c and k_rope only, and the values stay latent
+    until `mla_values`."""
+    n, heads = h.shape[0], a.num_attention_heads
+    nope, rope, latent = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    if a.q_lora_rank:
+        q = F.linear(_rms_norm(F.linear(h, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], a.norm_eps),
+                     w["q_b_proj.weight"])
+    else:
+        q = F.linear(h, w["q_proj.weight"])
+    q = q.view(n, heads, nope + rope)
+    kv = F.linear(h, w["kv_a_proj_with_mqa.weight"])                     # [N, latent + rope]
+    c = _rms_norm(kv[:, :latent], w["kv_a_layernorm.weight"], a.norm_eps)
+    if a.rope_interleave:
+        q_rope, k_rope = _rope_interleaved(q[..., nope:], cos, sin), _rope_interleaved(kv[:, None, latent:], cos, sin)
+    else:
+        q_rope, k_rope = _rope(q[..., nope:], cos, signed_sin), _rope(kv[:, None, latent:], cos, signed_sin)
+    w_uk = w["kv_b_proj.weight"].view(heads, nope + a.v_head_dim, latent)[:, :nope]  # [heads, nope, latent]
+    q_latent = torch.einsum("nhd,hdc->nhc", q[..., :nope], w_uk)
+    return torch.cat([q_latent, q_rope], dim=-1), torch.cat([c[:, None], k_rope], dim=-1)
+
+
+def mla_values(w: dict[str, torch.Tensor], out: torch.Tensor, a: ModelArch) -> torch.Tensor:
+    """Each head's attention-weighted latent [N, heads * latent] through its value projection W_uv: [N, heads * v]."""
+    heads, latent = a.num_attention_heads, a.kv_lora_rank
+    w_uv = w["kv_b_proj.weight"].view(heads, a.qk_nope_head_dim + a.v_head_dim, latent)[:, a.qk_nope_head_dim:]
+    return torch.einsum("nhc,hvc->nhv", out.view(-1, heads, latent), w_uv).reshape(out.shape[0], -1)
 
 
 @dataclasses.dataclass
@@ -123,9 +166,14 @@ class LlamaModel:
     def __init__(self, weights: LlamaWeights, max_seq_len: int):
         self.w = weights
         a = weights.arch
+        if a.is_mla and a.rope_scaling is not None:  # transformers also rescales the softmax (yarn_apply_mscale)
+            raise ConfigError(f"rope_scaling {a.rope_scaling.rope_type!r} with multi-latent attention is not in the "
+                              "native engine yet (plain RoPE only)", field="rope_scaling")
         self.arch = a
         self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
-        self.scale = 1.0 / math.sqrt(a.head_dim)
+        # transformers' scale: 1/sqrt(q/k width), the nope + rotary dims under multi-latent attention (absorbing
+        # the key projection into the query leaves q . k as it is)
+        self.scale = 1.0 / math.sqrt(a.qk_nope_head_dim + a.qk_rope_head_dim if a.is_mla else a.head_dim)
         self.windows = [a.layer_window(i) for i in range(a.num_layers)]
         self.adapters: EngineAdapters | None = None  # LoRA beside the base weights (lora.py)
 
@@ -135,6 +183,9 @@ class LlamaModel:
         a, w = self.arch, self.w
         k_cache, v_cache = cache.k, cache.v
         n_heads, n_kv, d = a.num_attention_heads, a.num_query_groups, a.head_dim
+        dk = dv = d  # key and value widths in the cache
+        if a.is_mla:  # absorbed multi-latent attention: one "KV head" per token, the latent + rotary key (mla_qkv)
+            n_kv, dk, dv = 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank
         group = n_heads // n_kv
         q_size, kv_size, ffn = a.q_size, a.kv_size, a.ffn_hidden_size
         tokens = batch.tokens
@@ -147,8 +198,8 @@ class LlamaModel:
             return F.linear(h, weight, bias) if packed is None else packed(h, bias)
 
         x = F.embedding(tokens, w.embed)
-        cos, sin = self.rope(batch.positions, batch.rope_lens)
-        sin = _signed_sin(sin)
+        cos, raw_sin = self.rope(batch.positions, batch.rope_lens)
+        sin = _signed_sin(raw_sin)
         dec_masks: dict[int | None, tuple[int, torch.Tensor]] = {}
         if n_dec:
             t_max = int(batch.dec_lens.max())
@@ -184,23 +235,29 @@ class LlamaModel:
         for li, layer in enumerate(w.layers):
             packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
             h = _rms_norm(x, layer.ln1, a.norm_eps)
-            qkv = matmul(h, layer.qkv, packed[0], layer.qkv_bias)
-            if adapters is not None:
-                qkv = adapters.apply(li, "qkv", h, qkv)
-            qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
-            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-                q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
-                k = _rope(_rms_norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
+            if layer.mla is not None:
+                q, k = mla_qkv(layer.mla, h, a, cos, raw_sin, sin)
+                kc = k_cache[li]                            # [slots, 1, T, latent + rotary key]
+                vc = kc[..., :dv]                           # the values are the latents
             else:
-                qk = _rope(qk, cos, sin)
-                q, k = qk[:, :n_heads], qk[:, n_heads:]
-            v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
-            kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
-            out = torch.empty(n, n_heads * d, device=x.device, dtype=x.dtype) if batch.chunks else None
+                qkv = matmul(h, layer.qkv, packed[0], layer.qkv_bias)
+                if adapters is not None:
+                    qkv = adapters.apply(li, "qkv", h, qkv)
+                qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
+                if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+                    q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
+                    k = _rope(_rms_norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
+                else:
+                    qk = _rope(qk, cos, sin)
+                    q, k = qk[:, :n_heads], qk[:, n_heads:]
+                v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
+                kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
+            out = torch.empty(n, n_heads * dv, device=x.device, dtype=x.dtype) if batch.chunks else None
             window = self.windows[li]
             if n_dec:
-                kc.view(-1, d).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, d))
-                vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
+                kc.view(-1, dk).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, dk))
+                if layer.mla is None:
+                    vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
                 first, dec_mask = dec_masks[window]
                 if batch.dec_first_slot >= 0:
                     s0 = batch.dec_first_slot
@@ -209,25 +266,28 @@ class LlamaModel:
                     keys = kc[:, :, first:t_max].index_select(0, batch.dec_slots)
                     values = vc[:, :, first:t_max].index_select(0, batch.dec_slots)
                 # each KV head's group of q heads attends as `group` queries: GQA without repeating K/V
-                qd = q[:n_dec].reshape(n_dec, n_kv, group, d)
+                qd = q[:n_dec].reshape(n_dec, n_kv, group, dk)
                 attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
                 if out is None:  # a pure decode step: the attention output is the whole step's
-                    out = attended.reshape(n_dec, n_heads * d)
+                    out = attended.reshape(n_dec, n_heads * dv)
                 else:
-                    out[:n_dec] = attended.reshape(n_dec, n_heads * d)
+                    out[:n_dec] = attended.reshape(n_dec, n_heads * dv)
             for offset, slot, start, length in batch.chunks:
                 end = start + length
                 kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
-                vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
+                if layer.mla is None:
+                    vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
                 first, hidden = causal[(start, length, window)]
-                qc = q[offset:offset + length].view(length, n_kv, group, d).permute(1, 2, 0, 3)
-                qc = qc.reshape(n_kv, group * length, d)
+                qc = q[offset:offset + length].view(length, n_kv, group, dk).permute(1, 2, 0, 3)
+                qc = qc.reshape(n_kv, group * length, dk)
                 scores = torch.matmul(qc, kc[slot, :, first:end].transpose(-1, -2)).mul_(self.scale)
                 scores = scores.view(n_kv, group, length, end - first).masked_fill_(hidden, float("-inf"))
                 probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end - first)
-                oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, d]
-                out[offset:offset + length] = oc.view(n_kv, group, length, d).permute(2, 0, 1, 3).reshape(
-                    length, n_heads * d)
+                oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, dv]
+                out[offset:offset + length] = oc.view(n_kv, group, length, dv).permute(2, 0, 1, 3).reshape(
+                    length, n_heads * dv)
+            if layer.mla is not None:  # each head's latent output through its value projection
+                out = mla_values(layer.mla, out, a)
             attn = matmul(out, layer.o, packed[1])
             x = x + (attn if adapters is None else adapters.apply(li, "o", out, attn))
             h = _rms_norm(x, layer.ln2, a.norm_eps)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import mla_tensor_shapes
 from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
 from megatron_rl.weight_sync.delta import WeightDelta
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
@@ -60,7 +61,7 @@ class PackedMatrix:
 
 
 class _Layer:
-    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "moe")
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "moe", "mla")
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
         """The layer's dense GEMM weights in forward order (qkv, o, then gate_up, down unless MoE)."""
@@ -97,14 +98,19 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
     q, kv, f = arch.q_size, arch.kv_size, arch.ffn_hidden_size
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        block((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-              (p + "self_attn.v_proj.weight", (kv, h)))
+        if arch.is_mla:  # multi-latent attention: each tensor a block of its own (model.py reads them apart)
+            for name, shape in mla_tensor_shapes(arch).items():
+                block((p + name, shape))
+        else:
+            block((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                  (p + "self_attn.v_proj.weight", (kv, h)))
         if arch.attention_bias:
             block((p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                   (p + "self_attn.v_proj.bias", (kv,)))
         if arch.qk_norm:
             block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
-        block((p + "self_attn.o_proj.weight", (h, q)))
+        if not arch.is_mla:
+            block((p + "self_attn.o_proj.weight", (h, q)))
         if arch.layer_is_moe(i):  # router, experts' gate/up, experts' down (rollout/native/moe.py)
             for tensors in arena_blocks(arch, i):
                 block(*tensors)
@@ -149,7 +155,9 @@ class LlamaWeights:
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             layer = _Layer()
-            layer.qkv = fused(p + "self_attn.q_proj.weight", q + 2 * kv)      # [q + 2kv, h]
+            layer.mla = {n.removeprefix("self_attn."): t[p + n] for n in mla_tensor_shapes(arch)} \
+                if arch.is_mla else None
+            layer.qkv = None if arch.is_mla else fused(p + "self_attn.q_proj.weight", q + 2 * kv)  # [q + 2kv, h]
             layer.qkv_bias = layer.q_norm = layer.k_norm = None
             if arch.attention_bias:
                 start = offsets[p + "self_attn.q_proj.bias"]
@@ -180,7 +188,8 @@ class LlamaWeights:
         False where unsupported. `lazily`: pack nothing now; `pack_pending` packs a few layers at a time
         (unpacked ones compute with F.linear meanwhile), so adopting new weights does not wait for the
         repack."""
-        if self.embed.device.type != "cpu" or self.embed.dtype not in (torch.float32, torch.bfloat16):
+        if self.embed.device.type != "cpu" or self.embed.dtype not in (torch.float32, torch.bfloat16) \
+                or self.arch.is_mla:  # (multi-latent attention's matrices are not packed yet)
             return False
         try:
             PackedMatrix(torch.zeros(8, 8, dtype=self.embed.dtype), rows)(torch.zeros(rows, 8, dtype=self.embed.dtype))
