@@ -123,12 +123,6 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> Non
             raise ConfigError(f"tensor_parallel={tp} does not divide shared_expert_ffn_hidden_size="
                               f"{arch.shared_expert_ffn_hidden_size} (the shared expert is split over TP like a dense "
                               "MLP)")
-    if arch.is_mla:
-        for field, size in (("q_lora_rank", arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim",
-                                                                arch.kv_lora_rank + arch.qk_rope_head_dim)):
-            if size % tp:
-                raise ConfigError(f"tensor_parallel={tp} does not divide {field}={size} (Megatron splits the latent "
-                                  "down projections' rows over TP)")
     if arch.num_query_groups % tp:
         raise ConfigError(
             f"tensor_parallel={tp} does not divide the model's {arch.num_query_groups} key/value heads "
@@ -328,13 +322,13 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
 
 def mla_tensors(arch: ModelArch) -> list[tuple[str, str, str | None]]:
     """Multi-latent attention's tensors: (HF name in the layer, Megatron name in the layer, how TP splits it: "rows",
-    "cols" or None for replicated). Megatron's column-parallel down projections split their rows too (each rank
-    gathers the latent before its norm); q_b / kv_b split by heads, o_proj by its input columns."""
+    "cols" or None for replicated). The latent down projections and norms are replicated (trainer/model.py
+    `layer_spec`); q_b / kv_b split by heads, o_proj by its input columns."""
     query = [("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight", "rows")] if not arch.q_lora_rank else [
-        ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight", "rows"),
+        ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight", None),
         ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight", None),
         ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight", "rows")]
-    return query + [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight", "rows"),
+    return query + [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight", None),
                     ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight", None),
                     ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight", "rows"),
                     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "cols")]

@@ -24,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
@@ -116,7 +117,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     config_class, kv_channels = TransformerConfig, arch.head_dim
     if arch.is_mla:
         config_class, kv_channels = MLATransformerConfig, arch.v_head_dim  # the attention output's per-head width
-        kwargs.update(mla_config_kwargs(arch))
+        kwargs.update(mla_config_kwargs(arch, tensor_parallel))
     _, rope_scale = rope_inv_freq(arch)
     if rope_scale != 1.0:
         # HF multiplies both cos and sin by the RoPE attention scaling (YaRN), i.e. q.k by its square:
@@ -158,7 +159,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     )
 
 
-def mla_config_kwargs(arch: ModelArch) -> dict:
+def mla_config_kwargs(arch: ModelArch, tensor_parallel: int) -> dict:
     """MLATransformerConfig fields of multi-latent attention (DeepSeek-V3): Megatron's MLA with its own RoPE over
     the rotary dims (it de-interleaves DeepSeek's interleaved rotary rows itself; the converter interleaves those of a
     rotate-half model, `models/megatron_layout.py`), softmax scale 1/sqrt(nope + rope dims)."""
@@ -166,6 +167,8 @@ def mla_config_kwargs(arch: ModelArch) -> dict:
         raise ConfigError(f"rope_scaling {arch.rope_scaling.rope_type!r} with multi-latent attention is not in the "
                           "trainer yet (plain RoPE only)", field="rope_scaling")
     return dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+                # the replicated down projections' gradients are summed over TP as sequence-parallel ones
+                sequence_parallel=tensor_parallel > 1,
                 qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
                 v_head_dim=arch.v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
                 rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
@@ -216,6 +219,13 @@ def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_exper
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    if mla:
+        # The latent down projections replicated on every TP rank, each computing its sequence-parallel chunk (what
+        # Transformer Engine's spec does with its duplicated linears). Megatron's local spec splits them over TP
+        # instead and then hands every rank the whole rotary key, whose gradient from only that rank's heads never
+        # gets summed over TP: a TP=2 run trained differently from TP=1.
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = ReplicatedLinear
     return spec
 
 

@@ -262,8 +262,12 @@ class _PlanBuilder:
                 position = mla_megatron_rows(self.a, hf_name)  # HF row -> its row in Megatron's layout
                 self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name,
                          lambda i, pos=position, per=per: (pos[i] // per, pos[i] % per), shape[1])
-            else:
-                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name, replicated, 1)
+            else:  # replicated (latent down projections and norms), rotary rows in HF's order
+                position = mla_megatron_rows(self.a, hf_name)
+                source = replicated(torch.zeros(1, dtype=torch.int64))[0]
+                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name,
+                         lambda i, pos=position, src=source: (src.expand_as(i), pos[i]),
+                         shape[1] if len(shape) > 1 else 1)
 
     def _add_experts(self, r: int, layer: int, pp: int, meg: str, replicated) -> None:
         """Router (replicated) and experts of one layer for engine rank r. Megatron: expert x lives on EP rank
