@@ -87,6 +87,12 @@ CASES: tuple[Case, ...] = (
                               "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
                               "norm_topk_prob": True, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
                               "qk_rope_head_dim": 8, "v_head_dim": 12, **_rope("default", 10000.0)}),
+    Case("deepseek_v3 (yarn rope with mscale_all_dim, as DeepSeek-V3 ships)", "DeepseekV3Config", {
+        **_BASE, "head_dim": 8, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        **_rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                mscale=1.0, mscale_all_dim=1.0)}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(

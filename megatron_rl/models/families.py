@@ -399,6 +399,9 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
         raise ConfigError(f"{where}: missing field {exc.args[0]!r}") from None
     if family.sigmoid_router:
         k, groups, kept = fields["moe_top_k"], int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+        if kept > groups:
+            raise ConfigError(f"{where}: field 'topk_group' {kept} exceeds field 'n_group' {groups}: a token cannot "
+                              "keep more groups than there are")
         if kept < groups and k // max(kept, 1) != 2:  # the three fields together decide: name them all
             raise ConfigError(f"{where}: field 'num_experts_per_tok' {k} with field 'topk_group' {kept} of field "
                               f"'n_group' {groups}: transformers scores a group by its best two experts, Megatron by "
@@ -413,6 +416,9 @@ def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str,
 
 def _mla_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelArch fields of multi-latent attention (DeepSeek-V3's config.json)."""
+    if config.get("q_lora_rank") == 0:
+        raise ConfigError(f"{where}: field 'q_lora_rank' 0: transformers builds a zero-width query latent; null means "
+                          "one q_proj")
     head_dim, rope = config.get("head_dim"), config.get("qk_rope_head_dim")
     if head_dim is not None and rope is not None and head_dim != rope:
         raise ConfigError(f"{where}: field 'head_dim' {head_dim} differs from field 'qk_rope_head_dim' {rope}: "

@@ -163,15 +163,21 @@ def mla_config_kwargs(arch: ModelArch, tensor_parallel: int) -> dict:
     """MLATransformerConfig fields of multi-latent attention (DeepSeek-V3): Megatron's MLA with its own RoPE over
     the rotary dims (it de-interleaves DeepSeek's interleaved rotary rows itself; the converter interleaves those of a
     rotate-half model, `models/megatron_layout.py`), softmax scale 1/sqrt(nope + rope dims)."""
-    if arch.rope_scaling is not None:
-        raise ConfigError(f"rope_scaling {arch.rope_scaling.rope_type!r} with multi-latent attention is not in the "
-                          "trainer yet (plain RoPE only)", field="rope_scaling")
+    scaling = arch.rope_scaling
+    if scaling is not None and rope_inv_freq(arch)[1] != 1.0:
+        raise ConfigError(f"rope_scaling: {scaling.rope_type} with an attention factor != 1 (mscale {scaling.mscale} "
+                          f"!= mscale_all_dim {scaling.mscale_all_dim}) is not mapped onto multi-latent attention",
+                          field="rope_scaling")
+    # YaRN: the frequencies are models/rope.py's (set on each MLA layer's rotary module, `build_gpt_model`), and
+    # the softmax scale takes mscale_all_dim as transformers' yarn_apply_mscale does (Megatron's own formula)
+    factor = scaling.factor if scaling is not None and scaling.mscale_all_dim else 1.0
+    mscale_all_dim = scaling.mscale_all_dim if scaling is not None and scaling.mscale_all_dim else 0.0
     return dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
                 # the replicated down projections' gradients are summed over TP as sequence-parallel ones
                 sequence_parallel=tensor_parallel > 1,
                 qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
                 v_head_dim=arch.v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
-                rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+                rotary_scaling_factor=factor, mscale=1.0, mscale_all_dim=mscale_all_dim)
 
 
 def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel: int,
@@ -326,9 +332,14 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
         rotary_percent=arch.partial_rotary_factor,
         pg_collection=pg_collection,
     )
-    if not arch.is_mla:  # (multi-latent attention rotates its rotary dims itself)
+    if not arch.is_mla:
         model.rotary_pos_emb = ArchRotaryEmbedding(arch, use_cpu_initialization=config.use_cpu_initialization,
                                                    cp_group=pg_collection.cp)
+    else:  # each MLA layer rotates its rotary dims with a RotaryEmbedding of its own: give it models/rope.py's
+        for module in model.modules():
+            if isinstance(module, multi_latent_attention.MultiLatentAttention):
+                rotary = module.rotary_pos_emb
+                rotary.inv_freq = rope_inv_freq(arch, device=rotary.inv_freq.device)[0]
     if layout.layer_spec == "local":  # (Transformer Engine fuses these itself)
         local_fusions.fuse_model(model)
     return model

@@ -27,7 +27,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.kv_cache import KVCache
@@ -166,14 +165,16 @@ class LlamaModel:
     def __init__(self, weights: LlamaWeights, max_seq_len: int):
         self.w = weights
         a = weights.arch
-        if a.is_mla and a.rope_scaling is not None:  # transformers also rescales the softmax (yarn_apply_mscale)
-            raise ConfigError(f"rope_scaling {a.rope_scaling.rope_type!r} with multi-latent attention is not in the "
-                              "native engine yet (plain RoPE only)", field="rope_scaling")
+
         self.arch = a
         self.rope = _Rope(a, max_seq_len, weights.embed.device, weights.embed.dtype)
         # transformers' scale: 1/sqrt(q/k width), the nope + rotary dims under multi-latent attention (absorbing
         # the key projection into the query leaves q . k as it is)
         self.scale = 1.0 / math.sqrt(a.qk_nope_head_dim + a.qk_rope_head_dim if a.is_mla else a.head_dim)
+        scaling = a.rope_scaling
+        if a.is_mla and scaling is not None and scaling.mscale_all_dim and scaling.factor > 1:
+            # transformers' yarn_apply_mscale: MLA models scale q . k by mscale^2 beyond the rotary attention factor
+            self.scale *= (0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0) ** 2
         self.windows = [a.layer_window(i) for i in range(a.num_layers)]
         self.adapters: EngineAdapters | None = None  # LoRA beside the base weights (lora.py)
 
