@@ -23,9 +23,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
