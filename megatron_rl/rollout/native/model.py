@@ -1,5 +1,6 @@
-"""The native engine's model: a pre-norm decoder forward (Llama, Mistral, Qwen2, Qwen3 families) in
-plain PyTorch over a per-slot KV cache.
+"""The native engine's model: a pre-norm decoder forward (every family of models/families.py: grouped-query
+attention, or DeepSeek's multi-latent attention over a latent cache, `mla_qkv`; dense or mixture-of-experts MLPs,
+moe.py) in plain PyTorch over a per-slot KV cache.
 
 HF-layout weights (the names `models.pretrained.load_pretrained` returns) live in the flat arena of
 weights.py, where per layer `qkv` = [q | k | v] (with its bias, Qwen2) and `gate_up` = [gate | up] are
