@@ -267,3 +267,22 @@ def test_mla_cache_holds_the_latent_and_rotary_key_alone():
     gqa_cache.ensure()
     assert gqa_cache.nbytes / (2 * 32 * gqa.num_layers) == 4 * 2 * 64  # 5.3x the latent cache
     assert kv_bytes_per_sequence(arch, 32, 4) == cache.nbytes / cache.slots
+
+
+def test_mla_with_yarn_equals_transformers_over_2000_positions():
+    """DeepSeek-V3's attention as it ships (latent cache, interleaved rotary rows, YaRN with mscale_all_dim) past
+    YaRN's original context: a 1,000-token prompt and 1,000 greedy tokens, the tokens transformers' generate gives and
+    log-probs within 1e-5 (fp32)."""
+    config = transformers.DeepseekV3Config(
+        **{**SHAPES, "num_key_value_heads": 4, "max_position_embeddings": 4096}, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024})
+    model, state = random_model(config, seed=0)
+    arch = from_hf_config(config.to_dict())
+    assert arch.is_mla and arch.rope_interleave and arch.rope_scaling.rope_type == "yarn"
+    prompt = torch.randint(0, arch.vocab_size, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+    equal, diff = engine_parity(model, arch, state, prompts=[prompt], max_new_tokens=1000)
+    assert equal and diff <= 1e-5, (equal, diff)
