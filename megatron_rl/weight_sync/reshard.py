@@ -252,22 +252,21 @@ class _PlanBuilder:
     def _add_mla(self, r: int, hf: str, meg: str, pp: int, replicated) -> None:
         """One layer's multi-latent attention, whole on the (single) engine rank: each tensor's rows or columns
         from the Megatron TP ranks that hold them (`megatron_layout.mla_tensors`), rotary rows in HF's order."""
-        m = self.m
-        for (hf_name, meg_name, split), shape in zip(mla_tensors(self.a), mla_tensor_shapes(self.a).values()):
+        m, shapes = self.m, mla_tensor_shapes(self.a)
+        for hf_name, meg_name, split in mla_tensors(self.a):
+            shape = shapes[hf_name]
             if split == "cols":
                 self.add(r, hf + hf_name, shape, 1, 0, shape[1], pp, meg + meg_name, proj_map_f(shape[1] // m.tp),
                          shape[0])
-            elif split == "rows":
+                continue
+            position = mla_megatron_rows(self.a, hf_name)  # HF row -> its row in Megatron's (whole) layout
+            if split == "rows":
                 per = shape[0] // m.tp
-                position = mla_megatron_rows(self.a, hf_name)  # HF row -> its row in Megatron's layout
-                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name,
-                         lambda i, pos=position, per=per: (pos[i] // per, pos[i] % per), shape[1])
-            else:  # replicated (latent down projections and norms), rotary rows in HF's order
-                position = mla_megatron_rows(self.a, hf_name)
-                source = replicated(torch.zeros(1, dtype=torch.int64))[0]
-                self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name,
-                         lambda i, pos=position, src=source: (src.expand_as(i), pos[i]),
-                         shape[1] if len(shape) > 1 else 1)
+                mapping = lambda i, pos=position, per=per: (pos[i] // per, pos[i] % per)  # noqa: E731
+            else:  # replicated: the latent down projections and norms
+                mapping = lambda i, pos=position: replicated(pos[i])  # noqa: E731
+            self.add(r, hf + hf_name, shape, 0, 0, shape[0], pp, meg + meg_name, mapping,
+                     shape[1] if len(shape) > 1 else 1)
 
     def _add_experts(self, r: int, layer: int, pp: int, meg: str, replicated) -> None:
         """Router (replicated) and experts of one layer for engine rank r. Megatron: expert x lives on EP rank
