@@ -79,9 +79,9 @@ def _expected(hf: dict[str, torch.Tensor], engine: R.EngineLayout, rank: int) ->
     return out
 
 
-def _check(arch, tp, pp, engine_tp, backend="torch", dtype=torch.float32):
+def _check(arch, tp, pp, engine_tp, backend="torch", dtype=torch.float32, stages=(None, None)):
     hf_in = _random_hf(arch, dtype)
-    layout = MegatronLayout(arch, tp=tp, pp=pp)
+    layout = MegatronLayout(arch, tp=tp, pp=pp, first_stage_layers=stages[0], last_stage_layers=stages[1])
     shards = hf_to_megatron(hf_in, layout)
     hf = megatron_to_hf(shards, layout)  # the reference converter
     engine = R.EngineLayout(arch, tp=engine_tp)
@@ -113,6 +113,12 @@ def test_reshard_bit_exact_qkv_bias_and_qk_norm(family, tp, pp, engine_tp):
     extra = {"qwen2": {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"},
              "qwen3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}}[family]
     assert {f"model.layers.1.{n}" for n in extra} <= names
+
+
+def test_reshard_from_an_uneven_pipeline_split():
+    # Megatron's uneven split: 5 layers as 1 + 2 + 2 and 2 + 3 (the sync reads each layer from its own stage)
+    _check(_arch(layers=5), 2, 3, 2, stages=(1, None))
+    _check(_arch(layers=5, tied=True), 1, 2, 4, stages=(None, 3))
 
 
 def test_reshard_tied_bf16_and_mha():

@@ -153,13 +153,20 @@ def test_published_and_fused_expert_tensors_read_alike(tmp_path, built, name):
 
 
 @pytest.mark.parametrize("name", list(moe_helpers.FAMILY_CASES))
-@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 2, 2), (1, 1, 4), (2, 1, 1)])
-def test_in_memory_round_trip_any_layout(built, name, tp, pp, ep):
+@pytest.mark.parametrize("tp,pp,ep,first,last", [(1, 1, 2, None, None), (2, 2, 2, None, None), (1, 1, 4, None, None),
+                                                   (2, 1, 1, None, None), (1, 2, 2, 1, None)])
+def test_in_memory_round_trip_any_layout(built, name, tp, pp, ep, first, last):
+    """Any TP x PP x EP, a first-stage layer count set as Megatron's uneven split does."""
     _, arch, state, _ = built[name]
-    layout = MegatronLayout(arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=1)
+    layout = MegatronLayout(arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=1, first_stage_layers=first,
+                            last_stage_layers=last)
     shards = hf_to_megatron(state, layout)
     assert len(shards) == pp and all(len(row) == tp * ep for row in shards)
-    for layer in range(layout.layers_per_stage):  # stage 0's layers
+    counts = layout.stage_layer_counts
+    assert sum(counts) == arch.num_layers and (first is None or counts[0] == first)
+    for stage, count in enumerate(counts):
+        assert {int(k.split(".")[2]) for k in shards[stage][0] if k.startswith("decoder.layers.")} == set(range(count))
+    for layer in layout.stage_layers(0):
         experts = [k for k in shards[0][0] if ".local_experts." in k and f"layers.{layer}." in k and "fc1" in k]
         assert len(experts) == (arch.num_experts // ep if arch.layer_is_moe(layer) else 0)
         assert (f"decoder.layers.{layer}.mlp.linear_fc1.weight" in shards[0][0]) == (not arch.layer_is_moe(layer))
@@ -167,6 +174,27 @@ def test_in_memory_round_trip_any_layout(built, name, tp, pp, ep):
     published = canonical_hf_state(state, arch)
     assert back.keys() == published.keys()
     assert all(torch.equal(back[k], published[k]) for k in back)
+
+
+@pytest.mark.parametrize("tp,pp,ep,first,last", [(2, 3, 1, 1, 1), (1, 2, 2, 3, None), (1, 2, 2, None, 3)])
+def test_uneven_pipeline_round_trip(built, tp, pp, ep, first, last):
+    """Qwen2-MoE's 4 layers (layer 0 dense) over Megatron's uneven splits: 1 + 2 + 1, 3 + 1, 1 + 3; each stage
+    numbers its layers from 0 and holds the right ones (dense names on the dense layer), and the round trip is exact."""
+    _, arch, state, _ = built[moe_helpers.DENSE_LAYERS.name]
+    layout = MegatronLayout(arch, tp=tp, pp=pp, ep=ep, vocab_divisible_by=1, first_stage_layers=first,
+                            last_stage_layers=last)
+    counts = {(2, 3, 1, 1, 1): (1, 2, 1), (1, 2, 2, 3, None): (3, 1), (1, 2, 2, None, 3): (1, 3)}
+    assert layout.stage_layer_counts == counts[tp, pp, ep, first, last]
+    shards = hf_to_megatron(state, layout)
+    for stage in range(pp):
+        for local, layer in enumerate(layout.stage_layers(stage)):
+            assert layout.stage_of(layer) == (stage, local)
+            dense = f"decoder.layers.{local}.mlp.linear_fc1.weight" in shards[stage][0]
+            assert dense == (not arch.layer_is_moe(layer))
+        assert not any(k.startswith(f"decoder.layers.{len(layout.stage_layers(stage))}.") for k in shards[stage][0])
+    back = megatron_to_hf(shards, layout)
+    published = canonical_hf_state(state, arch)
+    assert back.keys() == published.keys() and all(torch.equal(back[k], published[k]) for k in back)
 
 
 def test_expert_placement_on_ep_ranks(built):
@@ -215,6 +243,22 @@ def test_convert_round_trip_at_ep2_is_bit_exact_and_reloads_in_transformers(tmp_
     assert type(reloaded) is type(model)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens[:, :-1]).logits, model(tokens[:, :-1]).logits)
+
+
+def test_convert_to_an_uneven_pipeline_split_records_it(tmp_path, built):
+    """`convert --to megatron` with Megatron's uneven split: the checkpoint records it (so a run or a reshard reads
+    its stages right) and converts back bit-exactly."""
+    model, arch, state, _ = built[moe_helpers.DENSE_LAYERS.name]
+    source, megatron_dir, back_dir = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
+    model.save_pretrained(source)
+    convert(str(source), str(megatron_dir), to="megatron", pp=2, last_stage_layers=3)
+    saved = read_megatron_layout(str(megatron_dir))
+    assert (saved.first_stage_layers, saved.last_stage_layers, saved.stage_layer_counts) == (None, 3, (1, 3))
+    convert(str(megatron_dir), str(back_dir), to="hf")
+    back, published = load_pretrained(str(back_dir)).state, canonical_hf_state(state, arch)
+    assert back.keys() == published.keys() and all(torch.equal(back[k], published[k]) for k in published)
+    with pytest.raises(ConfigError, match="leave 0 of the model's 4 layers"):
+        convert(str(source), str(tmp_path / "bad"), to="megatron", pp=2, first_stage_layers=4)
 
 
 def test_glm_multi_token_prediction_layers_are_ignored_as_transformers_does(built):

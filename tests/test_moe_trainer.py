@@ -16,11 +16,15 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
-def _trainer(arch, state, *, tp=1, ep=1, pp=1, replay=False, micro_batch_size=2, lr=0.0, pg_collection=None, **extra):
+def _trainer(arch, state, *, tp=1, ep=1, pp=1, replay=False, micro_batch_size=2, lr=0.0, pg_collection=None,
+             stages=None, **extra):
     from megatron_rl.trainer.config import ParallelConfig, TrainerConfig
     from megatron_rl.trainer.trainer import MegatronTrainer
 
-    config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp), lr=lr,
+    first, last = stages or (None, None)
+    parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, first_stage_layers=first,
+                              last_stage_layers=last)
+    config = TrainerConfig(parallel=parallel, lr=lr,
                            micro_batch_size=micro_batch_size, vocab_divisible_by=1, moe_routing_replay=replay, **extra)
     return MegatronTrainer(arch, config, hf_state=state, pg_collection=pg_collection)
 
@@ -49,11 +53,14 @@ def _batch(tokens):
 
 
 def _parallel_worker(rank, world_size, jobs):
-    """Each job: (arch, state, tokens, tp, ep, pp, steps) -> (logits of this DP rank's rows, losses, moe metrics)."""
+    """Each job: (arch, state, tokens, tp, ep, pp, stages, steps) -> (logits of this DP rank's rows, losses, moe
+    metrics); `stages`: (first_stage_layers, last_stage_layers) or None."""
     torch.set_num_threads(1)
     out = []
-    for arch, state, tokens, tp, ep, pp, steps in jobs:
-        trainer = _trainer(arch, state, tp=tp, ep=ep, pp=pp, micro_batch_size=1, lr=1e-2)
+    for arch, state, tokens, tp, ep, pp, stages, steps in jobs:
+        trainer = _trainer(arch, state, tp=tp, ep=ep, pp=pp, micro_batch_size=1, lr=1e-2, stages=stages)
+        if stages:
+            assert trainer.layout.stage_layer_counts[0] == stages[0]
         rows = tokens.shape[0] // trainer.dp_size
         local = tokens[trainer.pg.dp.rank() * rows:(trainer.pg.dp.rank() + 1) * rows]
         logits = trainer.compute_logits(TrainBatch(tokens=local, loss_mask=torch.zeros(local.shape)))
@@ -70,8 +77,8 @@ def _single_rank_losses(arch, state, tokens, steps):
     return [trainer.train_step(_batch(tokens), _lm_loss(normalizer))["train/loss"] for _ in range(steps)]
 
 
-def _check_parallel(built, names, tp, ep, world, steps, pp=1):
-    jobs = [(built[n][1], built[n][2], built[n][3], tp, ep, pp, steps) for n in names]
+def _check_parallel(built, names, tp, ep, world, steps, pp=1, stages=None):
+    jobs = [(built[n][1], built[n][2], built[n][3], tp, ep, pp, stages, steps) for n in names]
     results = run_distributed(_parallel_worker, world, jobs)[0]
     for name, (dp_rank, logits, losses, metrics) in zip(names, results):
         model, arch, state, tokens = built[name]
@@ -106,6 +113,12 @@ def test_ep2_qwen3_moe(built):
 @pytest.mark.slow
 def test_pp2_moe(built):
     _check_parallel(built, ["qwen3_moe", moe_helpers.DENSE_LAYERS.name], tp=1, ep=1, pp=2, world=2, steps=3)
+
+
+def test_uneven_pp2_moe(built):
+    """Megatron's uneven pipeline split (first_stage_layers 3 of the 4 layers, the dense one among them; what
+    DeepSeek-V3's 61 layers over PP 16 need): logits equal transformers, training equals one process."""
+    _check_parallel(built, [moe_helpers.DENSE_LAYERS.name], tp=1, ep=1, pp=2, world=2, steps=3, stages=(3, None))
 
 
 def _forced_record(model, tokens, arch):

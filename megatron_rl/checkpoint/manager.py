@@ -481,8 +481,8 @@ def _check_same_base(path: str, trainer) -> None:
 
 
 def _same_layout(saved: MegatronLayout, layout: MegatronLayout) -> bool:
-    return (saved.tp, saved.pp, saved.layer_spec, saved.padded_vocab_size) == (
-        layout.tp, layout.pp, layout.layer_spec, layout.padded_vocab_size)
+    return (saved.tp, saved.stage_layer_counts, saved.layer_spec, saved.padded_vocab_size) == (
+        layout.tp, layout.stage_layer_counts, layout.layer_spec, layout.padded_vocab_size)
 
 
 def _check_same_arch(path: str, saved: ModelArch, current: ModelArch) -> None:

@@ -299,9 +299,11 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 
 def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
             layer_spec: str = "local", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, ep: int = 1,
-            merge_lora: bool = False, base: str | None = None) -> str:
+            merge_lora: bool = False, base: str | None = None, first_stage_layers: int | None = None,
+            last_stage_layers: int | None = None) -> str:
     """`megatron-rl convert`: any supported source -> an HF directory or a Megatron checkpoint at TP x PP
-    (x EP: a mixture-of-experts model's experts split over `ep` expert-parallel ranks); a LoRA run's adapters
+    (x EP: a mixture-of-experts model's experts split over `ep` expert-parallel ranks; `first_stage_layers` /
+    `last_stage_layers`: Megatron's uneven pipeline split); a LoRA run's adapters
     -> PEFT's adapter format (`to="peft"`) or, with `merge_lora`, merged into their base (`base`, else the
     model path the run recorded)."""
     parse_shard_size(max_shard_size)  # a bad size fails before the model is read
@@ -319,7 +321,8 @@ def convert(source: str, output: str, *, to: str, tp: int = 1, pp: int = 1, dtyp
     if to == "hf":
         save_hf(output, arch, state, tokenizer, max_shard_size=max_shard_size)
     elif to == "megatron":
-        layout = MegatronLayout(arch, tp=tp, pp=pp, layer_spec=layer_spec, ep=ep)
+        layout = MegatronLayout(arch, tp=tp, pp=pp, layer_spec=layer_spec, ep=ep, first_stage_layers=first_stage_layers,
+                                last_stage_layers=last_stage_layers)
         save_megatron(output, layout, hf_to_megatron(state, layout), tokenizer)
     else:
         raise ConfigError(f"--to {to!r} is not one of hf, megatron, peft")

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the base model of LoRA adapters (default: the model path their run recorded)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron output")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron output")
+    parser.add_argument("--first-stage-layers", type=int, default=None, metavar="N",
+                        help="layers of the first pipeline stage (Megatron's uneven split; default: an even share)")
+    parser.add_argument("--last-stage-layers", type=int, default=None, metavar="N",
+                        help="layers of the last pipeline stage (Megatron's uneven split; default: an even share)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size of the Megatron output (mixture-of-experts models; docs/moe.md)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -68,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.to == "peft" and (args.merge_lora or args.upcycle_experts):
         raise ConfigError("--to peft writes LoRA adapters as they are: drop --merge-lora and --upcycle-experts")
+    if (args.first_stage_layers is not None or args.last_stage_layers is not None) and args.to != "megatron":
+        raise ConfigError("--first-stage-layers / --last-stage-layers split a Megatron output's pipeline stages: "
+                          "use them with --to megatron")
+    if args.upcycle_experts and (args.first_stage_layers is not None or args.last_stage_layers is not None):
+        raise ConfigError("--upcycle-experts writes an even pipeline split: drop --first-stage-layers / "
+                          "--last-stage-layers, or convert the upcycled model again")
     if args.merge_lora and args.upcycle_experts:
         raise ConfigError("--merge-lora and --upcycle-experts are separate conversions: merge first, then upcycle")
     if args.upcycle_experts:
@@ -80,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         convert(args.source, args.output, to=args.to, tp=args.tp, pp=args.pp, dtype=args.dtype,
                 layer_spec=args.layer_spec, max_shard_size=args.max_shard_size, ep=args.ep,
-                merge_lora=args.merge_lora, base=args.base)
+                merge_lora=args.merge_lora, base=args.base, first_stage_layers=args.first_stage_layers,
+                last_stage_layers=args.last_stage_layers)
         what = args.to
     print(f"wrote {args.output} ({what}, tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f}s")
     return 0

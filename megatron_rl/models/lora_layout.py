@@ -55,7 +55,7 @@ def megatron_to_peft(shards: list[list[dict[str, torch.Tensor]]], layout: Megatr
     arch, tp = layout.arch, layout.tp
     state: dict[str, torch.Tensor] = {}
     for layer in range(arch.num_layers):
-        stage, local = divmod(layer, layout.layers_per_stage)
+        stage, local = layout.stage_of(layer)
         for target in targets:
             name = f"decoder.layers.{local}.{_MEGATRON_MODULE[target]}.adapter."
             a = [shards[stage][t][name + "lora_A"] for t in range(tp)]
@@ -81,7 +81,7 @@ def peft_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout,
     shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(layout.pp)]
     known = set()
     for layer in range(arch.num_layers):
-        stage, local = divmod(layer, layout.layers_per_stage)
+        stage, local = layout.stage_of(layer)
         for target in targets:
             pairs = []
             for projection in HF_PROJECTIONS[target]:

@@ -12,7 +12,9 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
 - The embedding and output layer are split along a vocabulary padded to a multiple of
   `vocab_divisible_by * TP` (padding rows are zero; exports drop them).
 - Layers are numbered from 0 on every pipeline stage; stage s holds global layers
-  [s * L/PP, (s + 1) * L/PP). With tied embeddings and PP > 1 the last stage keeps its own copy of
+  [s * L/PP, (s + 1) * L/PP), or, with Megatron's uneven split (`first_stage_layers` / `last_stage_layers`,
+  its num_layers_in_first/last_pipeline_stage), the first and last stages hold those counts and the stages
+  between share the rest evenly (`pipeline_stage_layers`). With tied embeddings and PP > 1 the last stage keeps its own copy of
   the embedding as `output_layer.weight` (Megatron all-reduces the two copies' gradients).
 - With the TE spec the two RMSNorm weights are fused into the following linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
@@ -63,9 +65,14 @@ class MegatronLayout:
     vocab_divisible_by: int = 128
     ep: int = 1
     """Expert-parallel size (MoE only): EP ranks each hold num_experts / EP experts of every layer."""
+    first_stage_layers: int | None = None
+    """Layers of the first pipeline stage (None: an even share)."""
+    last_stage_layers: int | None = None
+    """Layers of the last pipeline stage (None: an even share)."""
 
     def __post_init__(self) -> None:
-        check_parallel_layout(self.arch, self.tp, self.pp, self.ep)
+        check_parallel_layout(self.arch, self.tp, self.pp, self.ep, first_stage_layers=self.first_stage_layers,
+                              last_stage_layers=self.last_stage_layers)
         if self.arch.is_mla and self.layer_spec == "te":
             raise ConfigError("multi-latent attention is mapped onto Megatron's local layer spec only (Transformer "
                               "Engine's fuses its latent norms into the up projections): trainer.layer_spec local",
@@ -89,8 +96,28 @@ class MegatronLayout:
         return -(-self.arch.vocab_size // multiple) * multiple
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.arch.num_layers // self.pp
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        return pipeline_stage_layers(self.arch.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
+
+    def stage_layers(self, pp_rank: int) -> range:
+        """The global layers pipeline stage `pp_rank` holds."""
+        counts = self.stage_layer_counts
+        first = sum(counts[:pp_rank])
+        return range(first, first + counts[pp_rank])
+
+    def stage_of(self, layer: int) -> tuple[int, int]:
+        """(pipeline stage, local index there) of global layer `layer`."""
+        for stage, count in enumerate(self.stage_layer_counts):
+            if layer < count:
+                return stage, layer
+            layer -= count
+        raise IndexError(f"layer {layer} is beyond the model's {self.arch.num_layers} layers")
+
+    def megatron_pipeline_kwargs(self) -> dict:
+        """TransformerConfig's fields for this split (none for an even one)."""
+        return {name: value for name, value in (("num_layers_in_first_pipeline_stage", self.first_stage_layers),
+                                                ("num_layers_in_last_pipeline_stage", self.last_stage_layers))
+                if value is not None}
 
     def has_output_layer(self, pp_rank: int) -> bool:
         last = pp_rank == self.pp - 1
@@ -105,7 +132,39 @@ class MegatronLayout:
         return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> None:
+def pipeline_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None
+                          ) -> tuple[int, ...]:
+    """Layers per pipeline stage as Megatron splits them: `first` / `last` on the first / last stage where
+    set, the rest evenly over the other stages (which must divide it). Raises a ConfigError naming the field."""
+    fields = {"first_stage_layers": first, "last_stage_layers": last}
+    for name, value in fields.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"trainer.parallel.{name}={value} must be >= 1 (unset: an even share)",
+                              field=f"trainer.parallel.{name}")
+    uneven = [name for name, value in fields.items() if value is not None]
+    if uneven and pp == 1:
+        raise ConfigError(f"trainer.parallel.{uneven[0]} needs pipeline_parallel > 1", field=f"trainer.parallel.{uneven[0]}")
+    if first is not None and last is not None and pp == 2 and first + last != num_layers:
+        raise ConfigError(f"first_stage_layers {first} + last_stage_layers {last} != the model's {num_layers} layers "
+                          "(pipeline_parallel 2 has no other stage)", field="trainer.parallel.last_stage_layers")
+    middle_stages = pp - len(uneven)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_stages == 0:
+        return (first, last)
+    if middle_layers < middle_stages or middle_layers % middle_stages:
+        what = (f"first_stage_layers / last_stage_layers leave {max(middle_layers, 0)} of the model's {num_layers} "
+                f"layers for the other {middle_stages} stages, which need an even share of at least one each"
+                if uneven else
+                f"pipeline_parallel={pp} does not divide the model's {num_layers} layers")
+        hint = "" if uneven else " (or set first_stage_layers / last_stage_layers, Megatron's uneven split)"
+        raise ConfigError(what + hint, field=f"trainer.parallel.{uneven[-1] if uneven else 'pipeline_parallel'}")
+    per = middle_layers // middle_stages
+    return tuple(first if stage == 0 and first is not None else last if stage == pp - 1 and last is not None
+                 else per for stage in range(pp))
+
+
+def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1, *, first_stage_layers: int | None = None,
+                          last_stage_layers: int | None = None) -> None:
     """Raise a ConfigError naming the field when the model cannot be split this way."""
     if tp < 1 or pp < 1 or ep < 1:
         raise ConfigError(f"parallel sizes must be >= 1 (tensor_parallel={tp}, pipeline_parallel={pp}, "
@@ -130,8 +189,7 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> Non
             f"{arch.num_query_groups}")
     if arch.has_dense_mlp and arch.ffn_hidden_size % tp:
         raise ConfigError(f"tensor_parallel={tp} does not divide ffn_hidden_size={arch.ffn_hidden_size}")
-    if arch.num_layers % pp:
-        raise ConfigError(f"pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
+    pipeline_stage_layers(arch.num_layers, pp, first_stage_layers, last_stage_layers)
 
 
 def _split_rows(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -259,7 +317,7 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
     for _, _, shard in each(pp - 1):
         shard["decoder.final_layernorm.weight"] = _require(state, "model.norm.weight").clone()
     for layer in range(arch.num_layers):
-        stage, local = divmod(layer, layout.layers_per_stage)
+        stage, local = layout.stage_of(layer)
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
         moe = arch.layer_is_moe(layer)
@@ -458,7 +516,7 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         state["lm_head.weight"] = torch.cat(gather(pp - 1, "output_layer.weight"))[:vocab].contiguous()
     state["model.norm.weight"] = _require(shards[pp - 1][0], "decoder.final_layernorm.weight").clone()
     for layer in range(arch.num_layers):
-        stage, local = divmod(layer, layout.layers_per_stage)
+        stage, local = layout.stage_of(layer)
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
         norm_attn, norm_mlp = layout.norm_names(layer)

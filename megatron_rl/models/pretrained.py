@@ -164,6 +164,9 @@ def write_megatron_meta(path: str, layout: MegatronLayout, tokenizer: ChatTokeni
             "layer_spec": layout.layer_spec, "vocab_divisible_by": layout.vocab_divisible_by}
     if layout.ep > 1:
         meta["ep"] = layout.ep
+    for name in ("first_stage_layers", "last_stage_layers"):
+        if getattr(layout, name) is not None:
+            meta[name] = getattr(layout, name)
     with open(os.path.join(path, MEGATRON_META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
     if tokenizer is not None:
@@ -223,11 +226,17 @@ def read_megatron_layout(path: str) -> MegatronLayout:
             meta = json.load(f)
         return MegatronLayout(ModelArch.from_dict(meta["arch"], where=meta_file), tp=int(meta["tp"]), pp=int(meta["pp"]),
                               layer_spec=meta.get("layer_spec", "local"),
-                              vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)), ep=int(meta.get("ep", 1)))
+                              vocab_divisible_by=int(meta.get("vocab_divisible_by", 128)), ep=int(meta.get("ep", 1)),
+                              first_stage_layers=_optional_int(meta.get("first_stage_layers")),
+                              last_stage_layers=_optional_int(meta.get("last_stage_layers")))
     except FileNotFoundError:
         raise ConfigError(f"{path}: not a Megatron checkpoint (no {MEGATRON_META})") from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ConfigError(f"{meta_file}: corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from None
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
 
 
 def load_megatron_shard(path: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> dict[str, torch.Tensor]:

@@ -15,7 +15,15 @@ class ParallelConfig:
     tensor_parallel: int = 1
     """Tensor-parallel size (Megatron TP); must divide the model's key/value heads."""
     pipeline_parallel: int = 1
-    """Pipeline-parallel size (Megatron PP); must divide the number of layers."""
+    """Pipeline-parallel size (Megatron PP); must divide the number of layers, or the layers left after
+    first_stage_layers / last_stage_layers must split evenly over the other stages."""
+    first_stage_layers: int | None = None
+    """Layers of the first pipeline stage, which also holds the embedding (Megatron's
+    num_layers_in_first_pipeline_stage; None: an even share). E.g. DeepSeek-V3's 61 layers over PP 16: 3, with
+    last_stage_layers 2 and 4 on each other stage."""
+    last_stage_layers: int | None = None
+    """Layers of the last pipeline stage, which also holds the output layer and the loss (Megatron's
+    num_layers_in_last_pipeline_stage; None: an even share)."""
     expert_parallel: int = 1
     """Expert-parallel size (Megatron EP, mixture-of-experts models only): each EP rank holds num_experts / EP
     experts of every layer; must divide num_experts and the data-parallel size (EP groups are carved out of

@@ -138,7 +138,9 @@ class MegatronTrainer:
         # LoRA's low-rank path runs beside Megatron's local linears (its Transformer Engine path is not built).
         self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
                                      layer_spec="local" if self.lora else resolve_layer_spec(cfg.layer_spec),
-                                     vocab_divisible_by=cfg.vocab_divisible_by, ep=self.ep_size)
+                                     vocab_divisible_by=cfg.vocab_divisible_by, ep=self.ep_size,
+                                     first_stage_layers=parallel.first_stage_layers,
+                                     last_stage_layers=parallel.last_stage_layers)
         self.params_dtype = params_dtype(cfg)
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=not torch.cuda.is_available())
@@ -151,7 +153,8 @@ class MegatronTrainer:
                                             fp8_amax_history_len=cfg.fp8_amax_history_len,
                                             expert_parallel=self.ep_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
                                             moe_token_dispatcher=cfg.moe_token_dispatcher,
-                                            moe_expert_bias_update_rate=cfg.moe_expert_bias_update_rate)
+                                            moe_expert_bias_update_rate=cfg.moe_expert_bias_update_rate,
+                                            pipeline_kwargs=self.layout.megatron_pipeline_kwargs())
         self.sequence_parallel = bool(self.tf_config.sequence_parallel)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
@@ -179,7 +182,7 @@ class MegatronTrainer:
                                   "linear_fc1, linear_fc2", field="trainer.lora.targets")
             first_expert = self.ep_rank * self.layout.local_experts if self.arch.is_moe else 0
             adapted = lora.add_adapters(model, self.lora, seed=cfg.seed, first_expert=first_expert,
-                                        first_layer=self.pp_rank * self.layout.layers_per_stage)
+                                        first_layer=self.layout.stage_layers(self.pp_rank).start)
             if not adapted:
                 raise ConfigError(f"trainer.lora.targets {self.lora.targets} match no linear of this model")
             if self.lora.init_from:

@@ -208,7 +208,7 @@ class _PlanBuilder:
             self.add(r, "model.norm.weight", (h,), 0, 0, h, m.pp - 1, "decoder.final_layernorm.weight", replicated, 1)
             k0, k1 = e.kv_heads(r)
             for layer in range(a.num_layers):
-                pp, local = divmod(layer, m.layers_per_stage)
+                pp, local = m.stage_of(layer)
                 hf, meg = f"model.layers.{layer}.", f"decoder.layers.{local}."
                 norm_attn, norm_mlp = m.norm_names(layer)
                 if a.is_mla:
