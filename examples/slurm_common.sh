@@ -86,8 +86,8 @@ fi
 
 # --- layout from the recipe (the planner's numbers, as shell variables) ------------------------
 eval "$("$PYTHON" -m megatron_rl.cli.launch_env "$RECIPE" ${OVERRIDES[@]+"${OVERRIDES[@]}"})"
-# -> GPUS_PER_NODE TRAINER_NODES GENERATOR_NODES ENGINES_PER_NODE ENGINE_TP ENGINE_PRECISION PLACEMENT
-#    ENGINE_BACKEND (sglang or vllm) ENGINE_SERVER_ARGS
+# -> GPUS_PER_NODE TRAINER_NODES GENERATOR_NODES ENGINES_PER_NODE NODES_PER_ENGINE ENGINE_TP ENGINE_PRECISION
+#    PLACEMENT ENGINE_BACKEND (sglang or vllm) ENGINE_SERVER_ARGS
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${NODES[0]}
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -129,6 +129,7 @@ fi
 # vLLM lives in its own environment (VLLM_PYTHON, default: the project's Python); it quantizes to fp8 itself.
 VLLM_PYTHON=${VLLM_PYTHON:-$PYTHON}
 declare -A STEP_NAME=()   # pid of each srun step -> what it runs, for the liveness monitor
+declare -A STEP_ENGINE=() # pid of an engine's srun step -> its engine's URL (an engine may span several steps)
 ENGINE_URLS=()
 if [ "$PLACEMENT" = disaggregated ]; then
   MODEL_PATH=${MODEL_DIR:-$("$PYTHON" -c "from megatron_rl.config import load_yaml; from megatron_rl.run_config import RunConfig; import sys; print(load_yaml(RunConfig, sys.argv[1]).model.path)" "$RECIPE")}
@@ -143,7 +144,23 @@ if [ "$PLACEMENT" = disaggregated ]; then
       "$PYTHON" -m megatron_rl.weight_sync.fp8 "$MODEL_PATH" "$ENGINE_MODEL"
     fi
   fi
-  for ((n = TRAINER_NODES; n < TRAINER_NODES + GENERATOR_NODES; n++)); do
+  # An engine wider than a node (engine_tp > GPUS_PER_NODE, e.g. DeepSeek-V3 at TP 32) is one SGLang server over
+  # NODES_PER_ENGINE whole nodes: a process per node, joined at its first node, which alone serves HTTP.
+  for ((n = TRAINER_NODES; NODES_PER_ENGINE > 1 && n < TRAINER_NODES + GENERATOR_NODES; n += NODES_PER_ENGINE)); do
+    head=${NODES[$n]}
+    ENGINE_URLS+=("http://$head:30000")
+    for ((r = 0; r < NODES_PER_ENGINE; r++)); do
+      node=${NODES[$((n + r))]}
+      log="$RUN_DIR/logs/engine-$head-node$r.log"
+      srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --gpus="$GPUS_PER_NODE" \
+        --cpus-per-task=$((GPUS_PER_NODE * CPUS_PER_GPU)) --output="$log" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} \
+        "$PYTHON" -m sglang.launch_server --model-path "$ENGINE_MODEL" "${SERVER_ARGS[@]}" \
+        --nnodes "$NODES_PER_ENGINE" --node-rank "$r" --dist-init-addr "$head:31000" --host 0.0.0.0 --port 30000 &
+      STEP_NAME[$!]="SGLang engine on $head (node $r of $NODES_PER_ENGINE: $node; log: $log)"
+      STEP_ENGINE[$!]="http://$head:30000"
+    done
+  done
+  for ((n = TRAINER_NODES; NODES_PER_ENGINE == 1 && n < TRAINER_NODES + GENERATOR_NODES; n++)); do
     node=${NODES[$n]}
     for ((e = 0; e < ENGINES_PER_NODE; e++)); do
       port=$((30000 + e))
@@ -160,6 +177,7 @@ if [ "$PLACEMENT" = disaggregated ]; then
         --cpus-per-task=$((ENGINE_TP * CPUS_PER_GPU)) --output="$log" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} \
         "${server[@]}" "${SERVER_ARGS[@]}" --host 0.0.0.0 --port "$port" &
       STEP_NAME[$!]="$([ "$ENGINE_BACKEND" = vllm ] && echo vLLM || echo SGLang) engine $e on $node (log: $log)"
+      STEP_ENGINE[$!]="http://$node:$port"
     done
   done
   URLS=$(IFS=,; echo "${ENGINE_URLS[*]}")
@@ -197,6 +215,7 @@ trap 'stop_steps; exit 143' TERM INT
 # Liveness: the trainer ending ends the job with its status; the last engine ending fails it at once
 # (not after the trainer's dead_engine_timeout_s).
 ENGINES_LEFT=${#ENGINE_URLS[@]}
+declare -A ENGINE_DEAD=()
 status=0
 while :; do
   finished=""
@@ -212,6 +231,12 @@ while :; do
   # (rollout/pool.py); the job stops when no engine is left.
   echo "$(date -u +%FT%TZ) ${STEP_NAME[$finished]} exited with status $step_status" >&2
   unset "STEP_NAME[$finished]"
+  engine=${STEP_ENGINE[$finished]}
+  [ -n "${ENGINE_DEAD[$engine]:-}" ] && continue  # another node of an engine already counted dead
+  ENGINE_DEAD[$engine]=1
+  for pid in "${!STEP_ENGINE[@]}"; do  # the engine's other nodes cannot serve without this one
+    [ "${STEP_ENGINE[$pid]}" = "$engine" ] && [ -n "${STEP_NAME[$pid]:-}" ] && { kill -TERM "$pid" 2>/dev/null || true; }
+  done
   ENGINES_LEFT=$((ENGINES_LEFT - 1))
   if [ "$ENGINES_LEFT" -le 0 ]; then
     echo "$(date -u +%FT%TZ) no engine left: stopping the job" >&2

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import load_yaml
+from megatron_rl.config import ConfigError, load_yaml
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.run_config import RunConfig
 from megatron_rl.sim import cost
@@ -313,3 +313,60 @@ def test_deepseek_v3_671b_counts_and_latent_cache():
     assert arch.is_mla and arch.moe_layer_indices == tuple(range(3, 61))
     assert round(arch.num_parameters() / 1e9, 1) == 671.0 and round(cost.active_parameters(arch) / 1e9, 1) == 37.6
     assert cost.kv_bytes_per_sequence(arch, 1536, 2) == 1536 * 61 * 576 * 2
+
+
+DEEPSEEK = os.path.join(REPO, "examples", "configs", "deepseek_v3_671b.yaml")
+
+
+def test_pipeline_balance_by_hand():
+    """The busiest stage paces 1F1B: an even split of a dense model puts the output layer on the last stage on top
+    of its layers; DeepSeek-V3's 3 + 14 x 4 + 2 evens out what 61 layers over 16 stages allow."""
+    from megatron_rl.models.families import from_json
+
+    llama = from_json(os.path.join(REPO, "examples", "configs", "models", "llama3-8b.json"))
+    layer, head = cost.dense_layer_parameters(llama, 1, 0), llama.vocab_size * llama.hidden_size
+    assert cost.pipeline_balance(llama, 4) == pytest.approx((8 * layer + head) * 4 / (32 * layer + head))
+    assert cost.pipeline_balance(llama, 1) == 1.0
+    v3 = from_json(os.path.join(REPO, "examples", "configs", "models", "deepseek-v3.json"))
+    assert [len(cost.stage_layers(v3, 16, s, (3, 2))) for s in range(16)] == [3] + [4] * 14 + [2]
+    moe = cost.dense_layer_parameters(v3, 1, 3) + cost.expert_layer_parameters(v3, 1, 1, 3) * 8 / 256
+    dense = cost.dense_layer_parameters(v3, 1, 0) + 0.0
+    work = [3 * dense] + [4 * moe] * 14 + [2 * moe + v3.vocab_size * v3.hidden_size]
+    assert cost.pipeline_balance(v3, 16, (3, 2)) == pytest.approx(max(work) * 16 / sum(work))
+    with pytest.raises(ConfigError, match="pipeline_parallel=16 does not divide the model's 61 layers"):
+        cost.stage_layers(v3, 16, 0)
+
+
+def test_deepseek_v3_recipe_on_nemo_rl_layout_dry_run():
+    """The 512-GPU one-step off-policy layout NeMo-RL publishes: the trainer's uneven 16 stages, 8 engines of TP 32
+    (4 nodes each), and the predicted step with its terms."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_JOB_NUM_NODES", None)
+    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_deepseek_v3.sh"), "--dry-run"],
+                            check=False, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "TP 1 x PP 16 (layers per stage: 3, 14 x 4, 2) x DP 16" in out
+    assert "experts: EP 16 x ETP 1 x expert-DP 1 (16 of 256 experts per GPU)" in out
+    assert "generator: 8 engines x TP 32 = 256 GPUs, bf16, up to 64 sequences per engine" in out
+    plan = make_plan(load_yaml(RunConfig, DEEPSEEK))
+    assert plan.stage_layers == (3,) + (4,) * 14 + (2,)
+    t = plan.times
+    assert t["step"] == pytest.approx(max(t["generate"], t["train"]) + t["weight_sync"])  # one step off-policy
+    on_policy = make_plan(load_yaml(RunConfig, DEEPSEEK, ["rollout.max_staleness=0"])).times
+    assert on_policy["step"] == pytest.approx(t["generate"] + t["train"] + t["weight_sync"])
+
+
+@pytest.mark.parametrize("overrides, field, text", [
+    (["trainer.parallel.first_stage_layers=4"], "trainer.parallel.last_stage_layers",
+     "leave 55 of the model's 61 layers for the other 14 stages"),
+    (["trainer.parallel.first_stage_layers=null", "trainer.parallel.last_stage_layers=null"],
+     "trainer.parallel.pipeline_parallel", "PP=16 does not divide the model's 61 layers"),
+    (["cluster.generator.precision=fp8"], "cluster.generator.engine_tp",
+     "leaves 64 of each expert's 2048 columns per GPU, not whole 128-wide fp8 blocks"),
+    (["cluster.generator.backend=vllm"], "cluster.generator.engine_tp", "not vLLM"),
+])
+def test_deepseek_v3_layout_rules_name_the_field(overrides, field, text):
+    with pytest.raises(LayoutError) as info:
+        make_plan(load_yaml(RunConfig, DEEPSEEK, overrides))
+    assert info.value.field == field and text in str(info.value)

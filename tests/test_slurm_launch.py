@@ -1,12 +1,14 @@
 """The real Slurm launch scripts (examples/run_70b.sh -> examples/slurm_common.sh) against stand-ins for
 srun, sbatch and scontrol (tests/fake_slurm/): which steps start with which flags, resume, requeue near
 the time limit, a dead engine failing the job, singleton chains. The planner and launch_env are real."""
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +179,42 @@ def test_bad_launcher_arguments_are_one_line(tmp_path, args):
     result = subprocess.run(["bash", SCRIPT, *args], env=_env(tmp_path), cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _launch_deepseek(tmp_path, **env):
+    """examples/run_deepseek_v3.sh (64 nodes: 32 trainer nodes, 8 SGLang engines of TP 32 over 4 nodes each)."""
+    return subprocess.Popen(["bash", os.path.join(REPO, "examples", "run_deepseek_v3.sh")],
+                            env=_env(tmp_path, SLURM_JOB_NUM_NODES="64", SLURM_JOB_NODELIST="node[0-63]", **env),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_an_engine_wider_than_a_node_is_one_sglang_server_over_whole_nodes(tmp_path):
+    code, _, err = _finish(_launch_deepseek(tmp_path, FAKE_ENGINES="32"))
+    assert code == 0, err
+    steps = _lines(tmp_path, "srun.log")
+    servers = [s for s in steps if "sglang.launch_server" in s]
+    assert len(servers) == 8 * 4  # a process per node of each engine
+    placed = {re.search(r"--nodelist=(node\d+) .*--node-rank (\d) --dist-init-addr (node\d+):31000", s).groups()
+              for s in servers}
+    heads = [32 + 4 * e for e in range(8)]
+    assert placed == {(f"node{h + r}", str(r), f"node{h}") for h in heads for r in range(4)}
+    assert all("--gpus=8 " in s and "--tp-size 32 " in s and "--nnodes 4 " in s for s in servers)
+    contract = json.loads((Path(REPO) / "tests" / "fixtures" / "sglang_0.5.23_contract.json").read_text())
+    assert {"--nnodes", "--node-rank", "--dist-init-addr", "--tp-size"} <= set(contract["server_flags"])
+    trainer = next(s for s in steps if "torch.distributed.run" in s)
+    assert "--nnodes=32 " in trainer  # the trainer's half of the 64 nodes
+    urls = re.search(r"cluster\.generator\.urls=\[([^\]]*)\]", trainer).group(1).split(",")
+    assert urls == [f"http://node{h}:30000" for h in heads]  # only each engine's first node serves
+
+
+def test_a_dead_node_of_a_multi_node_engine_takes_out_that_engine_only(tmp_path):
+    code, _, err = _finish(_launch_deepseek(tmp_path, FAKE_ENGINES="32", FAKE_ENGINE="die_one",
+                                            FAKE_TRAINER="brief", FAKE_TRAINER_SECONDS="8"), timeout=120)
+    assert code == 0, err  # seven engines left: the trainer's pool goes on with them
+    died = re.findall(r"SGLang engine on (node\d+) \(node (\d) of 4: (node\d+); log: .*\) exited with status (\d+)",
+                      err)
+    assert died and died[0][3] == "3"
+    engine = died[0][0]
+    # the engine's other nodes were stopped with it; no other engine's node ended before the trainer did
+    assert {d[0] for d in died} == {engine} and "no engine left" not in err

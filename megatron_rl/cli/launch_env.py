@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         "GPUS_PER_NODE": per_node,
         "TRAINER_NODES": plan.trainer_gpus // per_node,
         "GENERATOR_NODES": plan.generator_gpus // per_node,
-        "ENGINES_PER_NODE": per_node // plan.engine_tp if plan.placement == "disaggregated" else 0,
+        "ENGINES_PER_NODE": max(1, per_node // plan.engine_tp) if plan.placement == "disaggregated" else 0,
+        "NODES_PER_ENGINE": max(1, plan.engine_tp // per_node),  # > 1: one SGLang server over several nodes
         "ENGINE_TP": plan.engine_tp,
         "ENGINE_PRECISION": plan.engine_precision,
         "PLACEMENT": plan.placement,

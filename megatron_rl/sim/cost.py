@@ -36,6 +36,7 @@ from megatron_rl.kernels.logprob import (
     GPU_CHUNK_BYTES,
 )
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import pipeline_stage_layers
 from megatron_rl.sim.config import CostAssumptions, HardwareSpec
 
 GiB = float(2**30)
@@ -47,10 +48,15 @@ def padded_vocab(arch: ModelArch, tp: int, divisible_by: int = 128) -> int:
     return -(-arch.vocab_size // multiple) * multiple
 
 
-def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
-    """The global layers pipeline stage `stage` holds (an even split)."""
-    per = arch.num_layers // pp
-    return range(stage * per, (stage + 1) * per)
+StageSplit = tuple[int | None, int | None]
+"""(first_stage_layers, last_stage_layers) of Megatron's uneven pipeline split; (None, None): an even one."""
+
+
+def stage_layers(arch: ModelArch, pp: int, stage: int, split: StageSplit = (None, None)) -> range:
+    """The global layers pipeline stage `stage` holds."""
+    counts = pipeline_stage_layers(arch.num_layers, pp, *split)
+    first = sum(counts[:stage])
+    return range(first, first + counts[stage])
 
 
 def dense_layer_parameters(arch: ModelArch, tp: int = 1, layer: int | None = None) -> float:
@@ -113,10 +119,11 @@ def experts_touched(arch: ModelArch, tokens: float) -> float:
 
 
 def stage_parameter_split(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128, *,
-                          ep: int = 1, etp: int | None = None) -> tuple[float, float]:
+                          ep: int = 1, etp: int | None = None, split: StageSplit = (None, None)
+                          ) -> tuple[float, float]:
     """(dense, expert) parameters held by one GPU of pipeline stage `stage` (layers, plus the embedding /
     output / final norm on the first and last stage)."""
-    layers = stage_layers(arch, pp, stage)
+    layers = stage_layers(arch, pp, stage, split)
     dense = sum(dense_layer_parameters(arch, tp, i) for i in layers)
     experts = sum(expert_layer_parameters(arch, ep, tp if etp is None else etp, i) for i in layers)
     embed = padded_vocab(arch, tp, vocab_divisible_by) * arch.hidden_size / tp
@@ -151,9 +158,27 @@ def lora_layer_parameters(arch: ModelArch, rank: int, targets: tuple[str, ...], 
 
 
 def stage_parameters(arch: ModelArch, tp: int, pp: int, stage: int, vocab_divisible_by: int = 128, *,
-                     ep: int = 1, etp: int | None = None) -> float:
+                     ep: int = 1, etp: int | None = None, split: StageSplit = (None, None)) -> float:
     """Parameters held by one GPU of pipeline stage `stage` (layers + embedding / output / final norm)."""
-    return sum(stage_parameter_split(arch, tp, pp, stage, vocab_divisible_by, ep=ep, etp=etp))
+    return sum(stage_parameter_split(arch, tp, pp, stage, vocab_divisible_by, ep=ep, etp=etp, split=split))
+
+
+def stage_active_parameters(arch: ModelArch, pp: int, stage: int, split: StageSplit = (None, None)) -> float:
+    """Parameters one token multiplies by on pipeline stage `stage`: its layers' dense parameters and top-k
+    experts, and on the last stage the output layer (the embedding is a lookup)."""
+    experts = arch.moe_top_k / arch.num_experts if arch.is_moe else 0.0
+    active = sum(dense_layer_parameters(arch, 1, i) + expert_layer_parameters(arch, 1, 1, i) * experts
+                 for i in stage_layers(arch, pp, stage, split))
+    return active + (arch.vocab_size * arch.hidden_size if stage == pp - 1 else 0.0)
+
+
+def pipeline_balance(arch: ModelArch, pp: int, split: StageSplit = (None, None)) -> float:
+    """The busiest pipeline stage's work over the mean stage's (>= 1): in 1F1B every stage waits for the
+    slowest, so a step's compute takes this much longer than a perfectly balanced split's."""
+    if pp == 1:
+        return 1.0
+    work = [stage_active_parameters(arch, pp, stage, split) for stage in range(pp)]
+    return max(work) * pp / sum(work)
 
 
 def kv_bytes_per_sequence(arch: ModelArch, context: float, dtype_bytes: int) -> float:
@@ -189,6 +214,8 @@ class TrainerLayout:
     lora_rank: int = 0
     """LoRA (trainer.lora): adapters of this rank on `lora_targets`, the base frozen (0: full training)."""
     lora_targets: tuple[str, ...] = ()
+    split: StageSplit = (None, None)
+    """Megatron's uneven pipeline split (trainer.parallel.first_stage_layers / last_stage_layers)."""
 
     @property
     def expert_tp(self) -> int:
@@ -259,15 +286,16 @@ def trainer_memory(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssu
     expert_gradients, expert_optimizer (states sharded over the expert data-parallel group) and
     routed_tokens."""
     worst: dict[str, float] = {}
-    for stage in sorted({0, layout.pp - 1}):
+    for stage in range(layout.pp):
         params, experts = stage_parameter_split(arch, layout.tp, layout.pp, stage, layout.vocab_divisible_by,
-                                                ep=layout.ep, etp=layout.expert_tp)
+                                                ep=layout.ep, etp=layout.expert_tp, split=layout.split)
         optimizer_bytes = 12 if layout.params_bytes == 2 else 8  # fp32 master (bf16 only) + Adam m, v
         trained, trained_experts = params, experts
         weights, expert_weights = params, experts
         if layout.lora_rank:  # only the adapters train; the frozen base keeps its weights alone
             adapters = [lora_layer_parameters(arch, layout.lora_rank, layout.lora_targets, layout.tp, layout.ep,
-                                              layout.expert_tp, i) for i in stage_layers(arch, layout.pp, stage)]
+                                              layout.expert_tp, i)
+                        for i in stage_layers(arch, layout.pp, stage, layout.split)]
             trained, trained_experts = (sum(a[j] for a in adapters) for j in (0, 1))
             weights, expert_weights = params + trained, experts + trained_experts
         terms = {
@@ -290,7 +318,7 @@ def _activations(arch: ModelArch, layout: TrainerLayout, assumptions: CostAssump
                  on_gpu: bool) -> dict[str, float]:
     tokens = layout.micro_batch_size * layout.seq_len
     act_bytes = layout.params_bytes
-    layers = stage_layers(arch, layout.pp, stage)
+    layers = stage_layers(arch, layout.pp, stage, layout.split)
     in_flight = min(layout.pp - stage, layout.micro_batches)  # 1F1B: stage s holds PP - s micro-batches
     imbalance = assumptions.moe_imbalance if layout.ep > 1 else 1.0  # one EP rank computes every routed copy
     per_layer = [layer_activation_elements(arch, layout.seq_len, layout.tp, assumptions.attention, i) * tokens
@@ -446,8 +474,9 @@ def generation_seconds(arch: ModelArch, *, sequences: int, engines: int, tp: int
 
 def train_seconds(arch: ModelArch, *, tokens: float, gpus: int, pp: int, micro_batches: int, recompute: bool,
                   fp8: bool, hw: HardwareSpec, assumptions: CostAssumptions, tp: int = 1, ep: int = 1,
-                  etp: int | None = None, micro_batch_tokens: float = 0.0) -> float:
-    """One optimizer step over `tokens` tokens on `gpus` GPUs.
+                  etp: int | None = None, micro_batch_tokens: float = 0.0, split: StageSplit = (None, None)) -> float:
+    """One optimizer step over `tokens` tokens on `gpus` GPUs. Under PP the busiest stage paces the rest
+    (`pipeline_balance`, the output layer counted on the last stage).
 
     MoE: flops count the active parameters, the routed experts' share scaled by `moe_imbalance` under EP
     (the busiest expert rank sets the pace), plus every MoE layer's dispatch and combine all-to-all of each
@@ -457,9 +486,9 @@ def train_seconds(arch: ModelArch, *, tokens: float, gpus: int, pp: int, micro_b
     imbalance = assumptions.moe_imbalance if ep > 1 else 1.0  # without EP each rank computes its own tokens' experts
     flops = (8 if recompute else 6) * (active_parameters(arch) - experts + experts * imbalance) * tokens
     rate = gpus * hw.bf16_tflops * 1e12 * assumptions.train_mfu * (assumptions.fp8_train_speedup if fp8 else 1.0)
-    seconds = flops / rate + train_alltoall_seconds(
+    seconds = flops / rate * pipeline_balance(arch, pp, split) + train_alltoall_seconds(
         arch, pp=pp, micro_batches=micro_batches, recompute=recompute, hw=hw, assumptions=assumptions, tp=tp, ep=ep,
-        etp=etp, micro_batch_tokens=micro_batch_tokens)
+        etp=etp, micro_batch_tokens=micro_batch_tokens, split=split)
     if assumptions.pipeline_bubble and pp > 1:
         seconds *= (micro_batches + pp - 1) / micro_batches
     return seconds
@@ -467,15 +496,17 @@ def train_seconds(arch: ModelArch, *, tokens: float, gpus: int, pp: int, micro_b
 
 def train_alltoall_seconds(arch: ModelArch, *, pp: int, micro_batches: int, recompute: bool, hw: HardwareSpec,
                            assumptions: CostAssumptions, tp: int = 1, ep: int = 1, etp: int | None = None,
-                           micro_batch_tokens: float = 0.0) -> float:
-    """A trainer GPU's expert-parallel all-to-all time in one step (before the pipeline bubble): per
-    micro-batch and local MoE layer, a dispatch and a combine in forward, backward and any recompute."""
+                           micro_batch_tokens: float = 0.0, split: StageSplit = (None, None)) -> float:
+    """A GPU of the pipeline stage with the most MoE layers: its expert-parallel all-to-all time in one step
+    (before the pipeline bubble): per micro-batch and MoE layer, a dispatch and a combine in forward, backward
+    and any recompute."""
     if not arch.is_moe or ep <= 1:
         return 0.0
     passes = 2 * (3 if recompute else 2)
     per_layer = alltoall_seconds(moe_alltoall_bytes(arch, micro_batch_tokens / tp, assumptions), ep, hw, assumptions,
                                  etp=tp if etp is None else etp)
-    return micro_batches * len(arch.moe_layer_indices) / pp * passes * per_layer
+    moe_layers = max(sum(arch.layer_is_moe(i) for i in stage_layers(arch, pp, stage, split)) for stage in range(pp))
+    return micro_batches * moe_layers * passes * per_layer
 
 
 def sync_seconds(arch: ModelArch, *, engines: int, engine_tp: int, precision: str, trainer_gpus: int,

@@ -2,7 +2,8 @@
 
 Checks, in order, each failing with a message that names the field: the world (nodes x GPUs per node)
 splits into the generator group and a trainer whose TP x PP divides it; TP divides the KV heads and
-fits in a node; PP divides the layers; the engines' TP fits the heads and a node; the global batch
+fits in a node; PP divides the layers (or Megatron's uneven split does); the engines' TP fits the heads and
+whole nodes (SGLang servers over several nodes when it exceeds one); the global batch
 splits into whole micro-batches per data-parallel rank. Then memory per GPU, term by term, for a
 trainer rank and an engine GPU; a term that overflows the usable memory is named in the error. Last,
 the predicted times of generation, training and weight sync, and the step under the configured
@@ -23,6 +24,7 @@ import os
 from megatron_rl.config import ConfigError
 from megatron_rl.models import families
 from megatron_rl.models.arch import PRESETS, ModelArch, preset
+from megatron_rl.models.megatron_layout import pipeline_stage_layers
 from megatron_rl.sim import cost
 from megatron_rl.sim.config import ClusterConfig, HardwareSpec
 
@@ -75,9 +77,17 @@ class Plan:
     """Expert tensor-parallel size."""
     expert_dp: int = 1
     """Expert data-parallel size: trainer GPUs / (ETP x EP x PP)."""
+    stage_layers: tuple[int, ...] = ()
+    """Layers per pipeline stage."""
+
+    @property
+    def uneven_stages(self) -> bool:
+        return len(set(self.stage_layers)) > 1
 
     def summary(self) -> dict:
         trainer = {"gpus": self.trainer_gpus, "tp": self.tp, "pp": self.pp, "dp": self.dp}
+        if self.uneven_stages:
+            trainer["stage_layers"] = list(self.stage_layers)
         if self.arch is not None and self.arch.is_moe:
             trainer.update(ep=self.ep, etp=self.etp, expert_dp=self.expert_dp)
         return {"world": self.world, "placement": self.placement, "trainer": trainer,
@@ -118,6 +128,7 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     gen = cluster.generator
     world = cluster.nodes * hw.gpus_per_node
     tp, pp = config.trainer.parallel.tensor_parallel, config.trainer.parallel.pipeline_parallel
+    split = (config.trainer.parallel.first_stage_layers, config.trainer.parallel.last_stage_layers)
     ep, etp = expert_layout(config, expert_parallel)
     placement = config.rollout.placement
 
@@ -130,15 +141,26 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     if tp > hw.gpus_per_node:
         _fail("trainer.parallel.tensor_parallel", f"TP={tp} spans nodes ({hw.gpus_per_node} GPUs per node); "
                                                    "keep TP inside NVLink")
-    if arch.num_layers % pp:
-        _fail("trainer.parallel.pipeline_parallel", f"PP={pp} does not divide the model's {arch.num_layers} layers")
+    try:
+        stage_layers = pipeline_stage_layers(arch.num_layers, pp, *split)
+    except ConfigError as exc:
+        if split == (None, None):
+            _fail("trainer.parallel.pipeline_parallel", f"PP={pp} does not divide the model's {arch.num_layers} layers "
+                                                        "(or set trainer.parallel.first_stage_layers / last_stage_layers)")
+        _fail(exc.field or "trainer.parallel", str(exc))
     if placement == "disaggregated":
         if arch.num_attention_heads % gen.engine_tp or (arch.num_query_groups % gen.engine_tp
                                                          and gen.engine_tp % arch.num_query_groups):
             _fail("cluster.generator.engine_tp", f"engine TP={gen.engine_tp} must divide the {arch.num_attention_heads} "
                                                  f"query heads and divide or be a multiple of the {arch.num_query_groups} KV heads")
-        if gen.engine_tp > hw.gpus_per_node:
-            _fail("cluster.generator.engine_tp", f"engine TP={gen.engine_tp} spans nodes ({hw.gpus_per_node} GPUs per node)")
+        if gen.engine_tp > hw.gpus_per_node:  # one server over whole nodes (SGLang's --nnodes)
+            if gen.engine_tp % hw.gpus_per_node:
+                _fail("cluster.generator.engine_tp", f"engine TP={gen.engine_tp} spans nodes ({hw.gpus_per_node} GPUs "
+                                                     "per node) without filling whole ones")
+            if gen.backend == "vllm":
+                _fail("cluster.generator.engine_tp", f"engine TP={gen.engine_tp} spans nodes ({hw.gpus_per_node} GPUs "
+                                                     "per node): the launcher starts multi-node engines with SGLang "
+                                                     "(backend sglang), not vLLM")
         if arch.is_moe:
             _check_engine_experts(arch, gen.engine_tp, gen.precision)
         generator_gpus = gen.num_engines * gen.engine_tp
@@ -185,7 +207,8 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
                                 seq_len=seq_len, params_bytes=params_bytes, recompute=config.trainer.recompute_activations,
                                 distributed_optimizer=config.trainer.use_distributed_optimizer,
                                 vocab_divisible_by=config.trainer.vocab_divisible_by, ep=ep, etp=etp,
-                                lora_rank=config.trainer.lora.rank, lora_targets=tuple(config.trainer.lora.targets))
+                                lora_rank=config.trainer.lora.rank, lora_targets=tuple(config.trainer.lora.targets),
+                                split=split)
     usable = hw.hbm_bytes * a.memory_fraction
     trainer_mem = cost.trainer_memory(arch, layout, a)
     trainer_hint = _expert_parallel_hint(arch, layout, a, trainer_gpus, usable) if arch.is_moe else ""
@@ -207,7 +230,7 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     fp8_train = config.trainer.fp8 != "none"
     train_s = cost.train_seconds(arch, tokens=tokens, gpus=trainer_gpus, pp=pp, micro_batches=micro_batches,
                                  recompute=config.trainer.recompute_activations, fp8=fp8_train, hw=hw, assumptions=a,
-                                 tp=tp, ep=ep, etp=etp, micro_batch_tokens=mbs * seq_len)
+                                 tp=tp, ep=ep, etp=etp, micro_batch_tokens=mbs * seq_len, split=split)
     if placement == "disaggregated":
         generation = cost.generation_seconds(
             arch, sequences=sequences, engines=num_engines, tp=engine_tp, precision=precision,
@@ -231,13 +254,14 @@ def make_plan(config, arch: ModelArch | None = None, *, arch_name: str | None = 
     if arch.is_moe:
         times["train_alltoall"] = cost.train_alltoall_seconds(
             arch, pp=pp, micro_batches=micro_batches, recompute=config.trainer.recompute_activations, hw=hw,
-            assumptions=a, tp=tp, ep=ep, etp=etp, micro_batch_tokens=mbs * seq_len)
+            assumptions=a, tp=tp, ep=ep, etp=etp, micro_batch_tokens=mbs * seq_len, split=split)
     return Plan(arch_name=arch_name or cluster.arch or config.model.path, world=world, placement=placement,
                 trainer_gpus=trainer_gpus, tp=tp, pp=pp, dp=dp, micro_batches=micro_batches,
                 generator_gpus=generator_gpus, num_engines=num_engines, engine_tp=engine_tp,
                 engine_precision=precision, trainer_memory=trainer_mem, engine_memory=engine_mem, usable_bytes=usable,
                 times=times, hardware=hw, sequences=sequences, seq_len=seq_len, engine_batch=generation.batch_per_engine,
-                arch=arch, ep=ep if arch.is_moe else 1, etp=etp if arch.is_moe else 1, expert_dp=expert_dp)
+                arch=arch, ep=ep if arch.is_moe else 1, etp=etp if arch.is_moe else 1, expert_dp=expert_dp,
+                stage_layers=stage_layers)
 
 
 RESIDENT_TERMS = ("weights", "gradients", "optimizer", "expert_weights", "expert_gradients", "expert_optimizer")
@@ -357,7 +381,12 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"mixture of experts: {arch.num_parameters() / 1e9:.2f}B parameters "
                      f"({cost.expert_parameters(arch) / 1e9:.2f}B in {arch.num_layers} x {arch.num_experts} experts), "
                      f"{cost.active_parameters(arch) / 1e9:.2f}B active per token (top-{arch.moe_top_k})")
-    lines += [(f"trainer: {plan.trainer_gpus} GPUs = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{experts}; "
+    stages = ""
+    if plan.uneven_stages:
+        counts = plan.stage_layers
+        stages = f" (layers per stage: {counts[0]}, {len(counts) - 2} x {counts[1]}, {counts[-1]})" if len(
+            set(counts[1:-1])) == 1 and len(counts) > 2 else f" (layers per stage: {', '.join(map(str, counts))})"
+    lines += [(f"trainer: {plan.trainer_gpus} GPUs = TP {plan.tp} x PP {plan.pp}{stages} x DP {plan.dp}{experts}; "
                f"{plan.sequences} sequences of <= {plan.seq_len} tokens, {plan.micro_batches} micro-batches per DP rank"),
              (f"generator: {plan.num_engines} engines x TP {plan.engine_tp} = {plan.generator_gpus} GPUs, "
               f"{plan.engine_precision}, up to {plan.engine_batch} sequences per engine")
