@@ -7,6 +7,17 @@ applies; `_unpermute_rope_rows` undoes that to recover the HF (rotate-half) layo
 engine use (Qwen models are stored unpermuted). RoPE scaling: `rope.scaling.type` linear / yarn is read
 from the metadata; Llama 3.1's scaling is stored only as a `rope_freqs` tensor of per-dimension divisors,
 which is matched against the llama3 formula at the published settings, or refused.
+
+Mixture-of-experts architectures (`qwen2moe`, `qwen3moe`, `glm4moe`, and `deepseek2` with DeepSeek-V3's sigmoid
+router) are read through an HF config built from the metadata as llama.cpp's converter writes it
+(`families.from_hf_config`, so every family rule and refusal applies), with the experts' stacked tensors
+(`ffn_{gate,up,down}_exps`, [E, out, in]) split per expert, the router bias `exp_probs_b`, shared experts
+(`*_shexp`), and DeepSeek's multi-latent attention as llama.cpp stores it for weight absorption: MQA metadata (one KV
+head of kv_lora_rank + rope dims) and `attn_kv_b` split into `attn_k_b` (transposed) and `attn_v_b`, joined back
+here. GLM-4.5's multi-token-prediction blocks (after the decoder's, `nextn_predict_layers`) are skipped, as
+transformers skips them. llama.cpp applies these models' RoPE to the rows as transformers stores them (no
+permutation); `qwen2moe` / `qwen3moe` renormalise the top-k weights as llama.cpp's graphs do (never / always)
+unless `expert_weights_norm` says otherwise.
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import TokenizerSpec
+from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch, RopeScaling
 from megatron_rl.models.rope import rope_inv_freq
 
@@ -27,6 +39,10 @@ SUPPORTED_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), 
 # Llama 3.x rope scaling as published (factor 8 for 3.1 / 3.3, 32 for 3.2), tried against `rope_freqs`.
 _LLAMA3_SETTINGS = [dict(factor=f, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
                     for f in (8.0, 32.0, 16.0, 4.0, 2.0)]
+
+# GGUF architecture -> our mixture-of-experts family (read through an HF config, `_moe_hf_config`)
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+_GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -41,6 +57,21 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+_MOE_LAYER_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "post_attention_norm": "post_attention_layernorm",  # glm4moe's name for the norm before the MLP
+}
+_EXPERT_PROJECTIONS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index in hf_expert_names
+_SHARED_PROJECTIONS = {"ffn_gate_shexp": 0, "ffn_up_shexp": 1, "ffn_down_shexp": 2}
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -67,7 +98,7 @@ def _value(reader, key: str, path: str, default=None):
     return field.contents()
 
 
-def _rope_scaling(reader, arch: str, path: str) -> RopeScaling | None:
+def _rope_scaling(reader, arch: str, path: str, allow_log_multiplier: bool = False) -> RopeScaling | None:
     kind = str(_value(reader, f"{arch}.rope.scaling.type", path, "none"))
     if kind == "none":
         return None
@@ -75,15 +106,22 @@ def _rope_scaling(reader, arch: str, path: str) -> RopeScaling | None:
     if kind == "linear":
         return RopeScaling(rope_type="linear", factor=factor)
     if kind == "yarn":
-        for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier"):
+        refused = ("rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor") + (
+            () if allow_log_multiplier else ("rope.scaling.yarn_log_multiplier",))
+        for key in refused:
             if f"{arch}.{key}" in reader.fields:
                 raise ConfigError(f"{path}: GGUF metadata field '{arch}.{key}' is not supported for yarn")
+        # DeepSeek's mscale_all_dim, stored by llama.cpp as 0.1 x it (the attention factor it implies is
+        # mscale(factor, mscale) / mscale(factor, mscale_all_dim), 1 when the two are equal, as DeepSeek-V3 ships)
+        multiplier = reader.fields.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        mscale = None if multiplier is None else round(float(multiplier.contents()) / 0.1, 6)
         beta_fast = reader.fields.get(f"{arch}.rope.scaling.yarn_beta_fast")
         beta_slow = reader.fields.get(f"{arch}.rope.scaling.yarn_beta_slow")
         return RopeScaling(rope_type="yarn", factor=factor,
                            original_max_position_embeddings=int(_value(reader, f"{arch}.rope.scaling.original_context_length", path)),
                            beta_fast=None if beta_fast is None else float(beta_fast.contents()),
-                           beta_slow=None if beta_slow is None else float(beta_slow.contents()))
+                           beta_slow=None if beta_slow is None else float(beta_slow.contents()),
+                           mscale=mscale, mscale_all_dim=mscale)
     raise ConfigError(f"{path}: GGUF metadata field '{arch}.rope.scaling.type' = {kind!r} is not supported "
                       "(supported: none, linear, yarn)")
 
@@ -100,10 +138,68 @@ def _llama3_from_rope_freqs(arch: ModelArch, divisors: np.ndarray, path: str) ->
                       f"settings ({_LLAMA3_SETTINGS}); this RoPE scaling is not supported")
 
 
+def _moe_hf_config(reader, arch: str, path: str) -> dict:
+    """The HF config.json of a mixture-of-experts GGUF, as transformers would read the model llama.cpp converted."""
+    def get(key: str, default=None):
+        return _value(reader, f"{arch}.{key}", path, default)
+
+    family = MOE_ARCHITECTURES[arch]
+    tensors = {t.name for t in reader.tensors}
+    layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
+    heads = int(get("attention.head_count"))
+    config = {
+        "model_type": family, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "num_hidden_layers": layers, "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(np.float32(get("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "num_experts_per_tok": int(get("expert_used_count")), "moe_intermediate_size": int(get("expert_feed_forward_length")),
+    }
+    experts = int(get("expert_count"))
+    norm = reader.fields.get(f"{arch}.expert_weights_norm")
+    norm = None if norm is None else norm.contents()
+    if family in ("qwen2_moe", "qwen3_moe"):
+        config.update(num_experts=experts, norm_topk_prob=bool(norm) if norm is not None else family == "qwen3_moe")
+        if family == "qwen3_moe":
+            config["head_dim"] = int(get("attention.key_length", config["hidden_size"] // heads))
+        else:
+            config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    else:  # glm4moe / deepseek2: DeepSeek-V3's router
+        gating = int(get("expert_gating_func", 0))
+        if gating != _GATING_SIGMOID:
+            raise ConfigError(f"{path}: GGUF metadata field '{arch}.expert_gating_func' = {gating}: only the sigmoid "
+                              f"router ({_GATING_SIGMOID}, DeepSeek-V3's) is supported for {arch} (DeepSeek-V2's softmax "
+                              "router is not)")
+        config.update(n_routed_experts=experts, n_shared_experts=int(get("expert_shared_count", 0)),
+                      first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+                      routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+                      norm_topk_prob=bool(norm) if norm is not None else False,
+                      n_group=int(get("expert_group_count", 1)), topk_group=int(get("expert_group_used_count", 1)))
+    if family == "glm4_moe":
+        head_dim = int(get("attention.key_length", config["hidden_size"] // heads))
+        config.update(head_dim=head_dim, partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
+                      attention_bias="blk.0.attn_q.bias" in tensors, use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
+    if family == "deepseek_v3":  # llama.cpp writes MLA as MQA: one KV head of kv_lora_rank + rope dims
+        rope = int(get("rope.dimension_count"))
+        config.update(num_key_value_heads=heads, kv_lora_rank=int(get("attention.kv_lora_rank")),
+                      q_lora_rank=int(get("attention.q_lora_rank", 0)) or None, qk_rope_head_dim=rope,
+                      qk_nope_head_dim=int(get("attention.key_length_mla")) - rope,
+                      v_head_dim=int(get("attention.value_length_mla")), rope_interleave=True)
+    scaling = _rope_scaling(reader, arch, path, allow_log_multiplier=family == "deepseek_v3")
+    if scaling is not None:
+        config["rope_scaling"] = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+    return config
+
+
 def read_gguf_arch(reader, path: str) -> ModelArch:
     arch = _value(reader, "general.architecture", path)
+    if arch in MOE_ARCHITECTURES:
+        return families.from_hf_config(_moe_hf_config(reader, arch, path), where=path)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: "
+                          f"{', '.join([*SUPPORTED_ARCHITECTURES, *MOE_ARCHITECTURES])})")
     family = SUPPORTED_ARCHITECTURES[arch][0]
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     heads = int(_value(reader, f"{arch}.attention.head_count", path))
@@ -157,18 +253,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
     path = os.fspath(path)
     reader = _open(path)
     arch = read_gguf_arch(reader, path)
-    permuted = SUPPORTED_ARCHITECTURES[_value(reader, "general.architecture", path)][1]
-    spec = read_gguf_tokenizer(reader, path)
-    for attr in ("bos_token_id", "pad_token_id"):
-        if getattr(spec, attr) < 0:
-            setattr(spec, attr, None)
+    gguf_arch = _value(reader, "general.architecture", path)
+    if gguf_arch in MOE_ARCHITECTURES:
+        return arch, _read_moe_state(reader, arch, path), _read_tokenizer(reader, path)
+    permuted = SUPPORTED_ARCHITECTURES[gguf_arch][1]
+    spec = _read_tokenizer(reader, path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        try:
-            values = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        except Exception as exc:
-            raise ConfigError(f"{path}: tensor '{tensor.name}' cannot be dequantized ({exc})") from None
-        values = values.reshape([int(x) for x in reversed(tensor.shape)])  # GGUF lists (in, out)
+        values = _dequantized(tensor, path)
         name = tensor.name
         if name == "token_embd.weight":
             hf_name = "model.embed_tokens.weight"
@@ -194,3 +286,69 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
             raise ConfigError(f"{path}: tensor '{name}' is not supported")
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
     return arch, state, spec
+
+
+def _read_tokenizer(reader, path: str) -> TokenizerSpec:
+    spec = read_gguf_tokenizer(reader, path)
+    for attr in ("bos_token_id", "pad_token_id"):
+        if getattr(spec, attr) < 0:
+            setattr(spec, attr, None)
+    return spec
+
+
+def _dequantized(tensor, path: str) -> np.ndarray:
+    try:
+        values = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    except Exception as exc:
+        raise ConfigError(f"{path}: tensor '{tensor.name}' cannot be dequantized ({exc})") from None
+    return values.reshape([int(x) for x in reversed(tensor.shape)])  # GGUF lists (in, out)
+
+
+def _read_moe_state(reader, arch: ModelArch, path: str) -> dict[str, torch.Tensor]:
+    """HF-named float32 tensors of a mixture-of-experts GGUF (the published per-expert names)."""
+    family = families.get_family(arch.family)
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    state: dict[str, np.ndarray] = {}
+    absorbed: dict[tuple[int, str], np.ndarray] = {}  # DeepSeek's attn_k_b / attn_v_b, joined per layer
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in top:
+            state[top[name]] = _dequantized(tensor, path)
+            continue
+        parts = name.split(".", 3)
+        if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+            raise ConfigError(f"{path}: tensor '{name}' is not supported")
+        _, index, kind, suffix = parts
+        layer = int(index)
+        if layer >= arch.num_layers:  # multi-token-prediction blocks after the decoder's: not built
+            continue
+        values = _dequantized(tensor, path)
+        prefix = f"model.layers.{layer}."
+        if kind in _EXPERT_PROJECTIONS and suffix == "weight":
+            for expert in range(values.shape[0]):
+                state[families.hf_expert_names(family, layer, expert)[_EXPERT_PROJECTIONS[kind]]] = values[expert]
+        elif kind in _SHARED_PROJECTIONS and suffix == "weight":
+            state[families.hf_shared_expert_names(family, layer)[_SHARED_PROJECTIONS[kind]]] = values
+        elif kind == "ffn_gate_inp_shexp" and suffix == "weight":
+            state[families.hf_shared_expert_names(family, layer)[3]] = values.reshape(1, -1)
+        elif kind == "exp_probs_b":
+            state[families.hf_router_bias_name(family, layer)] = values
+        elif kind in ("attn_k_b", "attn_v_b") and suffix == "weight":
+            absorbed[layer, kind] = values
+        elif kind in _LAYER_NAMES and suffix in ("weight", "bias"):
+            state[f"{prefix}{_LAYER_NAMES[kind]}.{suffix}"] = values
+        elif kind in _MOE_LAYER_NAMES and suffix in ("weight", "bias"):
+            state[f"{prefix}{_MOE_LAYER_NAMES[kind]}.{suffix}"] = values
+        else:
+            raise ConfigError(f"{path}: tensor '{name}' is not supported for GGUF architecture "
+                              f"'{_value(reader, 'general.architecture', path)}'")
+    for layer in sorted({layer for layer, _ in absorbed}):
+        if (layer, "attn_k_b") not in absorbed or (layer, "attn_v_b") not in absorbed:
+            raise ConfigError(f"{path}: block {layer} has one of attn_k_b / attn_v_b without the other")
+        k_b = absorbed[layer, "attn_k_b"].swapaxes(1, 2)  # [heads, kv_lora, nope] -> [heads, nope, kv_lora]
+        v_b = absorbed[layer, "attn_v_b"]  # [heads, v, kv_lora]
+        state[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = np.concatenate([k_b, v_b], axis=1).reshape(
+            -1, k_b.shape[-1])
+    return {name: torch.from_numpy(np.ascontiguousarray(values)) for name, values in state.items()}
+
