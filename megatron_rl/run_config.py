@@ -179,18 +179,22 @@ class RunConfig:
                 f"{advantage.estimator}{' (group_baseline)' if advantage.estimator == 'reinforce_pp' else ''}, "
                 f"got {self.rollout.samples_per_prompt}; use reinforce_pp without group_baseline for one sample per prompt")
         generator = self.cluster.generator
-        require(self.rollout.weight_sync == "full" or generator.backend == "native", "rollout.weight_sync",
-                f"{self.rollout.weight_sync} sends what only the native engine applies (changed elements, LoRA "
-                f"adapters); cluster.generator.backend {generator.backend} takes whole tensors (use "
-                "rollout.weight_sync=full)")
+        require(self.rollout.weight_sync == "full" or generator.backend == "native"
+                or (self.rollout.weight_sync, generator.backend) == ("adapters", "sglang"), "rollout.weight_sync",
+                f"{self.rollout.weight_sync} sends what only the native engine applies (changed elements; LoRA "
+                f"adapters also reach SGLang servers); cluster.generator.backend {generator.backend} takes whole "
+                "tensors (use rollout.weight_sync=full)")
         if self.rollout.weight_sync == "adapters":
             require(self.trainer.lora.rank > 0, "rollout.weight_sync",
                     "adapters sends LoRA adapters: set trainer.lora.rank > 0 (or use rollout.weight_sync=full)")
-            require(self.rollout.placement == "colocated" and generator.precision != "fp8"
-                    and not generator.launch_ranks, "rollout.weight_sync",
-                    "adapters feeds the native engine in this process (rollout.placement colocated, bf16/fp32 "
-                    f"weights, no generator ranks); got placement {self.rollout.placement}, precision "
-                    f"{generator.precision}, launch_ranks {generator.launch_ranks} (use rollout.weight_sync=full)")
+            require(generator.precision != "fp8", "rollout.weight_sync",
+                    "adapters keeps the engines' base weights: LoRA over an fp8 base is not checked here (use "
+                    "cluster.generator.precision bf16, or rollout.weight_sync=full)")
+            if generator.backend == "native":
+                require(self.rollout.placement == "colocated" and not generator.launch_ranks, "rollout.weight_sync",
+                        "adapters feeds the native engine in this process (rollout.placement colocated, no generator "
+                        f"ranks) or SGLang servers; got placement {self.rollout.placement}, launch_ranks "
+                        f"{generator.launch_ranks} (use rollout.weight_sync=full)")
         require(not (self.rollout.weight_sync == "delta" and generator.precision == "fp8"
                      and self.rollout.placement == "disaggregated"), "rollout.weight_sync",
                 "delta cannot feed an fp8 native engine in a generator process: its weights go through "

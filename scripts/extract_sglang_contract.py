@@ -36,7 +36,7 @@ REQUEST_STRUCTS = (
     "UpdateWeightsFromTensorReqInput", "InitWeightsUpdateGroupReqInput", "DestroyWeightsUpdateGroupReqInput",
     "UpdateWeightVersionReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
     "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput", "FlushCacheReqInput",
-    "UpdateWeightFromDiskReqInput", "CheckWeightsReqInput",
+    "UpdateWeightFromDiskReqInput", "CheckWeightsReqInput", "LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput",
     "GenerateReqInput",  # what /generate's handler parses (GenerateRequest below is only its pre-check)
 )
 BASE_FIELDS = {"BaseReq": ["rid", "http_worker_ipc"]}

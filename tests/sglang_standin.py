@@ -16,6 +16,10 @@ What it enforces, and where SGLang does it:
   back to the waiting queue (their KV is freed); in_place leaves them running with their KV.
 - flush_cache (scheduler.flush_cache): refused while any request runs (waiting ones count unless paused).
 - /get_model_info and /get_server_info answer but are recorded as deprecated calls.
+- LoRA (managers/tokenizer_control_mixin.py, lora/lora_registry.py): /load_lora_adapter and
+  /unload_lora_adapter refuse without --enable-lora; a name loads once ("already exists" otherwise) from a PEFT
+  directory; unload first stops new requests naming it, then waits until the requests using it have finished;
+  /generate's lora_path must name a loaded adapter (400 otherwise), and each request runs on that one adapter.
 
 The toy model: each decode step of each running request emits one token; every step is logged with
 the weight-version label it carries and the set of versions of the tensors it computed with, so a
@@ -93,8 +97,8 @@ def check_sampling_params(params: typing.Any) -> str | None:
 
 
 class _Req:
-    def __init__(self, rid: str, prompt: list[int], max_new_tokens: int):
-        self.rid, self.prompt, self.max_new_tokens = rid, prompt, max_new_tokens
+    def __init__(self, rid: str, prompt: list[int], max_new_tokens: int, adapter: str | None = None):
+        self.rid, self.prompt, self.max_new_tokens, self.adapter = rid, prompt, max_new_tokens, adapter
         self.output: list[int] = []
         self.spans: list[dict] = []
         self.finish: dict | None = None
@@ -104,7 +108,10 @@ class _Req:
 class StandIn:
     """The server's state (one TP-1 engine)."""
 
-    def __init__(self):
+    def __init__(self, enable_lora: bool = False):
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, dict] = {}  # loaded LoRA name -> its path and the sha256 of its files
+        self.adapter_log: list[dict] = []  # every finished request: the adapter it ran on
         self.weights: dict[str, torch.Tensor] = {}
         self.replaced: dict[str, int] = {}  # per tensor: how many updates replaced it (equal = one model)
         self.version = "default"
@@ -148,8 +155,12 @@ class StandIn:
                 if len(req.output) >= req.max_new_tokens:
                     self.finish(req, {"type": "length", "length": len(req.output)})
 
+    def adapter_users(self, name: str) -> int:
+        return sum(req.adapter == name for req in self.running + self.waiting)
+
     def finish(self, req: _Req, reason: dict) -> None:
         req.finish = reason
+        self.adapter_log.append({"rid": req.rid, "adapter": req.adapter})
         for queue in (self.running, self.waiting):
             if req in queue:
                 queue.remove(req)
@@ -220,10 +231,21 @@ def build_app(state: StandIn) -> FastAPI:
         rids = body.get("rid") if batch else [body.get("rid")]
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(prompts)
+        lora = body.get("lora_path")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        named = [name for name in loras if name]
+        if named and not state.enable_lora:
+            return JSONResponse({"error": {"message": "LoRA is not enabled. Please set `--enable-lora`."}},
+                                status_code=400)
+        missing = sorted({name for name in named if not state.adapters.get(name, {}).get("accepting")})
+        if missing:
+            return JSONResponse({"error": {"message": f"The following requested LoRA adapters are not loaded: "
+                                                      f"{missing}"}}, status_code=400)
         reqs = []
-        for prompt, rid, p in zip(prompts, rids, params):
+        for prompt, rid, p, adapter in zip(prompts, rids, params, loras):
             for k in range(p.get("n", 1)):
-                reqs.append(_Req(rid if p.get("n", 1) == 1 else f"{rid}-{k}", prompt, p.get("max_new_tokens", 128)))
+                reqs.append(_Req(rid if p.get("n", 1) == 1 else f"{rid}-{k}", prompt, p.get("max_new_tokens", 128),
+                                 adapter))
         state.waiting += reqs
         for req in reqs:
             await req.done.wait()
@@ -361,6 +383,53 @@ def build_app(state: StandIn) -> FastAPI:
         return {"success": True, "message": f"Weight version updated to {state.version}",
                 "new_version": state.version}
 
+    def adapter_files(path: str) -> dict | None:
+        import hashlib
+        import os
+
+        files = {}
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            if not os.path.isfile(os.path.join(path, name)):
+                return None
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = hashlib.sha256(f.read()).hexdigest()
+        return files
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body, error = await body_of(request, "LoadLoRAAdapterReqInput")
+        if error:
+            return error
+        name = body["lora_name"]
+        if not state.enable_lora:
+            return JSONResponse({"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` "
+                                 "to enable LoRA."}, status_code=400)
+        if name in state.adapters:
+            return JSONResponse({"success": False, "error_message": f"LoRA with name {name} already exists. Loaded "
+                                 f"LoRAs: {list(state.adapters)}"}, status_code=400)
+        files = adapter_files(body["lora_path"])
+        if files is None:
+            return JSONResponse({"success": False, "error_message": f"{body['lora_path']}: no PEFT adapter"},
+                                status_code=400)
+        state.adapters[name] = {"path": body["lora_path"], "files": files, "accepting": True}
+        return {"success": True, "loaded_adapters": {k: v["path"] for k, v in state.adapters.items()}}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body, error = await body_of(request, "UnloadLoRAAdapterReqInput")
+        if error:
+            return error
+        name = body["lora_name"]
+        if not state.enable_lora or name not in state.adapters:
+            return JSONResponse({"success": False, "error_message": f"LoRA adapter {name} is not loaded"},
+                                status_code=400)
+        state.adapters[name]["accepting"] = False
+        while state.adapter_users(name):  # SGLang's wait_for_unload
+            await asyncio.sleep(STEP_S)
+        del state.adapters[name]
+        state.events.append(f"unloaded {name}")
+        return {"success": True, "loaded_adapters": {k: v["path"] for k, v in state.adapters.items()}}
+
     @app.post("/standin/model")
     async def standin_model(request: Request) -> dict:
         """The parameter names of the toy model (what a weight sync must replace, all of them)."""
@@ -372,7 +441,7 @@ def build_app(state: StandIn) -> FastAPI:
     async def standin_state() -> dict:
         return {"steps": state.steps, "calls": state.calls, "deprecated_calls": state.deprecated_calls,
                 "events": state.events, "version": state.version, "label_moves": state.label_moves,
-                "session": state.session,
+                "session": state.session, "adapters": state.adapters, "adapter_log": state.adapter_log,
                 "paused": state.paused, "running": len(state.running), "waiting": len(state.waiting),
                 "checksum": {k: float(v.double().sum()) for k, v in state.weights.items()}}
 
@@ -382,9 +451,10 @@ def build_app(state: StandIn) -> FastAPI:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--enable-lora", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    state = StandIn()
+    state = StandIn(enable_lora=args.enable_lora)
     uvicorn.run(build_app(state), host="127.0.0.1", port=args.port, log_level="warning")
 
 

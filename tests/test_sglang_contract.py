@@ -22,7 +22,7 @@ import torch
 
 from megatron_rl.cli.launch_env import sglang_server_args
 from megatron_rl.rollout.client import HTTPEngine, SGLangServer, encode_routed_experts
-from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_rl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_rl.trainer.parallel import free_port
 from megatron_rl.weight_sync.distributed import BroadcastWeightSender
 from tests.sglang_standin import CONTRACT, _check_body, check_sampling_params
@@ -158,6 +158,32 @@ def test_weight_update_bodies_match_contract(recorded):
         < paths.index("/end_weight_update")
 
 
+def test_lora_bodies_and_flags_match_contract(recorded):
+    """Adapter sync (`rollout.weight_sync: adapters`): /load_lora_adapter and /unload_lora_adapter bodies are
+    0.5.23's LoadLoRAAdapterReqInput / UnloadLoRAAdapterReqInput, /generate names the adapter in lora_path (one per
+    request of the batch), and the servers are launched with LoRA on for the trainer's rank and projections."""
+    engine = HTTPEngine("http://sglang")
+    engine.load_adapter("/runs/r/adapters/v1", 1)
+    engine.generate([GenerateRequest(request_id="r0", prompt_ids=[1, 2], sampling=SamplingParams(max_new_tokens=1)),
+                     GenerateRequest(request_id="r1", prompt_ids=[3], sampling=SamplingParams(max_new_tokens=1))])
+    engine.load_adapter("/runs/r/adapters/v2", 2)
+    engine._pool.shutdown(wait=True)  # the previous adapter's unload runs in the background
+    assert _violations(recorded.sent) == []
+    loads = [b for _, p, b in recorded.sent if p == "/load_lora_adapter"]
+    assert loads == [{"lora_name": "policy-v1", "lora_path": "/runs/r/adapters/v1"},
+                     {"lora_name": "policy-v2", "lora_path": "/runs/r/adapters/v2"}]
+    assert [b for _, p, b in recorded.sent if p == "/unload_lora_adapter"] == [{"lora_name": "policy-v1"}]
+    generate = next(b for _, p, b in recorded.sent if p == "/generate")
+    assert generate["lora_path"] == ["policy-v1", "policy-v1"]
+    fields = CONTRACT["requests"]["GenerateReqInput"]["fields"]
+    assert fields["lora_path"]["list"] and CONTRACT["generate"]["GenerateRequest"]["fields"]["lora_path"]["list"]
+    args = sglang_server_args(1, "bf16", 8, True, lora=(8, ["linear_qkv", "linear_proj"]))
+    assert set(a for a in args if a.startswith("--")) <= set(CONTRACT["server_flags"])
+    modules = args[args.index("--lora-target-modules") + 1:args.index("--weight-version")]
+    assert "--enable-lora" in args and args[args.index("--max-lora-rank") + 1] == "8"
+    assert modules == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
 def test_launch_flags_are_sglang_0_5_23_flags():
     args = sglang_server_args(8, "fp8", 256, False, mem_fraction_static=0.82, deterministic=True, record_routing=True)
     flags = [a for a in args if a.startswith("--")]
@@ -172,9 +198,18 @@ def test_launch_flags_are_sglang_0_5_23_flags():
 # --- weight sync against the stand-in server -----------------------------------------------------
 @pytest.fixture
 def standin():
+    yield from _standin()
+
+
+@pytest.fixture
+def standin_lora():
+    yield from _standin("--enable-lora")
+
+
+def _standin(*flags):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--port", str(port), *flags],
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -398,3 +433,70 @@ def test_shared_memory_channel_collectives_use_a_gloo_group(monkeypatch):
     assert channel.cpu_tensor_group() == "gloo-group" and made == ["gloo"]
     monkeypatch.setattr(channel.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert channel.cpu_tensor_group("world") == "world" and made == ["gloo"]
+
+
+# --- LoRA adapters into SGLang servers ------------------------------------------------------------
+def _lora_trainer():
+    from megatron_rl.models.arch import preset
+    from tests.helpers import tiny_state
+    from tests.test_lora import _trainer
+
+    arch = preset("tiny")
+    return _trainer(arch, tiny_state(arch))
+
+
+def test_adapter_sync_loads_peft_directories_into_sglang(standin_lora, tmp_path):
+    """A LoRA trainer's adapters reach an SGLang server as PEFT directories through /load_lora_adapter: what the
+    server loaded is the trainer's adapters (read back by peft's format reader), new requests run on the newest
+    adapter and are tagged with its version, a request in flight finishes on the adapter it started with, which is
+    then unloaded, and only the newest directory is kept."""
+    from megatron_rl.models.lora_layout import read_peft_adapter
+    from megatron_rl.rollout.pool import EnginePool
+    from megatron_rl.weight_sync.channel import AdapterWeightChannel
+    from tests.test_lora import ALPHA, RANK, TARGETS
+
+    trainer = _lora_trainer()
+    pool = EnginePool([HTTPEngine(standin_lora)])
+    channel = AdapterWeightChannel(trainer, pool, directory=str(tmp_path / "adapters"))
+    metrics = channel.push(1)
+    v1 = tmp_path / "adapters" / "v1"
+    sent = read_peft_adapter(str(v1), rank=RANK, alpha=ALPHA, targets=TARGETS)
+    expected = trainer.gather_peft_state()
+    assert sent.keys() == expected.keys() and all(torch.equal(sent[k], expected[k]) for k in sent)
+    assert metrics["weight_sync/sent_bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+    assert _state(standin_lora)["adapters"]["policy-v1"]["path"] == str(v1)
+
+    long = pool.submit([GenerateRequest(request_id="long", prompt_ids=[1, 2], sampling=SamplingParams(max_new_tokens=400))])
+    deadline = time.monotonic() + 30
+    while not _state(standin_lora)["steps"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with torch.no_grad():  # version 2 differs from version 1
+        for name, param in trainer.gpt.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+    channel.push(2)
+    short = pool.generate([GenerateRequest(request_id="short", prompt_ids=[3], sampling=SamplingParams(max_new_tokens=4))])
+    first = pool.wait(long)
+    assert short[0].weight_versions == [2] * 4 and first[0].weight_versions == [1] * 400
+    deadline = time.monotonic() + 30
+    while "unloaded policy-v1" not in _state(standin_lora)["events"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    state = _state(standin_lora)
+    used = {entry["rid"]: entry["adapter"] for entry in state["adapter_log"]}
+    assert used == {"long": "policy-v1", "short": "policy-v2"} and list(state["adapters"]) == ["policy-v2"]
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["v2"]
+    v2 = read_peft_adapter(str(tmp_path / "adapters" / "v2"), rank=RANK, alpha=ALPHA, targets=TARGETS)
+    assert not torch.equal(v2[next(k for k in v2 if "lora_B" in k)], sent[next(k for k in sent if "lora_B" in k)])
+    pool.close()
+
+
+def test_adapter_sync_to_a_server_without_lora_names_the_flag(standin, tmp_path):
+    from megatron_rl.rollout.pool import EnginePool
+    from megatron_rl.weight_sync.channel import AdapterWeightChannel
+
+    channel = AdapterWeightChannel(_lora_trainer(), EnginePool([HTTPEngine(standin)]), directory=str(tmp_path))
+    with pytest.raises(RequestError, match="--enable-lora"):
+        channel.push(1)
+

@@ -23,7 +23,13 @@ from megatron_rl.config import ConfigError
 from megatron_rl.data.tokenizer import ChatTokenizer
 from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.lora_layout import base_checksum, megatron_to_peft, merge_adapters, peft_adapter_config
+from megatron_rl.models.lora_layout import (
+    base_checksum,
+    megatron_to_peft,
+    merge_adapters,
+    peft_adapter_config,
+    write_peft_files,
+)
 from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
 from megatron_rl.models.pretrained import (
     LORA_BASE_CHECKSUM,
@@ -250,9 +256,7 @@ def save_peft(source: str, output: str, *, base: str | None = None) -> str:
                                  targets=meta["targets"], base_model=base or meta.get("base_model"))
     tmp = _atomic_dir(output)
     try:
-        _write_json(os.path.join(tmp, "adapter_config.json"), config)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        write_peft_files(tmp, state, config)
         _publish(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models.lora_layout import peft_target_modules
 from megatron_rl.run_config import load_run_config
 from megatron_rl.sim.planner import make_plan
 
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
             if gen.backend == "vllm" else sglang_server_args(
             plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
             mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic,
-            record_routing=config.records_routing)),
+            record_routing=config.records_routing,
+            lora=(config.trainer.lora.rank, config.trainer.lora.targets)
+            if config.rollout.weight_sync == "adapters" else None)),
     }
     print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
     return 0
@@ -45,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool, *,
                        mem_fraction_static: float | None = None, deterministic: bool = False,
-                       record_routing: bool = False) -> list[str]:
+                       record_routing: bool = False, lora: tuple[int, list[str]] | None = None) -> list[str]:
     """`sglang.launch_server` flags (SGLang 0.5.23's names, checked by tests/test_sglang_contract.py) for
     one engine of the plan: its TP size, fp8 weights, the continuous batch and CUDA-graph setting the
     planner's generation time assumes, the memory share its memory check allowed, deterministic
     sampling when the run asks for reproducible rollouts (per-request sampling_seed is ignored without
-    it), MoE routing records when the run records or replays routing, and weight version 0 for the
-    checkpoint it loads (SGLang's default label is "default")."""
+    it), MoE routing records when the run records or replays routing, LoRA (`lora`: rank and trainer.lora.targets)
+    when the run syncs adapters (`rollout.weight_sync: adapters`, loaded through /load_lora_adapter), and weight
+    version 0 for the checkpoint it loads (SGLang's default label is "default")."""
     args = ["--tp-size", str(engine_tp), "--max-running-requests", str(max_running_requests)]
     if precision == "fp8":
         args += ["--quantization", "fp8"]
@@ -63,6 +67,9 @@ def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int
         args.append("--enable-deterministic-inference")
     if record_routing:
         args.append("--enable-return-routed-experts")
+    if lora is not None:
+        rank, targets = lora
+        args += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *peft_target_modules(targets)]
     args += ["--weight-version", "0"]
     return args
 

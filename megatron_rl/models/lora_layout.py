@@ -14,7 +14,7 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.megatron_layout import (
@@ -151,6 +151,15 @@ def peft_adapter_config(*, rank: int, alpha: float, dropout: float, targets: lis
             "target_modules": peft_target_modules(targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
             "inference_mode": True, "base_model_name_or_path": base_model}
+
+
+def write_peft_files(directory: str, state: dict[str, torch.Tensor], config: dict) -> None:
+    """PEFT's two files in `directory` (which exists): `adapter_config.json` (`config`, e.g. `peft_adapter_config`)
+    and `adapter_model.safetensors` (`state` under PEFT's names)."""
+    with open(os.path.join(directory, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],

@@ -50,6 +50,10 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
                                              precision=generator.precision, fp8_block_size=generator.fp8_block_size,
                                              routing=routing, **pool_options(generator))
     if generator.backend == "sglang":  # one in-process SGLang engine on this machine's GPUs
+        if rollout.weight_sync == "adapters":
+            raise ConfigError("rollout.weight_sync: adapters reaches SGLang servers through their LoRA endpoints "
+                              "(cluster.generator.urls), not an in-process SGLang engine (use rollout.weight_sync "
+                              "full)", field="rollout.weight_sync")
         return SGLangEngine(config.model.path, tp_size=generator.engine_tp, routing=routing, **(sglang_kwargs or {}),
                             **({"quantization": "fp8"} if generator.precision == "fp8" else {}))
     if rollout.placement == "disaggregated":
@@ -118,4 +122,5 @@ def policy_weight_channel(config, trainer, engine):
     fp8_engine = generator.precision == "fp8" and generator.backend == "native"  # SGLang and vLLM quantize themselves
     return make_weight_channel(trainer, engine, transform=(
         (lambda state: generator_weights(state, generator)) if fp8_engine else None),
-        delta=config.rollout.weight_sync == "delta", adapters=config.rollout.weight_sync == "adapters")
+        delta=config.rollout.weight_sync == "delta", adapters=config.rollout.weight_sync == "adapters",
+        adapter_directory=os.path.join(config.run_dir, "adapters"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import threading
 import urllib.error
 import urllib.parse
@@ -38,6 +39,8 @@ from megatron_rl.rollout.engine import (
     wait_all,
 )
 from megatron_rl.types import Completion
+
+log = logging.getLogger(__name__)
 from megatron_rl.weight_sync.distributed import DEFAULT_GROUP_NAME
 
 
@@ -145,6 +148,7 @@ class HTTPEngine:
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout-http-client")
+        self._adapter: tuple[str, int] | None = None  # (SGLang LoRA name, weight version) new requests use
 
     # --- transport ------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
@@ -176,13 +180,21 @@ class HTTPEngine:
                 "rid": [r.request_id for r in requests], "return_logprob": True}
         if self.routing is not None:
             body["return_routed_experts"] = True
+        adapter = self._adapter
+        if adapter is not None:  # SGLang's lora_path names a loaded adapter (its lora_name)
+            body["lora_path"] = [adapter[0]] * len(requests)
         _, outs = self.request("POST", "/generate", body)
         if isinstance(outs, dict):
             outs = [outs]
         expected = [(r, k) for r in requests for k in range(r.sampling.n)]
         if len(outs) != len(expected):
             raise EngineHTTPError(200, f"server returned {len(outs)} outputs for {len(expected)} samples")
-        return [completion_from_json(out, r.prompt_ids, r.group_id, self.routing) for out, (r, _) in zip(outs, expected)]
+        completions = [completion_from_json(out, r.prompt_ids, r.group_id, self.routing)
+                       for out, (r, _) in zip(outs, expected)]
+        if adapter is not None:  # a request runs on one adapter from start to end: every token is its version
+            for completion in completions:
+                completion.weight_versions = [adapter[1]] * len(completion.output_ids)
+        return completions
 
     def generate(self, requests: Sequence[RequestLike] | GenerateRequest) -> list[Completion]:
         return self._generate_batch(as_requests(requests))
@@ -205,6 +217,28 @@ class HTTPEngine:
         finally:
             self.request("POST", "/end_weight_update", {"weight_version": version})
         return count
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """LoRA: load the PEFT directory `path` (on storage the server reads) as adapter `policy-v<version>`
+        (`/load_lora_adapter`, servers launched with --enable-lora), generate every new request with it, and unload
+        the previous one in the background (SGLang unloads an adapter once the requests using it have finished)."""
+        name = f"policy-v{version}"
+        try:
+            self.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except RequestError as exc:
+            if "already exists" not in str(exc):  # left by an earlier attempt of this run (a resumed one): replace it
+                raise
+            self.request("POST", "/unload_lora_adapter", {"lora_name": name})
+            self.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        previous, self._adapter = self._adapter, (name, int(version))
+        if previous is not None and previous[0] != name:
+            self._pool.submit(self._unload, previous[0])
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.request("POST", "/unload_lora_adapter", {"lora_name": name})
+        except (RequestError, EngineHTTPError) as exc:  # a leftover adapter costs memory, not correctness
+            log.warning(f"{self.base_url}: unloading LoRA adapter {name} failed: {exc}")
 
     def pause(self, mode: str = "retract") -> None:
         """Pause generation. retract (default) moves running requests back to the queue and frees their

@@ -104,6 +104,7 @@ class EnginePool:
         self._restarts_of = [0] * len(self.engines)
         self._weights_lock = threading.Lock()
         self._missed: tuple[dict, int | None] | None = None  # the last weights an engine that is down did not get
+        self._adapter: tuple[str, int] | None = None  # LoRA: the PEFT directory and version the engines serve
         self.dead_engine_timeout_s = dead_engine_timeout_s
         self._redispatch = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-pool-redispatch")
         self._sender_factory = weight_sender_factory
@@ -239,6 +240,9 @@ class EnginePool:
                 if self._missed is not None and self._missed[1] is not None and self._missed[1] > version:
                     engine.update_weights(*self._missed)
                     version = self._missed[1]
+                if self._adapter is not None:  # LoRA: the adapters the others serve
+                    engine.load_adapter(*self._adapter)
+                    version = self._adapter[1]
                 with self._live:
                     self._dead.pop(index, None)
                     if not self._dead:
@@ -323,6 +327,14 @@ class EnginePool:
             self._sender.push(named, version)
         if version is not None:
             self._version = int(version)
+
+    def load_adapters(self, path: str, version: int) -> None:
+        """LoRA: every live engine loads the PEFT directory `path` as the adapters of weight version `version`
+        (`HTTPEngine.load_adapter`); an engine restarted later loads it too."""
+        with self._weights_lock:
+            self._adapter = (path, int(version))
+            self._all("load_adapter", path, int(version))
+        self._version = int(version)
 
     def _all(self, name: str, *args) -> list[Any]:
         """`name` on every live engine (an engine failing there is taken out, not the caller)."""

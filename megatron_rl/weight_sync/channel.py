@@ -8,11 +8,15 @@ Both are planned once from the two layouts (Megatron shards -> the engine's HF t
   rank commits the new version: the generator adopts that arena between two decode steps.
 - `InProcessWeightChannel`, to an engine the driver holds (in-process, or the client of an SGLang
   generator group): the engine's `update_weights`, fed bucket by bucket with several trainer ranks.
+- `AdapterWeightChannel`, a LoRA trainer's adapters only: into the native engine in this process, or as a
+  PEFT directory that SGLang servers load (`/load_lora_adapter`).
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 import time
 from typing import Iterator
 
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
+from megatron_rl.models.lora_layout import peft_adapter_config, write_peft_files
 from megatron_rl.ranks import broadcast_records
 from megatron_rl.weight_sync.delta import DeltaEncoder, to_wire
 from megatron_rl.weight_sync.reshard import EngineLayout, build_reshard_plan
@@ -97,20 +102,25 @@ class InProcessWeightChannel:
 
 
 class AdapterWeightChannel:
-    """LoRA trainer -> a native engine in this process through its `update_adapters`: each push gathers the
-    adapters (PEFT's names; every trainer rank takes part) and the engine applies them beside the base weights
-    it was built with (rollout/native/lora.py): megabytes per sync instead of the model."""
+    """LoRA trainer -> engines, adapters only: each push gathers them (PEFT's names; every trainer rank takes
+    part). A native engine in this process applies them beside the base weights it was built with through its
+    `update_adapters` (rollout/native/lora.py); engines that load PEFT directories (`load_adapters`: a pool of
+    SGLang servers, `/load_lora_adapter`) get one written under `directory` per version, the previous one
+    deleted once the new one is loaded. Megabytes per sync instead of the model."""
 
-    def __init__(self, trainer, engine):
+    def __init__(self, trainer, engine, directory: str | None = None):
         if trainer.lora is None:
             raise ConfigError("rollout.weight_sync: adapters needs LoRA training (trainer.lora.rank > 0)",
                               field="rollout.weight_sync")
-        if engine is not None and not hasattr(engine, "update_adapters"):
+        in_process = hasattr(engine, "update_adapters")
+        if engine is not None and not in_process and not (hasattr(engine, "load_adapters") and directory):
             raise ConfigError(f"rollout.weight_sync: adapters needs the native engine in this process (the colocated "
-                              f"placement); {type(engine).__name__} takes merged weights (use rollout.weight_sync "
-                              "full)", field="rollout.weight_sync")
+                              f"placement) or SGLang servers (cluster.generator.urls); {type(engine).__name__} takes "
+                              "merged weights (use rollout.weight_sync full)", field="rollout.weight_sync")
         self.trainer, self.engine = trainer, engine
+        self.directory = None if in_process else directory
         self.scaling = trainer.lora.alpha / trainer.lora.rank
+        self._written: str | None = None  # the directory of the adapters the engines serve
 
     def reset(self) -> None:
         """Every push sends all the adapters: nothing to forget."""
@@ -120,9 +130,29 @@ class AdapterWeightChannel:
         adapters = self.trainer.gather_peft_state(dst=0)
         if self.engine is None:
             return {}
-        self.engine.update_adapters(adapters, scaling=self.scaling, version=version)
+        if self.directory is None:
+            self.engine.update_adapters(adapters, scaling=self.scaling, version=version)
+        else:
+            self.engine.load_adapters(self._write(adapters, version), version)
         return {"perf/weight_sync_time": time.perf_counter() - start,
                 "weight_sync/sent_bytes": float(sum(t.numel() * t.element_size() for t in adapters.values()))}
+
+    def _write(self, adapters: dict[str, torch.Tensor], version: int) -> str:
+        """The PEFT directory of version `version` (written whole under a temporary name, then renamed)."""
+        lora = self.trainer.lora
+        config = peft_adapter_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                                     base_model=getattr(self.trainer, "base_model", None))
+        target = os.path.join(self.directory, f"v{version}")
+        partial = target + ".partial"
+        for stale in (partial, target):  # ours: a sync of this version that a crash interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(partial)
+        write_peft_files(partial, adapters, config)
+        os.rename(partial, target)
+        previous, self._written = self._written, target
+        if previous is not None and previous != target:
+            shutil.rmtree(previous, ignore_errors=True)  # the servers hold what they loaded from it
+        return target
 
 
 def delta_encoder(engine) -> DeltaEncoder:
@@ -193,13 +223,14 @@ def cpu_tensor_group(group=None):
     return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo")
 
 
-def make_weight_channel(trainer, engine, transform=None, *, delta: bool = False, adapters: bool = False):
+def make_weight_channel(trainer, engine, transform=None, *, delta: bool = False, adapters: bool = False,
+                        adapter_directory: str | None = None):
     """The channel for `engine`: its shared-memory arenas when it runs in its own process (and the
     weights go as they are), else its `update_weights`; `delta` sends only what changed, `adapters` only a
-    LoRA trainer's adapters. Collective: every trainer rank calls it, the driver (rank 0) with its engine, the
-    others with None."""
+    LoRA trainer's adapters (as PEFT directories under `adapter_directory` for engines that load those).
+    Collective: every trainer rank calls it, the driver (rank 0) with its engine, the others with None."""
     if adapters:
-        return AdapterWeightChannel(trainer, engine)
+        return AdapterWeightChannel(trainer, engine, adapter_directory)
     shared = broadcast_records(transform is None and getattr(engine, "shared_weights", None) is not None)
     if shared:
         return SharedMemoryWeightChannel(trainer, engine, delta=delta)
