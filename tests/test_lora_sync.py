@@ -140,7 +140,22 @@ def test_a_run_synced_by_adapters_trains_like_one_synced_merged(tmp_path, tiny_c
 
 
 @pytest.mark.parametrize("extra", [[], ["trainer.lora.rank=4", "rollout.placement=disaggregated"],
-                                   ["trainer.lora.rank=4", "cluster.generator.backend=vllm"]])
-def test_adapter_sync_without_lora_or_an_in_process_native_engine_is_refused(tmp_path, tiny_chat_model, extra):
+                                   ["trainer.lora.rank=4", "cluster.generator.backend=vllm"],
+                                   ["trainer.lora.rank=4", "cluster.generator.backend=sglang",
+                                    "cluster.generator.precision=fp8"]])
+def test_adapter_sync_without_lora_or_an_engine_that_loads_adapters_is_refused(tmp_path, tiny_chat_model, extra):
     with pytest.raises(ConfigError, match="rollout.weight_sync"):
         _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=adapters", *extra)
+
+
+def test_adapter_sync_reaches_sglang_servers_not_an_in_process_sglang_engine(tmp_path, tiny_chat_model, tiny_arch):
+    """SGLang servers take adapters (tests/test_sglang_contract.py); an in-process SGLang engine is refused by name
+    before SGLang is imported."""
+    from types import SimpleNamespace
+
+    from megatron_rl.placement.generators import make_engine
+
+    config = _config(tiny_chat_model, str(tmp_path), "rollout.weight_sync=adapters", "trainer.lora.rank=4",
+                     "cluster.generator.backend=sglang")
+    with pytest.raises(ConfigError, match="cluster.generator.urls"):
+        make_engine(config, SimpleNamespace(arch=tiny_arch))
