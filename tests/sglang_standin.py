@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import pathlib
 import typing
 
@@ -384,9 +386,6 @@ def build_app(state: StandIn) -> FastAPI:
                 "new_version": state.version}
 
     def adapter_files(path: str) -> dict | None:
-        import hashlib
-        import os
-
         files = {}
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             if not os.path.isfile(os.path.join(path, name)):

@@ -241,13 +241,18 @@ def test_search_picks_the_smallest_expert_parallel_that_fits():
     assert 1 < roomy.ep < 8
 
 
-def test_recipe_dry_run_prints_expert_memory_and_step_time():
+def _dry_run(script: str) -> str:
+    """`bash examples/SCRIPT --dry-run` outside Slurm: its output (the plan and the expert-parallel search)."""
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("SLURM_JOB_ID", None), env.pop("SLURM_JOB_NUM_NODES", None)
-    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_qwen3_30b_a3b.sh"), "--dry-run"],
+    result = subprocess.run(["bash", os.path.join(REPO, "examples", script), "--dry-run"],
                             check=False, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    out = result.stdout
+    return result.stdout
+
+
+def test_recipe_dry_run_prints_expert_memory_and_step_time():
+    out = _dry_run("run_qwen3_30b_a3b.sh")
     assert "experts: EP 8 x ETP 1 x expert-DP 2 (16 of 128 experts per GPU)" in out
     trainer_line = next(line for line in out.splitlines() if line.strip().startswith("trainer ") and "GiB" in line)
     for term in ("expert_weights", "expert_gradients", "expert_optimizer", "routed_tokens"):
@@ -294,13 +299,9 @@ def test_glm4_5_recipe_dry_run_counts_its_dense_layers_and_shared_experts():
     # stage 0 holds the 3 dense layers, so fewer expert parameters than the last stage
     first, last = (cost.stage_parameter_split(arch, 2, 4, s, ep=8)[1] for s in (0, 3))
     assert first == pytest.approx(last * 20 / 23)
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_JOB_NUM_NODES", None)
-    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_glm4_5_355b.sh"), "--dry-run"],
-                            check=False, capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "experts: EP 8 x ETP 2 x expert-DP 1 (20 of 160 experts per GPU)" in result.stdout
-    assert "configured, best" in result.stdout
+    out = _dry_run("run_glm4_5_355b.sh")
+    assert "experts: EP 8 x ETP 2 x expert-DP 1 (20 of 160 experts per GPU)" in out
+    assert "configured, best" in out
 
 
 def test_deepseek_v3_671b_counts_and_latent_cache():
@@ -340,12 +341,7 @@ def test_pipeline_balance_by_hand():
 def test_deepseek_v3_recipe_on_nemo_rl_layout_dry_run():
     """The 512-GPU one-step off-policy layout NeMo-RL publishes: the trainer's uneven 16 stages, 8 engines of TP 32
     (4 nodes each), and the predicted step with its terms."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_JOB_NUM_NODES", None)
-    result = subprocess.run(["bash", os.path.join(REPO, "examples", "run_deepseek_v3.sh"), "--dry-run"],
-                            check=False, capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    out = _dry_run("run_deepseek_v3.sh")
     assert "TP 1 x PP 16 (layers per stage: 3, 14 x 4, 2) x DP 16" in out
     assert "experts: EP 16 x ETP 1 x expert-DP 1 (16 of 256 experts per GPU)" in out
     assert "generator: 8 engines x TP 32 = 256 GPUs, bf16, up to 64 sequences per engine" in out
