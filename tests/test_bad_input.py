@@ -82,6 +82,11 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "tensor_parallel=2 does not divide the model's 3 key/value heads" in result.stderr
     assert not (tmp_path / "out").exists()  # nothing half-written
+    # Megatron's uneven pipeline split: SmolLM2's 30 layers over PP 4 as 7 + 2 x 8 + 6 is fine; 9 + ... is not
+    result = _cli("convert", "smollm2-135m", str(tmp_path / "out"), "--to", "megatron", "--pp", "4",
+                  "--first-stage-layers", "9", "--last-stage-layers", "6")
+    assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert "leave 15 of the model's 30 layers for the other 2 stages" in result.stderr
 
 
 # --- data rows (catalogue: docs/bad_input.md) -------------------------------------------------------------

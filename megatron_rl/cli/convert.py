@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.first_stage_layers is not None or args.last_stage_layers is not None) and args.to != "megatron":
         raise ConfigError("--first-stage-layers / --last-stage-layers split a Megatron output's pipeline stages: "
                           "use them with --to megatron")
+    for flag, value in (("--first-stage-layers", args.first_stage_layers), ("--last-stage-layers", args.last_stage_layers)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: a pipeline stage holds at least one layer")
     if args.upcycle_experts and (args.first_stage_layers is not None or args.last_stage_layers is not None):
         raise ConfigError("--upcycle-experts writes an even pipeline split: drop --first-stage-layers / "
                           "--last-stage-layers, or convert the upcycled model again")
