@@ -159,3 +159,30 @@ def test_adapter_sync_reaches_sglang_servers_not_an_in_process_sglang_engine(tmp
                      "cluster.generator.backend=sglang")
     with pytest.raises(ConfigError, match="cluster.generator.urls"):
         make_engine(config, SimpleNamespace(arch=tiny_arch))
+
+
+@pytest.mark.parametrize("mode", ["full", "adapters"])
+def test_imported_adapters_reach_the_engine_before_the_first_rollout(tmp_path, tiny_chat_model, mode):
+    """`trainer.lora.init_from`: the engine is built from the base model, so the imported adapters must reach it
+    before step 1 generates; otherwise step 1's rollouts come from the base, not the policy being trained, and the
+    engine's log-probs of them differ from the trainer's by the adapters' whole effect."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False))  # random A and B: adapters that change the model
+    with torch.no_grad():  # Megatron's fused q/k/v and gate/up each take one A
+        for layer in adapted.base_model.model.model.layers:
+            for shared, others in ((layer.self_attn.q_proj, (layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                                   (layer.mlp.gate_proj, (layer.mlp.up_proj,))):
+                for other in others:
+                    other.lora_A["default"].weight.copy_(shared.lora_A["default"].weight)
+    adapter_dir = tmp_path / "imported"
+    adapted.save_pretrained(adapter_dir)
+    run_dir = str(tmp_path / "run")
+    train(_config(tiny_chat_model, run_dir, "steps=1", "trainer.lora.rank=4", "trainer.lora.alpha=8.0",
+                  f"trainer.lora.init_from={adapter_dir}", f"rollout.weight_sync={mode}"))
+    first = json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())
+    assert first["train/logprob_mismatch"] < 1e-4, first["train/logprob_mismatch"]

@@ -412,6 +412,10 @@ def _train(config: RunConfig, *, resume: bool, fresh: bool, started: float) -> R
         report.say(f"resumed from {latest} at step {start_step} (version {controller.version})")
     elif resume:
         report.say(f"--resume: no complete checkpoint in {checkpoints.root}; starting from scratch")
+    if latest is None and any(p.trainer.lora is not None and p.trainer.lora.init_from for p in controller.policies):
+        # the engines start from the base model: the imported adapters (trainer.lora.init_from) reach them before
+        # the first rollout, which would otherwise come from the base instead of the policy being trained
+        controller.sync_weights()
     report.open(start_step, resume=resume, step_metrics=step_metrics)
     evaluation = controller.evaluation
     metrics: dict[str, float] = {}
