@@ -101,9 +101,7 @@ class MegatronLayout:
 
     def stage_layers(self, pp_rank: int) -> range:
         """The global layers pipeline stage `pp_rank` holds."""
-        counts = self.stage_layer_counts
-        first = sum(counts[:pp_rank])
-        return range(first, first + counts[pp_rank])
+        return stage_layer_range(self.stage_layer_counts, pp_rank)
 
     def stage_of(self, layer: int) -> tuple[int, int]:
         """(pipeline stage, local index there) of global layer `layer`."""
@@ -113,11 +111,6 @@ class MegatronLayout:
             layer -= count
         raise IndexError(f"layer {layer} is beyond the model's {self.arch.num_layers} layers")
 
-    def megatron_pipeline_kwargs(self) -> dict:
-        """TransformerConfig's fields for this split (none for an even one)."""
-        return {name: value for name, value in (("num_layers_in_first_pipeline_stage", self.first_stage_layers),
-                                                ("num_layers_in_last_pipeline_stage", self.last_stage_layers))
-                if value is not None}
 
     def has_output_layer(self, pp_rank: int) -> bool:
         last = pp_rank == self.pp - 1
@@ -161,6 +154,12 @@ def pipeline_stage_layers(num_layers: int, pp: int, first: int | None = None, la
     per = middle_layers // middle_stages
     return tuple(first if stage == 0 and first is not None else last if stage == pp - 1 and last is not None
                  else per for stage in range(pp))
+
+
+def stage_layer_range(counts: tuple[int, ...], stage: int) -> range:
+    """The global layers of pipeline stage `stage`, given every stage's layer count (`pipeline_stage_layers`)."""
+    first = sum(counts[:stage])
+    return range(first, first + counts[stage])
 
 
 def check_parallel_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1, *, first_stage_layers: int | None = None,

@@ -36,7 +36,7 @@ from megatron_rl.kernels.logprob import (
     GPU_CHUNK_BYTES,
 )
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.megatron_layout import pipeline_stage_layers
+from megatron_rl.models.megatron_layout import pipeline_stage_layers, stage_layer_range
 from megatron_rl.sim.config import CostAssumptions, HardwareSpec
 
 GiB = float(2**30)
@@ -54,9 +54,7 @@ StageSplit = tuple[int | None, int | None]
 
 def stage_layers(arch: ModelArch, pp: int, stage: int, split: StageSplit = (None, None)) -> range:
     """The global layers pipeline stage `stage` holds."""
-    counts = pipeline_stage_layers(arch.num_layers, pp, *split)
-    first = sum(counts[:stage])
-    return range(first, first + counts[stage])
+    return stage_layer_range(pipeline_stage_layers(arch.num_layers, pp, *split), stage)
 
 
 def dense_layer_parameters(arch: ModelArch, tp: int = 1, layer: int | None = None) -> float:

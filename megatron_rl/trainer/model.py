@@ -92,23 +92,23 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
                        fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024,
                        expert_parallel: int = 1, moe_aux_loss_coeff: float | None = None,
                        moe_token_dispatcher: str = "auto", moe_expert_bias_update_rate: float = 1e-3,
-                       pipeline_kwargs: dict | None = None):
+                       first_stage_layers: int | None = None, last_stage_layers: int | None = None):
     """Megatron's TransformerConfig for `arch` (RMSNorm, SwiGLU, RoPE, GQA, no dropout; q/k/v biases and
     q/k norms as the family has them).
 
     `fp8_recipe` ("delayed" or "tensorwise") turns on Transformer Engine FP8 GEMMs in the "hybrid" format
     (e4m3 forward, e5m2 gradients); Megatron's TransformerBlock then enters TE's fp8 autocast itself
     (around the whole block for delayed scaling, per layer otherwise). Needs the TE layer spec.
-    `pipeline_kwargs`: an uneven pipeline split (`MegatronLayout.megatron_pipeline_kwargs`)."""
-    pipeline_kwargs = pipeline_kwargs or {}
+    `first_stage_layers` / `last_stage_layers`: Megatron's uneven pipeline split (None: an even share)."""
     check_parallel_layout(arch, tensor_parallel, pipeline_parallel, expert_parallel,
-                          first_stage_layers=pipeline_kwargs.get("num_layers_in_first_pipeline_stage"),
-                          last_stage_layers=pipeline_kwargs.get("num_layers_in_last_pipeline_stage"))
+                          first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     on_gpu = torch.cuda.is_available()
     kwargs = moe_config_kwargs(arch, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                aux_loss_coeff=moe_aux_loss_coeff, dispatcher=moe_token_dispatcher,
                                expert_bias_update_rate=moe_expert_bias_update_rate)
-    kwargs.update(pipeline_kwargs)
+    kwargs.update({name: value for name, value in (("num_layers_in_first_pipeline_stage", first_stage_layers),
+                                                   ("num_layers_in_last_pipeline_stage", last_stage_layers))
+                   if value is not None})
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8_recipe:

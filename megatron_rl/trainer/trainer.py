@@ -154,7 +154,8 @@ class MegatronTrainer:
                                             expert_parallel=self.ep_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
                                             moe_token_dispatcher=cfg.moe_token_dispatcher,
                                             moe_expert_bias_update_rate=cfg.moe_expert_bias_update_rate,
-                                            pipeline_kwargs=self.layout.megatron_pipeline_kwargs())
+                                            first_stage_layers=parallel.first_stage_layers,
+                                            last_stage_layers=parallel.last_stage_layers)
         self.sequence_parallel = bool(self.tf_config.sequence_parallel)
         model = build_gpt_model(self.layout, self.tf_config, self.pg, pre_process=self.is_first_stage,
                                 post_process=self.is_last_stage)
