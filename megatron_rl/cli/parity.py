@@ -93,6 +93,11 @@ CASES: tuple[Case, ...] = (
         "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 12,
         **_rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
                 mscale=1.0, mscale_all_dim=1.0)}),
+    Case("gemma3_text (16-token window on 5 of 6 layers, local RoPE base, linear rope on global)",
+         "Gemma3TextConfig", {**_BASE, "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 24,
+                              "tie_word_embeddings": True, "rope_parameters": {
+                                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(
@@ -114,10 +119,11 @@ def hf_model(case: Case, seed: int = 0):
     config = getattr(transformers, case.config_class)(**case.fields, attn_implementation="eager")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    zero_centred = config.model_type.startswith("gemma")  # Gemma's norms scale by 1 + weight
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_((0.0 if zero_centred else 1.0) + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.5 * torch.randn_like(param))
             else:

@@ -14,6 +14,7 @@ from typing import Any
 from megatron_rl.config import ConfigError, require
 
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -151,6 +152,24 @@ class ModelArch:
     partial_rotary_factor: float = 1.0
     """RoPE rotates the first int(head_dim * factor) dims of each head (rotate-half within them) and passes the
     rest through (GLM-4.5: 0.5)."""
+    norm_offset: float = 0.0
+    """Every RMSNorm (layers, q/k norms, final norm) scales by (norm_offset + weight), computed in fp32 before the
+    cast back (Gemma 2 / 3: 1.0, whose norm weights are stored zero-centred); 0.0: weight alone, applied in the
+    activation dtype (Llama's order)."""
+    sandwich_norms: bool = False
+    """Each layer also normalises its attention output and its MLP output before adding them to the residual
+    (Gemma 2 / 3's post-attention and post-feed-forward RMSNorms)."""
+    embedding_multiplier: float = 1.0
+    """Input embeddings are multiplied by this, cast to the weights' dtype (Gemma: sqrt(hidden_size)); the tied
+    output projection uses the unscaled table."""
+    attention_scale: float | None = None
+    """Softmax scale of q . k (Gemma: query_pre_attn_scalar ** -0.5); None: 1 / sqrt(head_dim)."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with the tanh approximation, HF
+    `gelu_pytorch_tanh`)."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers, without scaling (Gemma 3's `sliding_attention` rope parameters);
+    None: every layer rotates with `rope_theta` and `rope_scaling`."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -213,6 +232,19 @@ class ModelArch:
         require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "partial_rotary_factor",
                 f"{self.partial_rotary_factor} x head_dim {self.head_dim} leaves {self.rotary_dim} rotary dims "
                 "(must be even and positive)")
+        require(self.mlp_activation in MLP_ACTIVATIONS, "mlp_activation",
+                f"{self.mlp_activation!r} is not supported (supported: {', '.join(MLP_ACTIVATIONS)})")
+        require(self.norm_offset in (0.0, 1.0), "norm_offset", f"must be 0.0 or 1.0, got {self.norm_offset}")
+        require(self.embedding_multiplier > 0, "embedding_multiplier", "must be positive")
+        require(self.attention_scale is None or self.attention_scale > 0, "attention_scale", "must be positive")
+        if self.local_rope_theta is not None:
+            require(self.local_rope_theta > 0, "local_rope_theta", "must be positive")
+            require(bool(self.windowed_layers) and not self.is_mla, "local_rope_theta",
+                    "a RoPE base for the sliding-window layers needs windowed layers (and no multi-latent attention)")
+        if self.sandwich_norms or self.norm_offset or self.mlp_activation != "silu":
+            require(not self.is_moe and not self.is_mla, "sandwich_norms",
+                    "Gemma's layer numerics (sandwich or (1 + w) norms, GeGLU) are implemented for dense "
+                    "grouped-query-attention models")
         require(self.shared_expert_ffn_hidden_size >= 0, "shared_expert_ffn_hidden_size", "must be >= 0")
         require(self.shared_expert_ffn_hidden_size == 0 or self.num_experts > 0, "shared_expert_ffn_hidden_size",
                 "a shared expert needs a mixture-of-experts model (num_experts > 0)")
@@ -315,6 +347,13 @@ class ModelArch:
             return None
         return self.sliding_window
 
+    def layer_rope(self, layer: int) -> ModelArch:
+        """The arch whose `rope_theta` / `rope_scaling` rotate 0-based `layer` (`models/rope.py` reads them): a
+        sliding-window layer of a model with a `local_rope_theta` rotates with that base, unscaled."""
+        if self.local_rope_theta is None or self.layer_window(layer) is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None, local_rope_theta=None)
+
     @property
     def windowed_layers(self) -> tuple[int, ...]:
         """The 0-based layers that attend through the sliding window."""
@@ -331,7 +370,7 @@ class ModelArch:
 
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
-        per_layer = self.attention_parameters() + 2 * h
+        per_layer = self.attention_parameters() + (4 if self.sandwich_norms else 2) * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         mlps = sum(self.mlp_parameters(i) for i in range(self.num_layers))
         return self.num_layers * per_layer + mlps + embed + h

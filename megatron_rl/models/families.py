@@ -75,6 +75,10 @@ class Family:
     mla: bool = False
     """Multi-latent attention (DeepSeek-V2/V3): `kv_lora_rank`, `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
     `v_head_dim` and `rope_interleave` are read."""
+    gemma: bool = False
+    """Gemma 3's layer numerics: (1 + w) RMSNorms everywhere, post-attention and post-feed-forward norms, embeddings
+    scaled by sqrt(hidden_size), softmax scale `query_pre_attn_scalar` ** -0.5, a GeGLU MLP (`hidden_activation`),
+    `rope_parameters` per layer type (the sliding-window layers' own base); q/k norms always."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -111,6 +115,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            experts_field="n_routed_experts", norm_topk_field="norm_topk_prob",
            shared_expert_count_field="n_shared_experts", shared_expert_module="shared_experts", sigmoid_router=True,
            mla=True, dense_layers_field="first_k_dense_replace", mtp_layers_field="num_nextn_predict_layers"),
+    # Gemma 3 text (Gemma-3-270M / 1B, and the language model of the larger ones): interleaved sliding-window and
+    # full layers (every sixth full by default), each type with its own RoPE base.
+    Family("gemma3_text", ("gemma3_text",), ("Gemma3ForCausalLM",), "Gemma3TextConfig", qk_norm=True,
+           bias_field="attention_bias", has_window=True, window_layer_types=True, gemma=True),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -302,9 +310,10 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
     fields it leaves out take the values transformers gives that family (`with_family_defaults`)."""
     family = family_of_hf_config(config, where)
     config = with_family_defaults(family, config, where)
-    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
+    if not family.gemma:
+        act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
     if config.get("mlp_bias"):
         raise _refuse(where, "mlp_bias", "MLP biases are not implemented")
     if config.get("attention_bias") and not family.qkv_bias and family.qkv_bias_field != "attention_bias":
@@ -316,6 +325,10 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         raise _refuse(where, "pretraining_tp", "sliced-projection emulation (pretraining_tp > 1) is not implemented")
     try:
         max_positions = int(config.get("max_position_embeddings", 4096))
+        gemma_fields = _gemma_fields(config, where) if family.gemma else {}
+        if family.gemma:  # the full-attention layers' parameters are the model's; the local ones' base is a field
+            config = {**config, "rope_parameters": config["rope_parameters"]["full_attention"]}
+            config.pop("rope_scaling", None)
         theta, scaling = _rope_scaling(config, where)
         arch_fields = dict(
             vocab_size=int(config["vocab_size"]),
@@ -339,8 +352,10 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         arch_fields.update(_mla_fields(config, where))
     qkv_bias = bool(config.get(family.qkv_bias_field)) if family.qkv_bias_field else family.qkv_bias
     qk_norm = bool(config.get(family.qk_norm_field)) if family.qk_norm_field else family.qk_norm
+    if family.gemma and window is None:
+        gemma_fields.pop("local_rope_theta")  # no sliding layer left to rotate with it
     try:
-        return ModelArch(**arch_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
+        return ModelArch(**arch_fields, **gemma_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
                          rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers,
                          partial_rotary_factor=_partial_rotary(family, config, where))
     except ConfigError as exc:
@@ -356,6 +371,54 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "kv_lora_rank": "kv_lora
              "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim", "moe_top_k": "num_experts_per_tok",
              "moe_norm_topk_prob": "norm_topk_prob", "moe_router_groups": "n_group", "moe_router_group_topk": "topk_group",
              "moe_routed_scaling_factor": "routed_scaling_factor", "partial_rotary_factor": "partial_rotary_factor"}
+
+
+_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _gemma_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArch fields of Gemma 3's layer numerics (its config class has filled every absent field)."""
+    act = config.get("hidden_activation")
+    if act not in _GEMMA_ACTIVATIONS:
+        raise _refuse(where, "hidden_activation", f"{act!r} is not supported (supported: "
+                      f"{', '.join(_GEMMA_ACTIVATIONS)})")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(field) is not None:
+            raise _refuse(where, field, f"{config[field]!r}: logit soft-capping is not implemented")
+    if config.get("use_bidirectional_attention"):
+        raise _refuse(where, "use_bidirectional_attention", "bidirectional attention (embedding models) is not "
+                      "implemented")
+    params = config.get("rope_parameters") or {}
+    if set(params) != {"sliding_attention", "full_attention"}:
+        raise _refuse(where, "rope_parameters", f"expected one entry per layer type (sliding_attention, "
+                      f"full_attention), got {sorted(params)}")
+    local = params["sliding_attention"] or {}
+    if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+        raise _refuse(where, "rope_parameters.sliding_attention", f"{local}: only plain RoPE (a rope_theta) is "
+                      "implemented for the sliding-window layers")
+    scalar = config.get("query_pre_attn_scalar")
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
+        raise _refuse(where, "query_pre_attn_scalar", f"{scalar!r}: must be a positive number")
+    return dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=int(config["hidden_size"]) ** 0.5,
+                attention_scale=scalar ** -0.5, mlp_activation=_GEMMA_ACTIVATIONS[act],
+                local_rope_theta=float(local.get("rope_theta", 10000.0)))
+
+
+def _gemma_config(arch: ModelArch) -> dict[str, Any]:
+    """The Gemma 3 HF fields of `arch` (refusing numerics Gemma's config cannot spell)."""
+    expected = dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=arch.hidden_size ** 0.5)
+    if any(getattr(arch, k) != v for k, v in expected.items()) or arch.attention_scale is None:
+        raise ConfigError(f"model family {arch.family!r} cannot express norm_offset={arch.norm_offset}, sandwich_norms="
+                          f"{arch.sandwich_norms}, embedding_multiplier={arch.embedding_multiplier}, attention_scale="
+                          f"{arch.attention_scale} in an HF config")
+    scalar = arch.attention_scale ** -2
+    act = {v: k for k, v in _GEMMA_ACTIVATIONS.items()}[arch.mlp_activation]
+    local = arch.local_rope_theta if arch.local_rope_theta is not None else arch.rope_theta
+    return {"hidden_activation": act, "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6
+            else scalar, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False,
+            "rope_parameters": {"full_attention": rope_parameters(arch),
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
 
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -575,7 +638,8 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         if family.window_flag:
             config[family.window_flag] = arch.sliding_window is not None
         if family.window_layer_types:
-            config["max_window_layers"] = 0
+            if not family.gemma:
+                config["max_window_layers"] = 0
             config["layer_types"] = ["sliding_attention" if arch.layer_window(i) else "full_attention"
                                      for i in range(arch.num_layers)]
         elif arch.sliding_window_layers is not None:
@@ -589,6 +653,12 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
                       v_head_dim=arch.v_head_dim, rope_interleave=arch.rope_interleave, attention_bias=False)
     if family.mtp_layers_field:
         config[family.mtp_layers_field] = 0  # multi-token-prediction layers are not kept
+    if family.gemma:
+        del config["hidden_act"], config["rope_theta"]
+        config.update(_gemma_config(arch))
+    elif arch.mlp_activation != "silu" or arch.norm_offset or arch.sandwich_norms or arch.local_rope_theta \
+            or arch.embedding_multiplier != 1.0 or arch.attention_scale is not None:
+        raise ConfigError(f"model family {family.name!r} cannot express Gemma's layer numerics in an HF config")
     config.update(extra)
     return config
 

@@ -77,6 +77,9 @@ class MegatronLayout:
             raise ConfigError("multi-latent attention is mapped onto Megatron's local layer spec only (Transformer "
                               "Engine's fuses its latent norms into the up projections): trainer.layer_spec local",
                               field="trainer.layer_spec")
+        if self.arch.sandwich_norms and self.layer_spec == "te":
+            raise ConfigError("Gemma's sandwich and (1 + w) norms are built on Megatron's local layer spec only: "
+                              "trainer.layer_spec local", field="trainer.layer_spec")
 
     @property
     def shards_per_stage(self) -> int:
@@ -116,13 +119,20 @@ class MegatronLayout:
         last = pp_rank == self.pp - 1
         return last and (not self.arch.tie_word_embeddings or self.pp > 1)
 
-    def norm_names(self, layer: int) -> tuple[str, str]:
-        """The Megatron names of global layer `layer`'s attention and MLP norms."""
+    def layer_norms(self, layer: int) -> list[tuple[str, str]]:
+        """(HF name, Megatron name) within global layer `layer` of each of its hidden-size norm weights: the
+        attention's and the MLP's input norms, then a sandwich model's output norms (`post_norm` of the
+        attention's and the MLP's output projections, trainer/model.py)."""
         if self.layer_spec == "te":
             # An MoE layer's MLP norm is its own module (TE cannot fuse it into the router and experts).
             mlp = "pre_mlp_layernorm.weight" if self.arch.layer_is_moe(layer) else "mlp.linear_fc1.layer_norm_weight"
-            return "self_attention.linear_qkv.layer_norm_weight", mlp
-        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+            attention = "self_attention.linear_qkv.layer_norm_weight"
+        else:
+            attention, mlp = "input_layernorm.weight", "pre_mlp_layernorm.weight"
+        megatron = [attention, mlp]
+        if self.arch.sandwich_norms:
+            megatron += ["self_attention.linear_proj.post_norm.weight", "mlp.linear_fc2.post_norm.weight"]
+        return list(zip(hf_layer_norm_names(self.arch), megatron))
 
 
 def pipeline_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None
@@ -320,7 +330,6 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
         moe = arch.layer_is_moe(layer)
-        norm_attn, norm_mlp = layout.norm_names(layer)
         if arch.is_mla:  # Megatron name -> its TP shards
             attention = {m: _tp_split(_rope_rows(_require(state, hf + h), h, arch), split, tp)
                          for h, m, split in mla_tensors(arch)}
@@ -366,8 +375,8 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
             else:
                 shard[meg + "mlp.linear_fc1.weight"] = fc1[t]
                 shard[meg + "mlp.linear_fc2.weight"] = fc2[t]
-            shard[meg + norm_attn] = _require(state, hf + "input_layernorm.weight").clone()
-            shard[meg + norm_mlp] = _require(state, hf + "post_attention_layernorm.weight").clone()
+            for hf_norm, meg_norm in layout.layer_norms(layer):
+                shard[meg + meg_norm] = _require(state, hf + hf_norm).clone()
             if arch.attention_bias:
                 shard[meg + "self_attention.linear_qkv.bias"] = qkv_bias[t]
             if arch.qk_norm:
@@ -439,6 +448,16 @@ def _tp_split(tensor: torch.Tensor, split: str | None, tp: int) -> list[torch.Te
     return [tensor.clone() for _ in range(tp)]
 
 
+def hf_layer_norm_names(arch: ModelArch) -> tuple[str, ...]:
+    """The published names (within a layer) of its hidden-size norms: attention input, MLP input, then a sandwich
+    model's attention output and MLP output (Gemma's `post_attention_layernorm` follows the attention, where
+    Llama's of that name precedes the MLP)."""
+    if arch.sandwich_norms:
+        return ("input_layernorm.weight", "pre_feedforward_layernorm.weight", "post_attention_layernorm.weight",
+                "post_feedforward_layernorm.weight")
+    return "input_layernorm.weight", "post_attention_layernorm.weight"
+
+
 def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of `arch` holds (published names), with its shape (lm_head left out
     when tied)."""
@@ -449,7 +468,7 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     per_layer = mla_tensor_shapes(arch) if arch.is_mla else {
         "self_attn.q_proj.weight": (arch.q_size, h), "self_attn.k_proj.weight": (arch.kv_size, h),
         "self_attn.v_proj.weight": (arch.kv_size, h), "self_attn.o_proj.weight": (h, arch.q_size)}
-    per_layer.update({"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
+    per_layer.update({name: (h,) for name in hf_layer_norm_names(arch)})
     if arch.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (arch.q_size,), "self_attn.k_proj.bias": (arch.kv_size,),
                           "self_attn.v_proj.bias": (arch.kv_size,)})
@@ -518,7 +537,6 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
         stage, local = layout.stage_of(layer)
         hf = f"model.layers.{layer}."
         meg = f"decoder.layers.{local}."
-        norm_attn, norm_mlp = layout.norm_names(layer)
         if arch.is_mla:
             for hf_name, meg_name, split in mla_tensors(arch):
                 parts = gather(stage, meg + meg_name)
@@ -553,8 +571,8 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
             state[hf + "mlp.gate_proj.weight"] = gate
             state[hf + "mlp.up_proj.weight"] = up
             state[hf + "mlp.down_proj.weight"] = torch.cat(gather(stage, meg + "mlp.linear_fc2.weight"), 1)
-        state[hf + "input_layernorm.weight"] = _require(shards[stage][0], meg + norm_attn).clone()
-        state[hf + "post_attention_layernorm.weight"] = _require(shards[stage][0], meg + norm_mlp).clone()
+        for hf_norm, meg_norm in layout.layer_norms(layer):
+            state[hf + hf_norm] = _require(shards[stage][0], meg + meg_norm).clone()
         if arch.attention_bias:
             qb, kb, vb = split_qkv_bias(gather(stage, meg + "self_attention.linear_qkv.bias"), arch)
             state[hf + "self_attn.q_proj.bias"] = qb

@@ -29,17 +29,23 @@ def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x * rsqrt(mean(x^2) + eps)) over the last dim (HF Llama's order of operations);
-    statistics in fp32 or better. Saves x and the per-row rsqrt only."""
+    """y = weight * (x * rsqrt(mean(x^2) + eps)) over the last dim (HF Llama's order of operations: the
+    normalised x cast to x's dtype, then scaled); with an `offset` (Gemma's zero-centred weights),
+    y = (x * rsqrt(...)) * (offset + weight) in fp32, then cast (Gemma's order). Statistics in fp32 or better.
+    Saves x and the per-row rsqrt only."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, offset: float = 0.0):
         rows = x.reshape(-1, x.shape[-1])
         xf = _at_least_fp32(rows)
         rstd = torch.rsqrt(torch.linalg.vecdot(xf, xf).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
-        normed = (xf * rstd).to(x.dtype)
-        out = normed.mul_(weight) if weight.dtype == x.dtype else weight * normed
+        if offset:
+            out = (xf * rstd).mul_(_at_least_fp32(weight) + offset).to(x.dtype)
+        else:
+            normed = (xf * rstd).to(x.dtype)
+            out = normed.mul_(weight) if weight.dtype == x.dtype else weight * normed
         ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset = offset
         return out.view(x.shape)
 
     @staticmethod
@@ -52,20 +58,22 @@ class _RMSNormFunction(torch.autograd.Function):
             grad_weight = (g * xhat).sum(0).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            gxhat = g * _at_least_fp32(weight)
+            gxhat = g * (_at_least_fp32(weight) + ctx.offset)
             # d/dx of x * r(x): r * (gxhat - xhat * mean(gxhat * xhat))
             mean = torch.linalg.vecdot(gxhat, xhat).div_(rows.shape[-1]).unsqueeze(-1)
             grad_x = gxhat.addcmul_(xhat, mean, value=-1.0).mul_(rstd).to(rows.dtype).view(grad_out.shape)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """torch's `RMSNorm` (what Megatron's local spec builds) with a fused backward: same `weight`."""
+    """torch's `RMSNorm` (what Megatron's local spec builds) with a fused backward: same `weight`. `offset`
+    1.0 makes it Gemma's zero-centred norm (scaled by 1 + weight; trainer/model.py sets it)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = 0.0
 
     @classmethod
     def replacing(cls, norm: torch.nn.RMSNorm) -> FusedRMSNorm:
@@ -75,7 +83,7 @@ class FusedRMSNorm(torch.nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

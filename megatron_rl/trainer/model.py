@@ -10,6 +10,7 @@ self-test (`transformer_engine_problem`); otherwise the local spec
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -24,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -78,13 +80,26 @@ def transformer_engine_problem() -> str | None:
     return None
 
 
-def resolve_layer_spec(requested: Literal["auto", "local", "te"]) -> Literal["local", "te"]:
+def resolve_layer_spec(requested: Literal["auto", "local", "te"], arch: ModelArch | None = None, *,
+                       lora: bool = False) -> Literal["local", "te"]:
+    """The layer spec a run builds. LoRA's low-rank path, multi-latent attention and Gemma's sandwich norms are
+    built on the local layers only: `auto` takes those for them (LoRA even when `te` is asked for)."""
+    if lora or (requested == "auto" and arch is not None and (arch.is_mla or arch.sandwich_norms)):
+        return "local"
     if requested == "auto":
         problem = transformer_engine_problem()
         if problem and torch.cuda.is_available():
             logger.warning("layer_spec auto: Transformer Engine is not usable (%s); using the local layers", problem)
         return "local" if problem else "te"
     return requested
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation: transformers' `gelu_pytorch_tanh` (Gemma's GeGLU)."""
+    return F.gelu(x, approximate="tanh")
+
+
+MLP_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
 def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parallel: int,
@@ -125,10 +140,11 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         config_class, kv_channels = MLATransformerConfig, arch.v_head_dim  # the attention output's per-head width
         kwargs.update(mla_config_kwargs(arch, tensor_parallel))
     _, rope_scale = rope_inv_freq(arch)
-    if rope_scale != 1.0:
+    if rope_scale != 1.0 or arch.attention_scale is not None:
         # HF multiplies both cos and sin by the RoPE attention scaling (YaRN), i.e. q.k by its square:
         # the same as a softmax scale of scaling^2 / sqrt(head_dim), which Megatron takes as is.
-        kwargs.update(softmax_scale=rope_scale ** 2 / math.sqrt(arch.head_dim))
+        scale = arch.attention_scale if arch.attention_scale is not None else 1 / math.sqrt(arch.head_dim)
+        kwargs.update(softmax_scale=rope_scale ** 2 * scale)
     return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -139,7 +155,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=MLP_ACTIVATIONS[arch.mlp_activation],
         add_bias_linear=False,
         add_qkv_bias=arch.attention_bias,
         qk_layernorm=arch.qk_norm,
@@ -157,7 +173,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # torch / Megatron fallbacks on any CUDA build. persist_layer_norm needs Apex's persistent kernel,
         # which the torch RMSNorm of the local spec asserts against.
         apply_rope_fusion=transformer_engine_available() and not arch.is_mla,  # (MLA's fusion is YaRN-only)
-        bias_activation_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and arch.mlp_activation == "silu",  # (Megatron fuses erf-GELU, not tanh)
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
@@ -219,10 +235,12 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
                 sequence_parallel=tensor_parallel > 1)
 
 
-def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0, mla: bool = False):
+def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0, mla: bool = False,
+               sandwich_norms: bool = False):
     """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE;
     `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM); `mla`:
-    multi-latent attention, with its RMSNorms on the q and kv latents."""
+    multi-latent attention, with its RMSNorms on the q and kv latents; `sandwich_norms` (local only): the
+    attention's and the MLP's output projections normalise what they return (Gemma's post-norms)."""
     moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
     if mla:
         moe.update(multi_latent_attention=True)
@@ -231,6 +249,9 @@ def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_exper
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    if sandwich_norms:
+        spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
+        spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
     if mla:
         # The latent down projections replicated on every TP rank, each computing its sequence-parallel chunk (what
         # Transformer Engine's spec does with its duplicated linears). Megatron's local spec splits them over TP
@@ -245,10 +266,16 @@ def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool)
     """The layer specs of pipeline stage `pp_rank`: an MoE layer's or a dense one's as `ModelArch.layer_is_moe`
     says (one spec for all when they agree)."""
     arch, kind = layout.arch, layout.layer_spec
-    dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla)
+    dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla, sandwich_norms=arch.sandwich_norms)
     moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts, mla=arch.is_mla) \
         if arch.is_moe else dense
-    layers = [moe if arch.layer_is_moe(i) else dense for i in layout.stage_layers(pp_rank)]
+    local_rope = None
+    if arch.local_rope_theta is not None:  # the windowed layers rotate with a RoPE of their own
+        local_rope = copy.deepcopy(dense)
+        local_rope.submodules.self_attention.module = _local_rope_attention_class(
+            local_rope.submodules.self_attention.module, arch.layer_rope(arch.windowed_layers[0]))
+    layers = [moe if arch.layer_is_moe(i) else local_rope if arch.layer_rope(i) is not arch else dense
+              for i in layout.stage_layers(pp_rank)]
     if sequence_parallel and kind == "local":
         return sequence_parallel_block_spec(layers)
     if all(spec is layers[0] for spec in layers):
@@ -301,6 +328,42 @@ def _sdpa_attention_class():
     return SDPADotProductAttention
 
 
+class PostNormRowParallelLinear(RowParallelLinear):
+    """Megatron's row-parallel linear whose output goes through an RMSNorm of its own (`post_norm`), before the
+    residual add: Gemma's post-attention and post-feed-forward norms as parts of the attention's and the MLP's
+    output projections, whose outputs are whole hidden vectors per token (all-reduced, or each rank's sequence
+    chunk under sequence parallelism, whose norm-weight gradient finalize_model_grads sums over TP)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_norm = torch.nn.RMSNorm(output_size, eps=config.layernorm_epsilon)
+        self.post_norm.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if bias is not None:
+            raise ValueError("a post-norm projection with a bias is not implemented (the norm follows the bias)")
+        return self.post_norm(output), None
+
+
+def _local_rope_attention_class(base: type, rope_arch: ModelArch) -> type:
+    """`base` (Megatron's SelfAttention) rotating q and k with `rope_arch`'s RoPE instead of the model's (Gemma 3's
+    sliding-window layers: their own base, unscaled). The model hands every layer one table for positions
+    0 .. S-1; this layer builds its own of the same length."""
+    class LocalRopeSelfAttention(base):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.local_rotary = ArchRotaryEmbedding(rope_arch, use_cpu_initialization=config.use_cpu_initialization)
+
+        def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+            if rotary_pos_emb is not None:
+                length = (rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb).shape[0]
+                rotary_pos_emb = self.local_rotary(length)
+            return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+    return LocalRopeSelfAttention
+
+
 class ArchRotaryEmbedding(RotaryEmbedding):
     """Megatron's rotary embedding with the inverse frequencies of `models/rope.py` (every HF rope_type).
     'dynamic' scaling recomputes them from the forward's sequence length (the padded micro-batch length),
@@ -347,4 +410,13 @@ def build_gpt_model(layout: MegatronLayout, config, pg_collection, *, pre_proces
                 rotary.inv_freq = rope_inv_freq(arch, device=rotary.inv_freq.device)[0]
     if layout.layer_spec == "local":  # (Transformer Engine fuses these itself)
         local_fusions.fuse_model(model)
+    if arch.norm_offset:  # zero-centred norms (Gemma): every norm scales by 1 + weight, initially 1
+        for module in model.modules():
+            if isinstance(module, local_fusions.FusedRMSNorm):
+                module.offset = arch.norm_offset
+                with torch.no_grad():
+                    module.weight.zero_()
+    if arch.embedding_multiplier != 1.0 and pre_process:
+        multiplier = torch.tensor(arch.embedding_multiplier, dtype=torch.float32)
+        model.embedding.register_forward_hook(lambda _module, _inputs, out: out * multiplier.to(out.dtype))
     return model

@@ -137,7 +137,7 @@ class MegatronTrainer:
         self.lora = cfg.lora if cfg.lora.enabled and not self.frozen else None
         # LoRA's low-rank path runs beside Megatron's local linears (its Transformer Engine path is not built).
         self.layout = MegatronLayout(self.arch, tp=self.tp_size, pp=self.pp_size,
-                                     layer_spec="local" if self.lora else resolve_layer_spec(cfg.layer_spec),
+                                     layer_spec=resolve_layer_spec(cfg.layer_spec, self.arch, lora=bool(self.lora)),
                                      vocab_divisible_by=cfg.vocab_divisible_by, ep=self.ep_size,
                                      first_stage_layers=parallel.first_stage_layers,
                                      last_stage_layers=parallel.last_stage_layers)

@@ -210,7 +210,6 @@ class _PlanBuilder:
             for layer in range(a.num_layers):
                 pp, local = m.stage_of(layer)
                 hf, meg = f"model.layers.{layer}.", f"decoder.layers.{local}."
-                norm_attn, norm_mlp = m.norm_names(layer)
                 if a.is_mla:
                     self._add_mla(r, hf, meg, pp, replicated)
                 else:
@@ -223,8 +222,8 @@ class _PlanBuilder:
                     self.add(r, hf + "mlp.up_proj.weight", (fe, h), 0, r * fe, (r + 1) * fe, pp, fc1, up_map, h)
                     self.add(r, hf + "mlp.down_proj.weight", (h, fe), 1, r * fe, (r + 1) * fe, pp,
                              meg + "mlp.linear_fc2.weight", proj_map_f(fm), h)
-                self.add(r, hf + "input_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_attn, replicated, 1)
-                self.add(r, hf + "post_attention_layernorm.weight", (h,), 0, 0, h, pp, meg + norm_mlp, replicated, 1)
+                for hf_norm, meg_norm in m.layer_norms(layer):
+                    self.add(r, hf + hf_norm, (h,), 0, 0, h, pp, meg + meg_norm, replicated, 1)
         return ReshardPlan(m, e, self.shapes, self.copies)
 
     def _add_attention(self, r: int, hf: str, meg: str, pp: int, replicated, maps, rows) -> None:

@@ -23,6 +23,7 @@ longest sequence sets the length of all, are not reproduced).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -45,6 +46,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm: the normalised x scaled by (offset + weight), both in fp32, then cast."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+    return out.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -176,6 +184,16 @@ class LlamaModel:
         if a.is_mla and scaling is not None and scaling.mscale_all_dim and scaling.factor > 1:
             # transformers' yarn_apply_mscale: MLA models scale q . k by mscale^2 beyond the rotary attention factor
             self.scale *= (0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0) ** 2
+        if a.attention_scale is not None:  # (Gemma: query_pre_attn_scalar ** -0.5)
+            self.scale = a.attention_scale
+        # each layer's RoPE (Gemma 3's sliding-window layers rotate with a base of their own)
+        self.layer_rope = [0 if a.layer_rope(i) is a else 1 for i in range(a.num_layers)]
+        self.ropes = [self.rope] + ([_Rope(a.layer_rope(a.windowed_layers[0]), max_seq_len, weights.embed.device,
+                                           weights.embed.dtype)] if a.local_rope_theta is not None else [])
+        self.act = F.silu if a.mlp_activation == "silu" else functools.partial(F.gelu, approximate="tanh")
+        self.embedding_multiplier = torch.tensor(a.embedding_multiplier, dtype=torch.float32).to(weights.embed.dtype)
+        offset = a.norm_offset
+        self.rms_norm = _rms_norm if not offset else functools.partial(_offset_rms_norm, offset=offset)
         self.windows = [a.layer_window(i) for i in range(a.num_layers)]
         self.adapters: EngineAdapters | None = None  # LoRA beside the base weights (lora.py)
 
@@ -200,8 +218,13 @@ class LlamaModel:
             return F.linear(h, weight, bias) if packed is None else packed(h, bias)
 
         x = F.embedding(tokens, w.embed)
-        cos, raw_sin = self.rope(batch.positions, batch.rope_lens)
-        sin = _signed_sin(raw_sin)
+        if a.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        rotations = []  # (cos, unsigned sin, signed sin) of each RoPE the layers use
+        for rope in self.ropes:
+            cos, raw_sin = rope(batch.positions, batch.rope_lens)
+            rotations.append((cos, raw_sin, _signed_sin(raw_sin)))
+        norm = self.rms_norm
         dec_masks: dict[int | None, tuple[int, torch.Tensor]] = {}
         if n_dec:
             t_max = int(batch.dec_lens.max())
@@ -236,7 +259,8 @@ class LlamaModel:
         adapters = self.adapters
         for li, layer in enumerate(w.layers):
             packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
-            h = _rms_norm(x, layer.ln1, a.norm_eps)
+            cos, raw_sin, sin = rotations[self.layer_rope[li]]
+            h = norm(x, layer.ln1, a.norm_eps)
             if layer.mla is not None:
                 q, k = mla_qkv(layer.mla, h, a, cos, raw_sin, sin)
                 kc = k_cache[li]                            # [slots, 1, T, latent + rotary key]
@@ -247,8 +271,8 @@ class LlamaModel:
                     qkv = adapters.apply(li, "qkv", h, qkv)
                 qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
                 if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-                    q = _rope(_rms_norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
-                    k = _rope(_rms_norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
+                    q = _rope(norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
+                    k = _rope(norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
                 else:
                     qk = _rope(qk, cos, sin)
                     q, k = qk[:, :n_heads], qk[:, n_heads:]
@@ -291,19 +315,23 @@ class LlamaModel:
             if layer.mla is not None:  # each head's latent output through its value projection
                 out = mla_values(layer.mla, out, a)
             attn = matmul(out, layer.o, packed[1])
-            x = x + (attn if adapters is None else adapters.apply(li, "o", out, attn))
-            h = _rms_norm(x, layer.ln2, a.norm_eps)
+            if adapters is not None:
+                attn = adapters.apply(li, "o", out, attn)
+            x = x + (attn if layer.post_attn_norm is None else norm(attn, layer.post_attn_norm, a.norm_eps))
+            h = norm(x, layer.ln2, a.norm_eps)
             if layer.moe is not None:  # mixture of experts (moe.py)
                 x = x + moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
                 continue
             gate_up = matmul(h, layer.gate_up, packed[2])
             if adapters is not None:
                 gate_up = adapters.apply(li, "gate_up", h, gate_up)
-            act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            act = self.act(gate_up[:, :ffn]) * gate_up[:, ffn:]
             down = matmul(act, layer.down, packed[3])
-            x = x + (down if adapters is None else adapters.apply(li, "down", act, down))
+            if adapters is not None:
+                down = adapters.apply(li, "down", act, down)
+            x = x + (down if layer.post_mlp_norm is None else norm(down, layer.post_mlp_norm, a.norm_eps))
         rows = batch.logit_rows.numel()
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
-        h = _rms_norm(x, w.norm, a.norm_eps)
+        h = norm(x, w.norm, a.norm_eps)
         return matmul(h, w.lm_head, w.packed_lm_head).float()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.megatron_layout import mla_tensor_shapes
+from megatron_rl.models.megatron_layout import hf_layer_norm_names, mla_tensor_shapes
 from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
 from megatron_rl.weight_sync.delta import WeightDelta
 from megatron_rl.weight_sync.reshard import Bucket, BucketEntry, BucketLayout
@@ -61,7 +61,8 @@ class PackedMatrix:
 
 
 class _Layer:
-    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "moe", "mla")
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "post_attn_norm",
+                 "post_mlp_norm", "moe", "mla")
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
         """The layer's dense GEMM weights in forward order (qkv, o, then gate_up, down unless MoE)."""
@@ -117,7 +118,7 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
         else:
             block((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)))
             block((p + "mlp.down_proj.weight", (h, f)))
-        block((p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)))
+        block(*((p + name, (h,)) for name in hf_layer_norm_names(arch)))
     return BucketLayout(dtype, numel, tuple(entries))
 
 
@@ -174,7 +175,9 @@ class LlamaWeights:
                 layer.moe = None
                 layer.gate_up = fused(p + "mlp.gate_proj.weight", 2 * f)     # [2f, h]
                 layer.down = t[p + "mlp.down_proj.weight"]                  # [h, f]
-            layer.ln1, layer.ln2 = t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"]
+            # attention input, MLP input (and a sandwich model's attention and MLP output) norms
+            norms = [t[p + name] for name in hf_layer_norm_names(arch)] + [None, None]
+            layer.ln1, layer.ln2, layer.post_attn_norm, layer.post_mlp_norm = norms[:4]
             self.layers.append(layer)
         self._layer_of = {name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1
                           for name in self._targets}
