@@ -39,6 +39,31 @@ def test_rms_norm_matches_hf_llama_order(dtype):
         torch.testing.assert_close(got, want, **_close(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (Gemma's norm computes in fp32 always)
+def test_zero_centred_rms_norm_matches_gemma3(dtype):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 3, 16, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    weight = (0.3 * torch.randn(16, generator=gen, dtype=torch.float64)).to(dtype)
+    grad_out = torch.randn(5, 3, 16, generator=gen, dtype=torch.float64).to(dtype)
+    hf = Gemma3RMSNorm(16, eps=1e-6).to(dtype)
+    assert transformers.__version__  # the reference is transformers' own module
+
+    def reference(x, w):
+        return torch.func.functional_call(hf, {"weight": w}, (x,))
+
+    fused = lambda x, w: local_fusions._RMSNormFunction.apply(x, w, 1e-6, 1.0)
+    (ref_out, ref_grads), (out, grads) = (_grads(f, x, weight, grad_out=grad_out) for f in (reference, fused))
+    # bf16: both compute in fp32 and round once on the way out, gradients too: at most one bf16 ulp apart
+    # (2^-7 relative), plus fp32 summation-order differences where cancellation leaves values near zero
+    close = {"rtol": 2 ** -7, "atol": 1e-4} if dtype == torch.bfloat16 else _close(dtype)
+    torch.testing.assert_close(out, ref_out, **close)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, **close)
+
+
 def test_fuse_model_swaps_torch_norms_keeping_their_parameters():
     model = torch.nn.Sequential(torch.nn.RMSNorm(8, eps=1e-6), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     weight = model[0].weight

@@ -51,7 +51,7 @@ def test_every_family_and_rope_type_is_covered():
     assert all(parity.case_tokens(c, parity.case_model(c)[1]).shape[1] - 1 >= 4096 for c in LONG)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.fields["rope_parameters"]["rope_type"] != "default"],
+@pytest.mark.parametrize("case", [c for c in CASES if c.fields["rope_parameters"].get("rope_type", "default") != "default"],
                          ids=lambda c: c.name)
 @pytest.mark.parametrize("seq_len", [10, 4096, 20000])
 def test_rope_frequencies_are_bit_exact(built, case, seq_len):
@@ -314,7 +314,8 @@ def _expected_from_transformers(config_class: str, config: dict) -> dict:
     """What transformers' own config class makes of `config`: the values its model runs with."""
     conf = getattr(transformers, config_class).from_dict(dict(config))
     heads = conf.num_attention_heads
-    expected = {"norm_eps": conf.rms_norm_eps, "rope_theta": conf.rope_parameters["rope_theta"],
+    rope = conf.rope_parameters.get("full_attention", conf.rope_parameters)  # (Gemma 3: one per layer type)
+    expected = {"norm_eps": conf.rms_norm_eps, "rope_theta": rope["rope_theta"],
                 "max_position_embeddings": conf.max_position_embeddings,
                 "head_dim": getattr(conf, "head_dim", None) or conf.hidden_size // heads,
                 "num_query_groups": conf.num_key_value_heads or heads,
@@ -327,6 +328,9 @@ def _expected_from_transformers(config_class: str, config: dict) -> dict:
                         moe_routed_scaling_factor=conf.routed_scaling_factor, moe_norm_topk_prob=conf.norm_topk_prob,
                         partial_rotary_factor=conf.rope_parameters.get("partial_rotary_factor", 1.0),
                         moe_layer_indices=tuple(range(conf.first_k_dense_replace, conf.num_hidden_layers)))
+    if "sliding_attention" in conf.rope_parameters:
+        expected.update(local_rope_theta=conf.rope_parameters["sliding_attention"]["rope_theta"],
+                        attention_scale=conf.query_pre_attn_scalar ** -0.5)
     window = getattr(conf, "sliding_window", None)
     kinds = getattr(conf, "layer_types", None) or ["sliding_attention"] * conf.num_hidden_layers
     expected["windows"] = [window if kind == "sliding_attention" else None for kind in kinds]

@@ -1,4 +1,4 @@
-"""Sliding-window attention (Mistral v0.1, Qwen2 / Qwen3 `use_sliding_window` with `layer_types`, Mixtral,
+"""Sliding-window attention (Mistral v0.1, Qwen2 / Qwen3 `use_sliding_window` with `layer_types`, Mixtral, Gemma 3,
 Qwen3-MoE): the registry reads the windowed layers as transformers' config classes do, the trainer and the
 native engine equal transformers (its sliding-window mask) on sequences far longer than the window, with shared
 prefixes longer than the window and batches mixing lengths, and the engine's windowed layers keep about one
@@ -33,14 +33,23 @@ QWEN2_WINDOWED = parity.Case("qwen2 (128-token window on layer 1)", "Qwen2Config
     use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
 
+# Gemma 3's pattern (sliding layers, then a full one) with each type's own RoPE base, its (1 + w) and sandwich norms
+GEMMA3_WINDOWED = parity.Case("gemma3_text (128-token window on layer 0)", "Gemma3TextConfig", dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+    sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}))
+LONG_WINDOWED = [QWEN2_WINDOWED, GEMMA3_WINDOWED]
+
 
 def _config(config_class: str, **fields) -> dict:
     return getattr(transformers, config_class)(**{**parity._BASE, **fields}).to_dict()
 
 
-@pytest.fixture(scope="module")
-def qwen2_windowed():
-    return parity.case_model(QWEN2_WINDOWED)
+@pytest.fixture(scope="module", params=LONG_WINDOWED, ids=lambda c: c.config_class)
+def long_windowed(request):
+    return parity.case_model(request.param)
 
 
 @pytest.mark.parametrize("config_class,fields,window,layers", [
@@ -55,6 +64,9 @@ def qwen2_windowed():
                          layer_types=["sliding_attention", "full_attention"]), 16, (0,)),
     ("Qwen3MoeConfig", dict(use_sliding_window=True, sliding_window=16, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32), 16, None),
+    ("Gemma3TextConfig", dict(sliding_window=16), 16, None),                    # the default pattern: 5 of 6
+    ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 16, (0,)),
+    ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["full_attention"] * 2), None, None),
 ])
 def test_the_windowed_layers_are_those_transformers_builds(config_class, fields, window, layers):
     config = _config(config_class, **fields)
@@ -83,6 +95,14 @@ def _windows_applied(model) -> list:
     (_config("Qwen2Config", use_sliding_window=True, sliding_window=16,
              layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
     (_config("MistralConfig", sliding_window=0), "sliding_window"),
+    (_config("Gemma3TextConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (_config("Gemma3TextConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (_config("Gemma3TextConfig", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (_config("Gemma3TextConfig", hidden_activation="gelu"), "hidden_activation"),
+    (_config("Gemma3TextConfig", attention_bias=True), "attention_bias"),
+    (_config("Gemma3TextConfig", rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), "rope_parameters.sliding_attention"),
 ])
 def test_a_window_the_code_cannot_honour_is_refused_by_name(config, field):
     with pytest.raises(ConfigError, match=rf"field '{field}'"):
@@ -96,27 +116,28 @@ def test_a_mistral_window_on_some_layers_only_cannot_be_exported():
         families.to_hf_config(arch)
 
 
-def test_trainer_logits_equal_transformers_at_1000_positions(qwen2_windowed):
-    model, arch, state = qwen2_windowed
+def test_trainer_logits_equal_transformers_at_1000_positions(long_windowed):
+    model, arch, state = long_windowed
     tokens = torch.randint(0, arch.vocab_size, (1, 1001), generator=torch.Generator().manual_seed(1))
     expected = parity.reference_logits(model, tokens)
     got = parity.trainer_logits(arch, state, tokens)
     # fp32 sums over at most 1,000 keys of O(1) terms: ~1e-6 relative, logits are O(1)
     assert (got - expected).abs().max().item() <= 1e-5
-    dense = dataclasses.replace(arch, sliding_window=None, sliding_window_layers=None)
+    dense = dataclasses.replace(arch, sliding_window=10 ** 6)  # the same layers, a window wider than the sequence
     assert (parity.trainer_logits(dense, state, tokens) - expected).abs().max().item() > 1e-2  # the window bites
 
 
-def test_trainer_logits_equal_transformers_at_1000_positions_at_tp2():
+@pytest.mark.parametrize("long_case", LONG_WINDOWED, ids=lambda c: c.config_class)
+def test_trainer_logits_equal_transformers_at_1000_positions_at_tp2(long_case):
     from megatron_rl.placement.launch import run_distributed
 
     # two KV heads, so that TP=2 splits them
-    case = dataclasses.replace(QWEN2_WINDOWED, fields={**QWEN2_WINDOWED.fields, "num_key_value_heads": 2})
+    case = dataclasses.replace(long_case, fields={**long_case.fields, "num_key_value_heads": 2})
     model, arch, state = parity.case_model(case)
     tokens = torch.randint(0, arch.vocab_size, (1, 1001), generator=torch.Generator().manual_seed(1))
     got = run_distributed(parity._parallel_worker, 2, [(arch, state, tokens, 2, 1)])[0][0]
     worst = (got - parity.reference_logits(model, tokens)).abs().max().item()
-    print(f"TP=2 max |logit difference| at 1,000 positions, 128-token window: {worst:.2e}")
+    print(f"{arch.family} TP=2 max |logit difference| at 1,000 positions, 128-token window: {worst:.2e}")
     assert worst <= 1e-5
 
 
@@ -172,8 +193,10 @@ def _private_bytes(tensor: torch.Tensor) -> int:
     return sum(page for e in entries if e >> 63 & 1 and e >> 56 & 1)
 
 
-def test_engine_equals_transformers_at_2000_positions_with_shared_prefixes_and_mixed_lengths(qwen2_windowed):
-    model, arch, state = qwen2_windowed
+def test_engine_equals_transformers_at_2000_positions_with_shared_prefixes_and_mixed_lengths(long_windowed):
+    model, arch, state = long_windowed
+    windowed = arch.windowed_layers[0]
+    full = next(i for i in range(arch.num_layers) if arch.layer_window(i) is None)
     g = torch.Generator().manual_seed(2)
     base = torch.randint(0, arch.vocab_size, (1900,), generator=g).tolist()
     prompts = [
@@ -190,13 +213,13 @@ def test_engine_equals_transformers_at_2000_positions_with_shared_prefixes_and_m
     resident: dict[str, int] = {}
 
     def measure(sample_id, token, logprob, version):
-        # the cache mid-generation (every prefix copied, the long sequences past 1,900 positions): windowed
-        # layer 1 against full layer 0
+        # the cache mid-generation (every prefix copied, the long sequences past 1,900 positions): the windowed
+        # layer against the full one
         counts[sample_id] = counts.get(sample_id, 0) + 1
         if sample_id == "p0" and counts[sample_id] == 50 and sys.platform.startswith("linux"):
             cache = engine.kv_cache
-            resident["full"] = _private_bytes(cache.k[0]) + _private_bytes(cache.v[0])
-            resident["windowed"] = _private_bytes(cache.k[1]) + _private_bytes(cache.v[1])
+            resident["full"] = _private_bytes(cache.k[full]) + _private_bytes(cache.v[full])
+            resident["windowed"] = _private_bytes(cache.k[windowed]) + _private_bytes(cache.v[windowed])
             # positions each sequence has computed since its windowed-layer release point
             resident["held"] = sum(len(s.prompt) + len(s.output) - cache.dropped[s.slot] for s in engine._running)
 
@@ -212,14 +235,15 @@ def test_engine_equals_transformers_at_2000_positions_with_shared_prefixes_and_m
         assert out.output_ids == hf_ids
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
         worst = max(worst, (ref - torch.tensor(out.output_logprobs)).abs().max().item())
-    print(f"engine at 2,000 positions: max |log-prob difference| {worst:.2e}, shared prefix tokens {shared}")
+    print(f"{arch.family} engine at 2,000 positions: max |log-prob difference| {worst:.2e}, shared prefix tokens "
+          f"{shared}")
     assert worst <= 1e-5
     assert shared >= 1500 + 1899  # prompts 1 and 2 copied their prefixes rather than recomputing them
     if sys.platform.startswith("linux"):
         row = arch.kv_size * 4  # bytes per position per layer, K or V
         full_positions = resident["full"] / (2 * row)
         windowed_positions = resident["windowed"] / (2 * row)
-        print(f"resident KV positions (5 sequences, 3 past 1,600 tokens): full layer {full_positions:.0f}, "
+        print(f"{arch.family} resident KV positions (5 sequences, 3 past 1,600 tokens): full layer {full_positions:.0f}, "
               f"windowed layer {windowed_positions:.0f}")
         # the full layer holds every position of the long sequences; a windowed one only each sequence's
         # positions since its release point (at most a window and DROP_POSITIONS), plus partial pages
