@@ -202,9 +202,9 @@ def _moe_hf_config(reader, arch: str, path: str) -> dict:
 
 def _gemma3_hf_config(reader, path: str) -> dict:
     """The HF config.json of a Gemma 3 GGUF, with what llama.cpp's gemma3 graph fixes in code rather than in the
-    metadata: every sixth layer global, the sliding layers' RoPE base 10,000 (unless `rope.freq_base_swa` says),
-    q . k scaled by 1/sqrt(head_dim) except for the 27B shape (62 layers: 1/sqrt(hidden / heads)), which is
-    Gemma 3's `query_pre_attn_scalar` of each published size."""
+    metadata: every sixth layer global (unless `attention.sliding_window_pattern` says), the sliding layers' RoPE
+    base 10,000 (unless `rope.freq_base_swa` says), q . k scaled by 1/sqrt(head_dim) except for the 27B shape (62
+    layers: 1/sqrt(hidden / heads)), which is Gemma 3's `query_pre_attn_scalar` of each published size."""
     def get(key: str, default=None):
         return _value(reader, f"gemma3.{key}", path, default)
 
@@ -217,6 +217,14 @@ def _gemma3_hf_config(reader, path: str) -> dict:
     if scaling is not None:
         full.update({k: v for k, v in dataclasses.asdict(scaling).items() if v is not None})
     window = reader.fields.get("gemma3.attention.sliding_window")
+    pattern = get("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)  # a period, or one flag per layer
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ConfigError(f"{path}: GGUF metadata field 'gemma3.attention.sliding_window_pattern' has "
+                              f"{len(pattern)} entries for {layers} layers")
+        kinds = {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+    else:
+        kinds = {"sliding_window_pattern": int(pattern)}
     return {
         "model_type": "gemma3_text", "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
@@ -225,7 +233,7 @@ def _gemma3_hf_config(reader, path: str) -> dict:
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "sliding_window": None if window is None else int(window.contents()),
-        "sliding_window_pattern": _GEMMA3_SWA_PATTERN,
+        **kinds,
         "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "rope_parameters": {"full_attention": full, "sliding_attention": {
