@@ -10,10 +10,12 @@ from tokenizers import AddedToken, Tokenizer, processors
 from transformers import PreTrainedTokenizerFast
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+SHIPPED = Path(__file__).parent.parent / "examples" / "chat_templates"  # templates the project ships (README there)
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                  "<|eom_id|>", "<|python_tag|>"]
 # SmolLM2's vocabulary already has <|im_start|>, <|im_end|> and <|endoftext|> as special tokens.
 QWEN_PLAIN_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+GEMMA3_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"]
 MISTRAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
@@ -29,7 +31,8 @@ class Family:
 
     @property
     def template(self) -> str:
-        return (FIXTURES / self.template_file).read_text(encoding="utf-8")
+        folder = FIXTURES if (FIXTURES / self.template_file).exists() else SHIPPED
+        return (folder / self.template_file).read_text(encoding="utf-8")
 
 
 FAMILIES = {
@@ -42,6 +45,7 @@ FAMILIES = {
     "qwen3": Family("Qwen-Qwen3-0.6B.jinja", eos="<|im_end|>", pad="<|endoftext|>", plain=tuple(QWEN_PLAIN_TOKENS)),
     "mistral-v0.3": Family("mistralai-Mistral-7B-Instruct-v0.3.jinja", eos="</s>", bos="<s>",
                            special=tuple(MISTRAL_TOKENS)),
+    "gemma-3": Family("google-gemma-3-it.jinja", eos="<eos>", bos="<bos>", pad="<pad>", special=tuple(GEMMA3_TOKENS)),
     "smollm2": Family(None, eos="<|im_end|>", bos="<|im_start|>", pad="<|im_end|>"),
 }
 

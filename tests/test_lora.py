@@ -131,6 +131,16 @@ def test_lora_equals_peft_at_tp1(qwen2):
     _check(arch, (result[0], result[1], [result[2]], [result[3]], *result[4:]), MegatronLayout(arch), model, batch)
 
 
+def test_lora_on_gemma3_joins_the_projection_before_its_post_norm():
+    """Gemma's o_proj / down_proj outputs are normalised before the residual add: PEFT's adapter adds to the
+    projection, so ours must too (not to the normalised output)."""
+    case = next(c for c in parity.CASES if c.config_class == "Gemma3TextConfig")
+    model, arch, state = parity.case_model(case)
+    batch = _batch(arch.vocab_size)
+    result = _steps(arch, state, batch)
+    _check(arch, (result[0], result[1], [result[2]], [result[3]], *result[4:]), MegatronLayout(arch), model, batch)
+
+
 def test_lora_equals_peft_at_tp2_and_tp1(qwen2):
     model, arch, state, batch = qwen2
     ranks = run_distributed(_tp2_worker, 2, arch, state, batch)

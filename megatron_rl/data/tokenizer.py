@@ -34,6 +34,9 @@ class TokenizerSpec:
     pad_token_id: int | None
     chat_template: ChatTemplate
     pre_tokenizer: str = "smollm"
+    end_of_turn_ids: list[int] = dataclasses.field(default_factory=list)
+    """Tokens besides eos that end a response (GGUF `tokenizer.ggml.eot_token_id` / `eom_token_id`; Gemma's
+    <end_of_turn>, which its published generation config lists as an eos)."""
     gguf_file: str | None = None
     """A SentencePiece vocabulary (GGUF `tokenizer.ggml.model` llama, e.g. Gemma): transformers' GGUF tokenizer
     converter builds the tokenizer from this file; tokens, merges and the special ids above are not used."""
@@ -46,10 +49,12 @@ class ChatTokenizer:
     unless a call overrides them. Pickles as is, for executors in other processes."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, template: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, source: str = "tokenizer"):
+                 chat_template_kwargs: dict[str, Any] | None = None, source: str = "tokenizer",
+                 end_of_turn_ids: Sequence[int] = ()):
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"{source}: the tokenizer has no eos_token (or it is not in the vocabulary)")
         self.hf_tokenizer = tokenizer
+        self.end_of_turn_ids = [int(t) for t in end_of_turn_ids if int(t) != tokenizer.eos_token_id]
         self.source = source
         self.template = template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -58,7 +63,16 @@ class ChatTokenizer:
 
     def use_template(self, template: str | None, chat_template_kwargs: dict[str, Any]) -> None:
         """Render every later prompt with the named `template` (None: the default one) and these extra
-        template variables (a run's `model.chat_template` / `model.chat_template_kwargs`)."""
+        template variables (a run's `model.chat_template` / `model.chat_template_kwargs`). A `template` ending in
+        .jinja is a template file that replaces the model's own (a base model ships none)."""
+        if template is not None and template.endswith(".jinja"):
+            try:
+                with open(template, encoding="utf-8") as f:
+                    self.hf_tokenizer.chat_template = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"model.chat_template: cannot read {template} ({exc})", field="chat_template") \
+                    from None
+            template = None
         if template is not None:
             self._named_template(template)
         self.template = template
@@ -76,7 +90,7 @@ class ChatTokenizer:
                                   f"({type(exc).__name__}: {_first_line(exc)})") from None
             if spec.chat_template is not None:
                 hf.chat_template = spec.chat_template
-            return cls(hf, source=spec.gguf_file, **options)
+            return cls(hf, source=spec.gguf_file, end_of_turn_ids=spec.end_of_turn_ids, **options)
         vocab = {t: i for i, t in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -92,7 +106,7 @@ class ChatTokenizer:
         pad = eos if spec.pad_token_id is None else spec.tokens[spec.pad_token_id]
         hf = PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=spec.chat_template, bos_token=bos,
                                      eos_token=eos, pad_token=pad, clean_up_tokenization_spaces=False)
-        return cls(hf, source="GGUF tokenizer", **options)
+        return cls(hf, source="GGUF tokenizer", end_of_turn_ids=spec.end_of_turn_ids, **options)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike, **options: Any) -> "ChatTokenizer":
@@ -109,7 +123,7 @@ class ChatTokenizer:
             _check_tokenizer_file(file)  # the usual culprit (checked only now: parsing it costs a second)
             raise ConfigError(f"{path}: transformers cannot load the tokenizer "
                               f"({type(exc).__name__}: {_first_line(exc)})") from None
-        return cls(hf, source=path, **options)
+        return cls(hf, source=path, end_of_turn_ids=_generation_eos_ids(path), **options)
 
     def save_hf(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as transformers' `save_pretrained` does (tokenizer.json,
@@ -136,6 +150,11 @@ class ChatTokenizer:
     @property
     def eos_token_id(self) -> int:
         return self.hf_tokenizer.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Every token that ends a response: eos, then the model's end-of-turn tokens (`end_of_turn_ids`)."""
+        return [self.eos_token_id, *self.end_of_turn_ids]
 
     @property
     def pad_token_id(self) -> int:
@@ -203,6 +222,20 @@ class ChatTokenizer:
             known = ", ".join(sorted(templates)) if isinstance(templates, dict) else "none: it has one template"
             raise ConfigError(f"{self.source}: no chat template named '{name}' (named templates: {known})")
         return templates[name]
+
+
+def _generation_eos_ids(path: str) -> list[int]:
+    """The eos ids an HF model directory's generation_config.json lists (Gemma 3: <eos> and <end_of_turn>)."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return []
+    _check_json(file)
+    with open(file, encoding="utf-8") as f:
+        ids = json.load(f).get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else ids or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{file}: field 'eos_token_id' must be a token id or a list of them, got {ids!r}")
+    return ids
 
 
 def _check_json(file: str) -> None:

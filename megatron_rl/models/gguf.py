@@ -284,10 +284,18 @@ def read_gguf_arch(reader, path: str) -> ModelArch:
 def read_gguf_tokenizer(reader, path: str) -> TokenizerSpec:
     model = _value(reader, "tokenizer.ggml.model", path)
     template = reader.fields.get("tokenizer.chat_template")
+    end_of_turn = [int(reader.fields[k].contents()) for k in ("tokenizer.ggml.eot_token_id",
+                                                              "tokenizer.ggml.eom_token_id") if k in reader.fields]
     if model == "llama":  # SentencePiece (Gemma): transformers' GGUF tokenizer converter builds it from the file
+        if _value(reader, "general.architecture", path) == "gemma3" and not end_of_turn:
+            # Gemma 3's published generation config ends responses at <eos> and <end_of_turn>
+            tokens = reader.fields["tokenizer.ggml.tokens"]
+            end_of_turn = [i for i, index in enumerate(tokens.data)
+                           if bytes(tokens.parts[index]) == b"<end_of_turn>"][:1]
         return TokenizerSpec(tokens=[], merges=[], token_types=[], bos_token_id=None,
                              eos_token_id=int(_value(reader, "tokenizer.ggml.eos_token_id", path)), pad_token_id=None,
-                             chat_template=template.contents() if template is not None else None, gguf_file=path)
+                             chat_template=template.contents() if template is not None else None, gguf_file=path,
+                             end_of_turn_ids=end_of_turn)
     if model != "gpt2":
         raise ConfigError(f"{path}: tokenizer model '{model}' is not supported (byte-level BPE 'gpt2', SentencePiece "
                           "'llama')")
@@ -300,6 +308,7 @@ def read_gguf_tokenizer(reader, path: str) -> TokenizerSpec:
         pad_token_id=int(_value(reader, "tokenizer.ggml.padding_token_id", path, -1)),
         chat_template=template.contents() if template is not None else None,
         pre_tokenizer=str(_value(reader, "tokenizer.ggml.pre", path, "default")),
+        end_of_turn_ids=end_of_turn,
     )
 
 

@@ -138,7 +138,8 @@ def add_adapters(gpt: torch.nn.Module, config: LoraConfig, *, seed: int, first_l
         if parallel == "row" and tp > 1:
             a = a.chunk(tp, dim=1)[module.tp_group.rank()].contiguous()
         module.adapter = LoraAdapter(module, parallel=parallel, config=config, lora_A=a)
-        module.register_forward_hook(_add_low_rank_path)
+        if not getattr(module, "adds_adapter_itself", False):  # (Gemma's post-norm projections, trainer/model.py)
+            module.register_forward_hook(_add_low_rank_path)
         adapted += 1
     for param_name, param in gpt.named_parameters():
         param.requires_grad_(f".{ADAPTER}." in param_name)

@@ -334,6 +334,10 @@ class PostNormRowParallelLinear(RowParallelLinear):
     output projections, whose outputs are whole hidden vectors per token (all-reduced, or each rank's sequence
     chunk under sequence parallelism, whose norm-weight gradient finalize_model_grads sums over TP)."""
 
+    adds_adapter_itself = True
+    """A LoRA adapter (trainer/lora.py) joins the projection's output before the norm, as PEFT's adapter on the
+    HF o_proj / down_proj does, rather than through a forward hook after it."""
+
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
         self.post_norm = torch.nn.RMSNorm(output_size, eps=config.layernorm_epsilon)
@@ -343,6 +347,9 @@ class PostNormRowParallelLinear(RowParallelLinear):
         output, bias = super().forward(input_, *args, **kwargs)
         if bias is not None:
             raise ValueError("a post-norm projection with a bias is not implemented (the norm follows the bias)")
+        adapter = getattr(self, "adapter", None)
+        if adapter is not None and adapter.enabled:
+            output = output + adapter(input_).to(output.dtype)
         return self.post_norm(output), None
 
 

@@ -107,7 +107,7 @@ class NativeEngine(_Scheduler):
         limit = context_limit(arch)
         self.max_seq_len = min(config.max_seq_len or limit, limit)
         if eos_token_ids is None:
-            eos_token_ids = [tokenizer.eos_token_id] if tokenizer is not None else []
+            eos_token_ids = tokenizer.stop_token_ids if tokenizer is not None else []
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         if (state is None) == (weight_arena is None):
             raise ValueError("NativeEngine needs exactly one of `state` (weights to copy) and `weight_arena`")
