@@ -427,3 +427,25 @@ def test_a_run_config_picks_the_template_and_its_variables(pairs):
                                                   enable_thinking=False)
     with pytest.raises(ConfigError, match="no chat template named 'missing'"):
         ours.use_template("missing", {})
+
+
+def test_a_template_file_replaces_the_models_own(pairs, tmp_path):
+    """`model.chat_template: file.jinja` (a base model without a template, e.g. Gemma-3-270M): resolved beside the
+    recipe, checked at config time, rendered by transformers as if the tokenizer had shipped it."""
+    from megatron_rl.config import load_yaml
+    from megatron_rl.run_config import RunConfig
+
+    repo = Path(__file__).resolve().parent.parent
+    config = load_yaml(RunConfig, str(repo / "examples" / "configs" / "quickstart_gemma3.yaml"), [])
+    assert os.path.samefile(config.model.chat_template, repo / "examples" / "chat_templates" / "completion.jinja")
+    _, (ours, reference) = pairs["qwen3"]
+    ours = pickle.loads(pickle.dumps(ours))
+    ours.use_template(config.model.chat_template, {})
+    messages = [SYSTEM, _user("What is 2 + 2 =")]
+    reference = copy.deepcopy(reference)
+    reference.chat_template = Path(config.model.chat_template).read_text(encoding="utf-8")
+    assert ours.encode_chat(messages) == reference.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert ours.render_chat(messages) == f"{SYSTEM['content']}\n\nWhat is 2 + 2 ="  # (this vocabulary has no bos)
+    with pytest.raises(ConfigError, match="template file not found"):
+        load_yaml(RunConfig, str(repo / "examples" / "configs" / "quickstart.yaml"),
+                  [f"model.chat_template={tmp_path / 'missing.jinja'}"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from megatron_rl.config import RECIPE_PATH_FIELD, require
@@ -24,3 +25,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.path.strip()), "path", "must name a model file, directory or alias")
+        if self.chat_template is not None and self.chat_template.endswith(".jinja"):
+            require(os.path.isfile(self.chat_template), "chat_template",
+                    f"template file not found: {self.chat_template}")
