@@ -97,7 +97,8 @@ CASES: tuple[Case, ...] = (
          "Gemma3TextConfig", {**_BASE, "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 24,
                               "tie_word_embeddings": True, "rope_parameters": {
                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+         pipeline=True),  # (the scaled embedding lives on the first stage only)
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(
