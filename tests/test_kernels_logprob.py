@@ -32,10 +32,11 @@ def _inputs(n, h, v, seed=0, dtype=torch.float32, vocab_size=None):
     return hidden, weight, targets, g1, g2
 
 
-def _reference(hidden, weight, targets, g1, g2, vocab_size, temperature):
+def _reference(hidden, weight, targets, g1, g2, vocab_size, temperature, softcap=None):
     h = hidden.double().requires_grad_()
     w = weight.double().requires_grad_()
-    lp, ent = reference_logprobs_and_entropy(h, w, targets, vocab_size=vocab_size, temperature=temperature)
+    lp, ent = reference_logprobs_and_entropy(h, w, targets, vocab_size=vocab_size, temperature=temperature,
+                                             softcap=softcap)
     loss = (lp * g1.double()).sum() + (0 if g2 is None else (ent * g2.double()).sum())
     loss.backward()
     gw = torch.zeros_like(w)
@@ -54,14 +55,15 @@ def _fused(hidden, weight, targets, g1, g2, **kw):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy_grad", [True, False])
-def test_torch_matches_float64_reference(temperature, with_entropy_grad):
+@pytest.mark.parametrize("softcap", [None, 3.0])  # (Gemma 2's soft-capped logits; 3 caps the O(5) logits here)
+def test_torch_matches_float64_reference(temperature, with_entropy_grad, softcap):
     # V=203 is no multiple of the vocab chunk 50; rows 190.. are padding; 37 tokens in chunks of 8
     hidden, weight, targets, g1, g2 = _inputs(37, 24, 203, vocab_size=190)
     targets[0] = 189  # the last real row
     g2 = g2 if with_entropy_grad else None
-    want = _reference(hidden, weight, targets, g1, g2, 190, temperature)
+    want = _reference(hidden, weight, targets, g1, g2, 190, temperature, softcap)
     got = _fused(hidden, weight, targets, g1, g2, vocab_size=190, temperature=temperature, chunk_size=8,
-                 vocab_chunk_size=50, backend="torch")
+                 vocab_chunk_size=50, backend="torch", softcap=softcap)
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, want):
         assert a.dtype == torch.float32
         assert rel(a, b) <= 1e-5, name

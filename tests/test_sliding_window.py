@@ -67,6 +67,7 @@ def long_windowed(request):
     ("Gemma3TextConfig", dict(sliding_window=16), 16, None),                    # the default pattern: 5 of 6
     ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 16, (0,)),
     ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["full_attention"] * 2), None, None),
+    ("Gemma2Config", dict(sliding_window=16, num_hidden_layers=4), 16, (0, 2)),    # the default: every other
 ])
 def test_the_windowed_layers_are_those_transformers_builds(config_class, fields, window, layers):
     config = _config(config_class, **fields)
@@ -95,8 +96,8 @@ def _windows_applied(model) -> list:
     (_config("Qwen2Config", use_sliding_window=True, sliding_window=16,
              layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
     (_config("MistralConfig", sliding_window=0), "sliding_window"),
-    (_config("Gemma3TextConfig", final_logit_softcapping=30.0), "final_logit_softcapping"),
-    (_config("Gemma3TextConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (_config("Gemma3TextConfig", attn_logit_softcapping=50.0), "attn_logit_softcapping"),  # (never applied)
+    (_config("Gemma2Config", final_logit_softcapping=-1.0), "final_logit_softcapping"),
     (_config("Gemma3TextConfig", use_bidirectional_attention=True), "use_bidirectional_attention"),
     (_config("Gemma3TextConfig", hidden_activation="gelu"), "hidden_activation"),
     (_config("Gemma3TextConfig", attention_bias=True), "attention_bias"),

@@ -99,6 +99,9 @@ CASES: tuple[Case, ...] = (
                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
          pipeline=True),  # (the scaled embedding lives on the first stage only)
+    Case("gemma2 (16-token window on layers 0 and 2, soft-capped attention 5 and logits 3)", "Gemma2Config", {
+        **_BASE, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, **_rope("default", 10000.0)}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(

@@ -69,6 +69,7 @@ class _Config:
     chunk_size: int
     vocab_chunk_size: int
     backend: str
+    softcap: float | None = None  # logits pass through softcap * tanh(logit / softcap) before the temperature
 
 
 def fused_logprobs_and_entropy(
@@ -83,6 +84,7 @@ def fused_logprobs_and_entropy(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(target) and entropy of softmax(hidden @ weight.T / temperature), fused and chunked.
 
@@ -95,7 +97,9 @@ def fused_logprobs_and_entropy(
         Default: V_local * tp_size (no padding).
     temperature: logits are divided by it (sampling temperature of the behaviour policy).
     chunk_size / vocab_chunk_size: tokens and vocabulary rows per tile (defaults per backend).
-    backend: "auto" | "torch" | "triton".
+    backend: "auto" | "torch" | "triton" (soft-capped logits take the torch path).
+    softcap: the logits pass through softcap * tanh(logit / softcap) before the temperature (Gemma 2's
+        final_logit_softcapping); None: none.
     Returns (logprobs, entropy), fp32, shaped like targets; differentiable w.r.t. hidden and weight.
     """
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
@@ -116,7 +120,11 @@ def fused_logprobs_and_entropy(
     if vocab_size is None:
         vocab_size = v_local * tp_size
     n_valid = max(0, min(v_local, vocab_size - vocab_start))
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     backend = _resolve_backend(backend, hidden)
+    if softcap is not None and backend == "triton":
+        backend = "torch"  # (the Triton kernel has no soft cap)
     if chunk_size is None:
         if backend == "triton" and hidden.is_cuda:
             chunk_size = max(1, min(h2.shape[0] or 1, GPU_CHUNK_BYTES // (4 * max(n_valid, 1))))
@@ -127,7 +135,7 @@ def fused_logprobs_and_entropy(
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError("chunk_size and vocab_chunk_size must be >= 1")
     cfg = _Config(tp_group, vocab_start, n_valid, 1.0 / float(temperature), int(chunk_size),
-                  int(vocab_chunk_size), backend)
+                  int(vocab_chunk_size), backend, None if softcap is None else float(softcap))
     logp, ent = _FusedLogprob.apply(h2, weight, t1, cfg)
     return logp.reshape(lead), ent.reshape(lead)
 
@@ -142,11 +150,14 @@ def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     return backend
 
 
-def reference_logprobs_and_entropy(hidden, weight, targets, *, vocab_size=None, temperature=1.0):
+def reference_logprobs_and_entropy(hidden, weight, targets, *, vocab_size=None, temperature=1.0, softcap=None):
     """Unfused reference (full logits in the inputs' dtype promoted to fp32 or better; tests use float64)."""
     w = weight if vocab_size is None else weight[:vocab_size]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logits = (hidden.to(dtype) @ w.to(dtype).T) / temperature
+    logits = hidden.to(dtype) @ w.to(dtype).T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -203,6 +214,10 @@ def _combine(m, s, t, zt, tp_group):
     return zt - logz, log_s - t / s, logz
 
 
+def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
 # --------------------------------------------------------------------------------------------------
 class _TorchImpl:
     """Chunked torch implementation; reuses two tile buffers so nothing of size [N, V] exists."""
@@ -226,7 +241,7 @@ class _TorchImpl:
         zt = torch.zeros(n, dtype=torch.float32, device=dev)
         idx = owned.nonzero().squeeze(1)
         if idx.numel():
-            zt[idx] = (hidden[idx].float() * w32[local[idx]]).sum(-1) * cfg.inv_temperature
+            zt[idx] = _capped((hidden[idx].float() * w32[local[idx]]).sum(-1), cfg.softcap) * cfg.inv_temperature
         cn, cv = cfg.chunk_size, min(cfg.vocab_chunk_size, max(cfg.n_valid, 1))
         buf_z = torch.empty(min(cn, n), cv, dtype=torch.float32, device=dev)
         buf_e = torch.empty_like(buf_z)
@@ -240,6 +255,8 @@ class _TorchImpl:
                 z = buf_z[:rows, :wc.shape[0]]
                 e = buf_e[:rows, :wc.shape[0]]
                 torch.mm(h, wc.T, out=z)
+                if cfg.softcap is not None:
+                    torch.tanh(z.div_(cfg.softcap), out=z).mul_(cfg.softcap)
                 if cfg.inv_temperature != 1.0:
                     z.mul_(cfg.inv_temperature)
                 m_new = torch.maximum(mc, z.amax(1))
@@ -266,6 +283,7 @@ class _TorchImpl:
         cn, cv = cfg.chunk_size, min(cfg.vocab_chunk_size, max(cfg.n_valid, 1))
         buf_z = torch.empty(min(cn, n), cv, dtype=torch.float32, device=dev)
         buf_p = torch.empty_like(buf_z)
+        buf_d = torch.empty_like(buf_z) if cfg.softcap is not None else None
         a = cfg.inv_temperature
         for n0 in range(0, n, cn):
             h = hidden[n0:n0 + cn]
@@ -283,6 +301,11 @@ class _TorchImpl:
                 z = buf_z[:rows, :vc]
                 p = buf_p[:rows, :vc]
                 torch.mm(h, wc.T, out=z)
+                if cfg.softcap is not None:  # z = c tanh(x / c): dz/dx = 1 - tanh(x / c)^2, applied below
+                    torch.tanh(z.div_(cfg.softcap), out=z)
+                    d = buf_d[:rows, :vc]
+                    torch.mul(z, z, out=d).neg_().add_(1.0)
+                    z.mul_(cfg.softcap)
                 if a != 1.0:
                     z.mul_(a)
                 z.sub_(lz)  # log p
@@ -296,6 +319,8 @@ class _TorchImpl:
                 r = hit.nonzero().squeeze(1)
                 if r.numel():
                     z[r, tl_[r] - v0] += g1c[r, 0]
+                if cfg.softcap is not None:
+                    z.mul_(d)
                 if need_h:
                     grad_h[n0:n0 + rows].addmm_(z, wc, alpha=a)
                 if need_w:

@@ -170,6 +170,11 @@ class ModelArch:
     local_rope_theta: float | None = None
     """RoPE base of the sliding-window layers, without scaling (Gemma 3's `sliding_attention` rope parameters);
     None: every layer rotates with `rope_theta` and `rope_scaling`."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores (after the softmax scale) pass through cap * tanh(score / cap) before the mask and the
+    softmax (Gemma 2: 50); None: no cap."""
+    final_logit_softcapping: float | None = None
+    """Output logits pass through cap * tanh(logit / cap) (Gemma 2: 30); None: no cap."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -237,6 +242,10 @@ class ModelArch:
         require(self.norm_offset in (0.0, 1.0), "norm_offset", f"must be 0.0 or 1.0, got {self.norm_offset}")
         require(self.embedding_multiplier > 0, "embedding_multiplier", "must be positive")
         require(self.attention_scale is None or self.attention_scale > 0, "attention_scale", "must be positive")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            require(getattr(self, name) is None or getattr(self, name) > 0, name, "must be positive")
+        require(self.attn_logit_softcapping is None or not self.is_mla, "attn_logit_softcapping",
+                "soft-capped multi-latent attention is not implemented")
         if self.local_rope_theta is not None:
             require(self.local_rope_theta > 0, "local_rope_theta", "must be positive")
             require(bool(self.windowed_layers) and not self.is_mla, "local_rope_theta",

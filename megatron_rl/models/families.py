@@ -76,9 +76,15 @@ class Family:
     """Multi-latent attention (DeepSeek-V2/V3): `kv_lora_rank`, `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
     `v_head_dim` and `rope_interleave` are read."""
     gemma: bool = False
-    """Gemma 3's layer numerics: (1 + w) RMSNorms everywhere, post-attention and post-feed-forward norms, embeddings
-    scaled by sqrt(hidden_size), softmax scale `query_pre_attn_scalar` ** -0.5, a GeGLU MLP (`hidden_activation`),
-    `rope_parameters` per layer type (the sliding-window layers' own base); q/k norms always."""
+    """Gemma 2 / 3's layer numerics: (1 + w) RMSNorms everywhere, post-attention and post-feed-forward norms,
+    embeddings scaled by sqrt(hidden_size), softmax scale `query_pre_attn_scalar` ** -0.5, a GeGLU MLP
+    (`hidden_activation`), `final_logit_softcapping`."""
+    layer_type_rope: bool = False
+    """`rope_parameters` holds one entry per layer type, the sliding-window layers' with a base of their own
+    (Gemma 3)."""
+    attn_softcap: bool = False
+    """The family's transformers attention applies `attn_logit_softcapping` (Gemma 2; Gemma 3's carries the field
+    but never passes it to its attention: a value there is refused)."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -118,7 +124,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Gemma 3 text (Gemma-3-270M / 1B, and the language model of the larger ones): interleaved sliding-window and
     # full layers (every sixth full by default), each type with its own RoPE base.
     Family("gemma3_text", ("gemma3_text",), ("Gemma3ForCausalLM",), "Gemma3TextConfig", qk_norm=True,
-           bias_field="attention_bias", has_window=True, window_layer_types=True, gemma=True),
+           bias_field="attention_bias", has_window=True, window_layer_types=True, gemma=True, layer_type_rope=True),
+    # Gemma 2: alternating sliding-window and global layers (one RoPE), soft-capped attention and output logits.
+    Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "Gemma2Config", bias_field="attention_bias",
+           has_window=True, window_layer_types=True, gemma=True, attn_softcap=True),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -325,8 +334,8 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         raise _refuse(where, "pretraining_tp", "sliced-projection emulation (pretraining_tp > 1) is not implemented")
     try:
         max_positions = int(config.get("max_position_embeddings", 4096))
-        gemma_fields = _gemma_fields(config, where) if family.gemma else {}
-        if family.gemma:  # the full-attention layers' parameters are the model's; the local ones' base is a field
+        gemma_fields = _gemma_fields(family, config, where) if family.gemma else {}
+        if family.layer_type_rope:  # the full-attention layers' parameters are the model's; the local base a field
             config = {**config, "rope_parameters": config["rope_parameters"]["full_attention"]}
             config.pop("rope_scaling", None)
         theta, scaling = _rope_scaling(config, where)
@@ -352,7 +361,7 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         arch_fields.update(_mla_fields(config, where))
     qkv_bias = bool(config.get(family.qkv_bias_field)) if family.qkv_bias_field else family.qkv_bias
     qk_norm = bool(config.get(family.qk_norm_field)) if family.qk_norm_field else family.qk_norm
-    if family.gemma and window is None:
+    if family.layer_type_rope and window is None:
         gemma_fields.pop("local_rope_theta")  # no sliding layer left to rotate with it
     try:
         return ModelArch(**arch_fields, **gemma_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
@@ -376,18 +385,31 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "kv_lora_rank": "kv_lora
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _gemma_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The ModelArch fields of Gemma 3's layer numerics (its config class has filled every absent field)."""
+def _gemma_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArch fields of Gemma 2 / 3's layer numerics (their config classes have filled every absent field)."""
     act = config.get("hidden_activation")
     if act not in _GEMMA_ACTIVATIONS:
         raise _refuse(where, "hidden_activation", f"{act!r} is not supported (supported: "
                       f"{', '.join(_GEMMA_ACTIVATIONS)})")
+    caps = {}
     for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if config.get(field) is not None:
-            raise _refuse(where, field, f"{config[field]!r}: logit soft-capping is not implemented")
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise _refuse(where, field, f"{value!r}: must be a positive number or null")
+        caps[field] = None if value is None else float(value)
+    if not family.attn_softcap and caps["attn_logit_softcapping"] is not None:
+        raise _refuse(where, "attn_logit_softcapping", f"{caps['attn_logit_softcapping']!r}: {family.name}'s "
+                      "transformers attention never applies it, so the checkpoint was not trained with it (null)")
     if config.get("use_bidirectional_attention"):
         raise _refuse(where, "use_bidirectional_attention", "bidirectional attention (embedding models) is not "
                       "implemented")
+    scalar = config.get("query_pre_attn_scalar")
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
+        raise _refuse(where, "query_pre_attn_scalar", f"{scalar!r}: must be a positive number")
+    fields = dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=int(config["hidden_size"]) ** 0.5,
+                  attention_scale=scalar ** -0.5, mlp_activation=_GEMMA_ACTIVATIONS[act], **caps)
+    if not family.layer_type_rope:
+        return fields
     params = config.get("rope_parameters") or {}
     if set(params) != {"sliding_attention", "full_attention"}:
         raise _refuse(where, "rope_parameters", f"expected one entry per layer type (sliding_attention, "
@@ -396,29 +418,29 @@ def _gemma_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
         raise _refuse(where, "rope_parameters.sliding_attention", f"{local}: only plain RoPE (a rope_theta) is "
                       "implemented for the sliding-window layers")
-    scalar = config.get("query_pre_attn_scalar")
-    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
-        raise _refuse(where, "query_pre_attn_scalar", f"{scalar!r}: must be a positive number")
-    return dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=int(config["hidden_size"]) ** 0.5,
-                attention_scale=scalar ** -0.5, mlp_activation=_GEMMA_ACTIVATIONS[act],
-                local_rope_theta=float(local.get("rope_theta", 10000.0)))
+    return {**fields, "local_rope_theta": float(local.get("rope_theta", 10000.0))}
 
 
-def _gemma_config(arch: ModelArch) -> dict[str, Any]:
-    """The Gemma 3 HF fields of `arch` (refusing numerics Gemma's config cannot spell)."""
+def _gemma_config(family: Family, arch: ModelArch) -> dict[str, Any]:
+    """The Gemma 2 / 3 HF fields of `arch` (refusing numerics the family's config cannot spell)."""
     expected = dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=arch.hidden_size ** 0.5)
-    if any(getattr(arch, k) != v for k, v in expected.items()) or arch.attention_scale is None:
+    if any(getattr(arch, k) != v for k, v in expected.items()) or arch.attention_scale is None \
+            or (arch.attn_logit_softcapping is not None and not family.attn_softcap) \
+            or (arch.local_rope_theta is not None and not family.layer_type_rope):
         raise ConfigError(f"model family {arch.family!r} cannot express norm_offset={arch.norm_offset}, sandwich_norms="
                           f"{arch.sandwich_norms}, embedding_multiplier={arch.embedding_multiplier}, attention_scale="
-                          f"{arch.attention_scale} in an HF config")
+                          f"{arch.attention_scale}, attn_logit_softcapping={arch.attn_logit_softcapping}, "
+                          f"local_rope_theta={arch.local_rope_theta} in an HF config")
     scalar = arch.attention_scale ** -2
     act = {v: k for k, v in _GEMMA_ACTIVATIONS.items()}[arch.mlp_activation]
-    local = arch.local_rope_theta if arch.local_rope_theta is not None else arch.rope_theta
-    return {"hidden_activation": act, "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6
-            else scalar, "final_logit_softcapping": None, "attn_logit_softcapping": None,
-            "use_bidirectional_attention": False,
-            "rope_parameters": {"full_attention": rope_parameters(arch),
-                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+    config = {"hidden_activation": act, "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6
+              else scalar, "final_logit_softcapping": arch.final_logit_softcapping,
+              "attn_logit_softcapping": arch.attn_logit_softcapping, "use_bidirectional_attention": False}
+    if family.layer_type_rope:
+        local = arch.local_rope_theta if arch.local_rope_theta is not None else arch.rope_theta
+        config["rope_parameters"] = {"full_attention": rope_parameters(arch),
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    return config
 
 
 def _moe_fields(family: Family, config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -654,10 +676,13 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
     if family.mtp_layers_field:
         config[family.mtp_layers_field] = 0  # multi-token-prediction layers are not kept
     if family.gemma:
-        del config["hidden_act"], config["rope_theta"]
-        config.update(_gemma_config(arch))
+        del config["hidden_act"]
+        if family.layer_type_rope:
+            del config["rope_theta"]
+        config.update(_gemma_config(family, arch))
     elif arch.mlp_activation != "silu" or arch.norm_offset or arch.sandwich_norms or arch.local_rope_theta \
-            or arch.embedding_multiplier != 1.0 or arch.attention_scale is not None:
+            or arch.embedding_multiplier != 1.0 or arch.attention_scale is not None \
+            or arch.attn_logit_softcapping or arch.final_logit_softcapping:
         raise ConfigError(f"model family {family.name!r} cannot express Gemma's layer numerics in an HF config")
     config.update(extra)
     return config

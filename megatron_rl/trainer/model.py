@@ -236,11 +236,12 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
 
 
 def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0, mla: bool = False,
-               sandwich_norms: bool = False):
+               sandwich_norms: bool = False, attn_softcap: float | None = None):
     """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE;
     `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM); `mla`:
     multi-latent attention, with its RMSNorms on the q and kv latents; `sandwich_norms` (local only): the
-    attention's and the MLP's output projections normalise what they return (Gemma's post-norms)."""
+    attention's and the MLP's output projections normalise what they return (Gemma's post-norms); `attn_softcap`
+    (local only): soft-capped attention scores (Gemma 2)."""
     moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
     if mla:
         moe.update(multi_latent_attention=True)
@@ -248,7 +249,7 @@ def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_exper
     if kind == "te":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(attn_softcap)
     if sandwich_norms:
         spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
         spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
@@ -266,7 +267,8 @@ def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool)
     """The layer specs of pipeline stage `pp_rank`: an MoE layer's or a dense one's as `ModelArch.layer_is_moe`
     says (one spec for all when they agree)."""
     arch, kind = layout.arch, layout.layer_spec
-    dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla, sandwich_norms=arch.sandwich_norms)
+    dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla, sandwich_norms=arch.sandwich_norms,
+                       attn_softcap=arch.attn_logit_softcapping)
     moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts, mla=arch.is_mla) \
         if arch.is_moe else dense
     local_rope = None
@@ -283,15 +285,16 @@ def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # what Megatron gives one spec
 
 
-def _sdpa_attention_class():
+def _sdpa_attention_class(softcap: float | None = None):
     """Megatron's local DotProductAttention with its causal, unmasked case computed by torch's
     scaled_dot_product_attention. The local class materialises the [b, heads, s, s] scores and keeps
     the probabilities of every layer for backward: ~17 GB for SmolLM2's 30 layers at 8 x 1000 tokens,
     which ran WaltzRL's 24 GB CPU recipe out of memory. SDPA's fused kernels (flash attention on CPU
     and GPU) keep O(s) per layer. Packed rows (THD, `PackedSeqParams`) run one SDPA call per document
     (trainer/packing.py). A sliding window (`config.window_size` on the layers `window_attn_skip_freq`
-    marks) is a banded causal mask here; the local class builds its window mask on CUDA only. Other masks,
-    attention offsets and biases keep the local path."""
+    marks) is a banded causal mask here; the local class builds its window mask on CUDA only. Soft-capped scores
+    (`softcap`, Gemma 2) are materialised (`causal_attention`). Other masks, attention offsets and biases keep the
+    local path."""
     class SDPADotProductAttention(DotProductAttention):
         def __init__(self, config, layer_number, *args, k_channels=None, v_channels=None, **kwargs):
             # multi-latent attention passes its q/k and v widths (Transformer Engine's attention takes them); SDPA
@@ -312,17 +315,19 @@ def _sdpa_attention_class():
                     raise ValueError("sequence packing on the local layers supports causal attention without a mask, "
                                      "bias or softmax offset")
                 return varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                               scale=self.softmax_scale, window=self.window, dropout_p=dropout_p)
+                                               scale=self.softmax_scale, window=self.window, dropout_p=dropout_p,
+                                               softcap=softcap)
             if not plain or packed_seq_params is not None:
-                if self.window is not None:
-                    raise ValueError("a sliding window on the local layers needs causal attention without a mask, "
-                                     "bias or softmax offset")
+                if self.window is not None or softcap is not None:
+                    raise ValueError("a sliding window or soft-capped scores on the local layers need causal "
+                                     "attention without a mask, bias or softmax offset")
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
             sq, b = query.shape[0], query.shape[1]
             # [s, b, heads, d] -> [b, heads, s, d]; key / value keep their query groups (GQA in the kernel)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            context = causal_attention(q, k, v, scale=self.softmax_scale, window=self.window, dropout_p=dropout_p)
+            context = causal_attention(q, k, v, scale=self.softmax_scale, window=self.window, dropout_p=dropout_p,
+                                       softcap=softcap)
             return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     return SDPADotProductAttention

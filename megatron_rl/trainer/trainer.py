@@ -415,7 +415,8 @@ class MegatronTrainer:
             hidden, targets = hidden[select], targets[select]
         logprobs, entropy = fused_logprobs_and_entropy(
             hidden, weight, targets, tp_group=self.pg.tp if self.tp_size > 1 else None,
-            vocab_start=self.tp_rank * weight.shape[0], vocab_size=self.arch.vocab_size)
+            vocab_start=self.tp_rank * weight.shape[0], vocab_size=self.arch.vocab_size,
+            softcap=self.arch.final_logit_softcapping)
         if select is not None:
             logprobs = logprobs.new_zeros(select.shape).masked_scatter(select, logprobs)
             entropy = entropy.new_zeros(select.shape).masked_scatter(select, entropy)
@@ -558,6 +559,9 @@ class MegatronTrainer:
         over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
         def on_hidden(hidden, tokens, mb):
             logits = hidden.float() @ self._output_weight().float().t()
+            cap = self.arch.final_logit_softcapping
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
             full = gather_from_tensor_model_parallel_region(logits)[..., :self.arch.vocab_size]
             return hidden.new_zeros(()), {"logits": full}
 

@@ -225,6 +225,7 @@ class LlamaModel:
             cos, raw_sin = rope(batch.positions, batch.rope_lens)
             rotations.append((cos, raw_sin, _signed_sin(raw_sin)))
         norm = self.rms_norm
+        softcap = a.attn_logit_softcapping
         dec_masks: dict[int | None, tuple[int, torch.Tensor]] = {}
         if n_dec:
             t_max = int(batch.dec_lens.max())
@@ -293,7 +294,12 @@ class LlamaModel:
                     values = vc[:, :, first:t_max].index_select(0, batch.dec_slots)
                 # each KV head's group of q heads attends as `group` queries: GQA without repeating K/V
                 qd = q[:n_dec].reshape(n_dec, n_kv, group, dk)
-                attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
+                if softcap is None:
+                    attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
+                else:  # (no fused kernel caps the scores)
+                    scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)
+                    scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(dec_mask)
+                    attended = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qd.dtype), values)
                 if out is None:  # a pure decode step: the attention output is the whole step's
                     out = attended.reshape(n_dec, n_heads * dv)
                 else:
@@ -307,6 +313,8 @@ class LlamaModel:
                 qc = q[offset:offset + length].view(length, n_kv, group, dk).permute(1, 2, 0, 3)
                 qc = qc.reshape(n_kv, group * length, dk)
                 scores = torch.matmul(qc, kc[slot, :, first:end].transpose(-1, -2)).mul_(self.scale)
+                if softcap is not None:
+                    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
                 scores = scores.view(n_kv, group, length, end - first).masked_fill_(hidden, float("-inf"))
                 probs = torch.softmax(scores, dim=-1).view(n_kv, group * length, end - first)
                 oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, dv]
@@ -334,4 +342,8 @@ class LlamaModel:
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
         h = norm(x, w.norm, a.norm_eps)
-        return matmul(h, w.lm_head, w.packed_lm_head).float()
+        logits = matmul(h, w.lm_head, w.packed_lm_head)
+        if a.final_logit_softcapping is not None:  # (in the activation dtype, as transformers)
+            cap = a.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
