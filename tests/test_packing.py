@@ -90,14 +90,29 @@ def _assert_same_grads(got, want, layers):
 
 # a 24-token window on the second layer only: rows longer and shorter than it
 WINDOWED = dataclasses.replace(ARCH, sliding_window=24, sliding_window_layers=(1,))
+# Gemma 2: the window on layer 0, soft-capped attention scores (materialised per document) and logits, post-norms
+GEMMA2 = dataclasses.replace(WINDOWED, family="gemma2", sliding_window_layers=(0,), tie_word_embeddings=True,
+                             norm_offset=1.0, sandwich_norms=True, embedding_multiplier=8.0, attention_scale=0.25,
+                             mlp_activation="gelu_tanh", attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
+
+
+def _state(arch):
+    if not arch.sandwich_norms:
+        return tiny_state(arch)
+    from megatron_rl.models.megatron_layout import hf_tensor_shapes
+
+    g = torch.Generator().manual_seed(0)
+    return {name: 0.2 * torch.randn(shape, generator=g) if len(shape) == 1
+            else torch.randn(shape, generator=g) / shape[-1] ** 0.5 for name, shape in hf_tensor_shapes(arch).items()}
 
 
 @pytest.mark.parametrize("config,arch", [(dict(sequence_packing=True), ARCH),
                                          (dict(sequence_packing=True, max_tokens_per_micro_batch=128), ARCH),
-                                         (dict(sequence_packing=True), WINDOWED)],
-                         ids=["packed", "token_budget", "packed_sliding_window"])
+                                         (dict(sequence_packing=True), WINDOWED),
+                                         (dict(sequence_packing=True), GEMMA2)],
+                         ids=["packed", "token_budget", "packed_sliding_window", "packed_gemma2_softcaps"])
 def test_packed_equals_padded(config, arch):
-    state, batch = tiny_state(arch), _batch()
+    state, batch = _state(arch), _batch()
     lp0, ent0, loss0, grads0 = _run(arch, state, batch, micro_batch_size=2)
     lp, ent, loss, grads = _run(arch, state, batch, micro_batch_size=2, **config)
     _assert_same(lp, lp0, batch.loss_mask, arch.num_layers, "log-probs")
