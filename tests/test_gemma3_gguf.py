@@ -1,4 +1,4 @@
-"""GGUF import of Gemma 3: a tiny Gemma 3 written as llama.cpp's converter writes one (tensor names from the gguf
+"""GGUF import of Gemma 3 (and Gemma 2): a tiny model written as llama.cpp's converter writes one (tensor names from the gguf
 package's own TensorNameMap, every norm stored as 1 + w, the layer pattern and the local RoPE base left to the
 reader's defaults) reads back as transformers' own GGUF loader reads it, bit for bit, with the published model's
 architecture; and the real Gemma-3-270M from PyPI (slow) runs in the trainer and the engine as transformers runs the
@@ -27,17 +27,25 @@ TINY = parity.Case("gemma3_text (default pattern)", "Gemma3TextConfig", {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})
 
 
+# Gemma 2 as llama.cpp's gemma2 graph runs it: every other layer global, 1/sqrt(head_dim), soft caps from the metadata
+TINY2 = parity.Case("gemma2 (default pattern)", "Gemma2Config", {
+    **parity._BASE, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 16,
+    "tie_word_embeddings": True, "max_position_embeddings": 4096, "attn_logit_softcapping": 5.0,
+    "final_logit_softcapping": 3.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return parity.case_model(TINY)
 
 
 def write_gguf(path, model, state, *, pattern=None):
-    """The file llama.cpp's convert_hf_to_gguf.py writes for a Gemma 3 checkpoint (its Gemma3Model: norms + 1)."""
+    """The file llama.cpp's convert_hf_to_gguf.py writes for a Gemma 2 / 3 checkpoint (norms + 1)."""
     c = model.config
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == "gemma3")
+    name = "gemma2" if c.model_type == "gemma2" else "gemma3"
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer = gguf.GGUFWriter(str(path), name)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -47,8 +55,11 @@ def write_gguf(path, model, state, *, pattern=None):
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     writer.add_sliding_window(c.sliding_window)
+    if name == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     if pattern is not None:
         writer.add_sliding_window_pattern(pattern)
     writer.add_tokenizer_model("llama")
@@ -71,10 +82,11 @@ def write_gguf(path, model, state, *, pattern=None):
     writer.close()
 
 
-def test_gemma3_gguf_reads_back_as_transformers_reads_it(tmp_path, tiny):
+@pytest.mark.parametrize("case", [TINY, TINY2], ids=lambda c: c.config_class)
+def test_gemma_gguf_reads_back_as_transformers_reads_it(tmp_path, case):
     from megatron_rl.models.gguf import read_gguf
 
-    model, arch, state = tiny
+    model, arch, state = parity.case_model(case)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied
     write_gguf(tmp_path / "model.gguf", model, state)
     read_arch, read_state, spec = read_gguf(tmp_path / "model.gguf")

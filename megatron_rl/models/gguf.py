@@ -1,8 +1,8 @@
 """Read a llama.cpp GGUF file into HF-layout float32 tensors, its architecture and its tokenizer.
 
-GGUF architectures `llama` (also Mistral and SmolLM2), `qwen2` (q/k/v biases), `qwen3` (q/k norms) and `gemma3`
-(its norms stored as 1 + w, its SentencePiece vocabulary built by transformers' GGUF tokenizer converter) map
-to the families of models/families.py. Quantized tensors are dequantized with the `gguf` package.
+GGUF architectures `llama` (also Mistral and SmolLM2), `qwen2` (q/k/v biases), `qwen3` (q/k norms), `gemma2` and
+`gemma3` (their norms stored as 1 + w, their SentencePiece vocabulary built by transformers' GGUF tokenizer
+converter) map to the families of models/families.py. Quantized tensors are dequantized with the `gguf` package.
 llama.cpp's converter permutes the rows of a `llama` model's q_proj and k_proj so that its interleaved RoPE
 applies; `_unpermute_rope_rows` undoes that to recover the HF (rotate-half) layout that Megatron and our
 engine use (Qwen models are stored unpermuted). RoPE scaling: `rope.scaling.type` linear / yarn is read
@@ -73,10 +73,12 @@ _MOE_LAYER_NAMES = {
 }
 # Gemma 3's per-layer norms as llama.cpp names them (its `ffn_norm` precedes the MLP, `post_attention_norm` follows
 # the attention), stored as 1 + w: llama.cpp's RMSNorm multiplies by the weight alone
-_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
-_GEMMA3_SWA_PATTERN = 6  # llama.cpp's gemma3 graph: every sixth layer global (not in the metadata)
+# GGUF architecture -> (our family, llama.cpp's period of global layers, the 27B shape's layer count), which its
+# graphs fix in code (`_gemma_hf_config`)
+GEMMA_ARCHITECTURES = {"gemma3": ("gemma3_text", 6, 62), "gemma2": ("gemma2", 2, 46)}
 _EXPERT_PROJECTIONS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index in hf_expert_names
 _SHARED_PROJECTIONS = {"ffn_gate_shexp": 0, "ffn_up_shexp": 1, "ffn_down_shexp": 2}
 
@@ -200,56 +202,67 @@ def _moe_hf_config(reader, arch: str, path: str) -> dict:
     return config
 
 
-def _gemma3_hf_config(reader, path: str) -> dict:
-    """The HF config.json of a Gemma 3 GGUF, with what llama.cpp's gemma3 graph fixes in code rather than in the
-    metadata: every sixth layer global (unless `attention.sliding_window_pattern` says), the sliding layers' RoPE
-    base 10,000 (unless `rope.freq_base_swa` says), q . k scaled by 1/sqrt(head_dim) except for the 27B shape (62
-    layers: 1/sqrt(hidden / heads)), which is Gemma 3's `query_pre_attn_scalar` of each published size."""
+def _gemma_hf_config(reader, arch: str, path: str) -> dict:
+    """The HF config.json of a Gemma 2 / 3 GGUF, with what llama.cpp's graphs fix in code rather than in the metadata:
+    the layer pattern (Gemma 3: every sixth layer global, Gemma 2: every other; unless
+    `attention.sliding_window_pattern` says), Gemma 3's sliding layers' RoPE base 10,000 (unless
+    `rope.freq_base_swa` says), q . k scaled by 1/sqrt(head_dim) except for the 27B shapes (1/sqrt(hidden / heads)),
+    which is `query_pre_attn_scalar` of each published size."""
+    family, period, layers_27b = GEMMA_ARCHITECTURES[arch]
+
     def get(key: str, default=None):
-        return _value(reader, f"gemma3.{key}", path, default)
+        return _value(reader, f"{arch}.{key}", path, default)
 
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
-        raise ConfigError(f"{path}: GGUF metadata field 'gemma3.attention.value_length' differs from key_length")
-    full = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1000000.0))}
-    scaling = _rope_scaling(reader, "gemma3", path)
+        raise ConfigError(f"{path}: GGUF metadata field '{arch}.attention.value_length' differs from key_length")
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1000000.0 if arch == "gemma3"
+                                                                        else 10000.0))}
+    scaling = _rope_scaling(reader, arch, path)
     if scaling is not None:
-        full.update({k: v for k, v in dataclasses.asdict(scaling).items() if v is not None})
-    window = reader.fields.get("gemma3.attention.sliding_window")
-    pattern = get("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)  # a period, or one flag per layer
+        rope.update({k: v for k, v in dataclasses.asdict(scaling).items() if v is not None})
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
+    pattern = get("attention.sliding_window_pattern", period)  # a period, or one flag per layer
     if isinstance(pattern, list):
         if len(pattern) != layers:
-            raise ConfigError(f"{path}: GGUF metadata field 'gemma3.attention.sliding_window_pattern' has "
+            raise ConfigError(f"{path}: GGUF metadata field '{arch}.attention.sliding_window_pattern' has "
                               f"{len(pattern)} entries for {layers} layers")
-        kinds = {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+        sliding = [bool(flag) for flag in pattern]
     else:
-        kinds = {"sliding_window_pattern": int(pattern)}
-    return {
-        "model_type": "gemma3_text", "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    config = {
+        "model_type": family, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim, "rms_norm_eps": float(np.float32(get("attention.layer_norm_rms_epsilon"))),
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "sliding_window": None if window is None else int(window.contents()),
-        **kinds,
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "layer_types": ["sliding_attention" if flag else "full_attention" for flag in sliding],
+        "query_pre_attn_scalar": hidden // heads if layers == layers_27b else head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
-        "rope_parameters": {"full_attention": full, "sliding_attention": {
-            "rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}},
     }
+    if arch == "gemma3":
+        config["rope_parameters"] = {"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}
+    else:
+        caps = {field: reader.fields.get(f"{arch}.{field}") for field in ("attn_logit_softcapping",
+                                                                           "final_logit_softcapping")}
+        config.update(rope_parameters=rope, **{field: None if value is None else float(value.contents())
+                                              for field, value in caps.items()})
+    return config
 
 
 def read_gguf_arch(reader, path: str) -> ModelArch:
     arch = _value(reader, "general.architecture", path)
     if arch in MOE_ARCHITECTURES:
         return families.from_hf_config(_moe_hf_config(reader, arch, path), where=path)
-    if arch == "gemma3":
-        return families.from_hf_config(_gemma3_hf_config(reader, path), where=path)
+    if arch in GEMMA_ARCHITECTURES:
+        return families.from_hf_config(_gemma_hf_config(reader, arch, path), where=path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: "
-                          f"{', '.join([*SUPPORTED_ARCHITECTURES, 'gemma3', *MOE_ARCHITECTURES])})")
+                          f"{', '.join([*SUPPORTED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *MOE_ARCHITECTURES])})")
     family = SUPPORTED_ARCHITECTURES[arch][0]
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     heads = int(_value(reader, f"{arch}.attention.head_count", path))
@@ -287,8 +300,8 @@ def read_gguf_tokenizer(reader, path: str) -> TokenizerSpec:
     end_of_turn = [int(reader.fields[k].contents()) for k in ("tokenizer.ggml.eot_token_id",
                                                               "tokenizer.ggml.eom_token_id") if k in reader.fields]
     if model == "llama":  # SentencePiece (Gemma): transformers' GGUF tokenizer converter builds it from the file
-        if _value(reader, "general.architecture", path) == "gemma3" and not end_of_turn:
-            # Gemma 3's published generation config ends responses at <eos> and <end_of_turn>
+        if _value(reader, "general.architecture", path) in GEMMA_ARCHITECTURES and not end_of_turn:
+            # Gemma's published generation configs end responses at <eos> and <end_of_turn>
             tokens = reader.fields["tokenizer.ggml.tokens"]
             end_of_turn = [i for i, index in enumerate(tokens.data)
                            if bytes(tokens.parts[index]) == b"<end_of_turn>"][:1]
@@ -320,8 +333,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelArch, dict[str, torch.Tenso
     gguf_arch = _value(reader, "general.architecture", path)
     if gguf_arch in MOE_ARCHITECTURES:
         return arch, _read_moe_state(reader, arch, path), _read_tokenizer(reader, path)
-    gemma = gguf_arch == "gemma3"
-    layer_names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
+    gemma = gguf_arch in GEMMA_ARCHITECTURES
+    layer_names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
     permuted = not gemma and SUPPORTED_ARCHITECTURES[gguf_arch][1]
     spec = _read_tokenizer(reader, path)
     state: dict[str, torch.Tensor] = {}
