@@ -56,6 +56,20 @@ def near_uniform_state(arch, seed: int = 0) -> dict[str, torch.Tensor]:
             else 0.05 * torch.randn(s, generator=generator) for k, s in shapes.items()}
 
 
+def gguf_writer(path, gguf_arch: str, arch, blocks: int | None = None):
+    """A `gguf.GGUFWriter` for `arch` with the shape metadata llama.cpp's converter writes for every model (blocks,
+    default the layers; context; widths; query heads); callers add the rest of their family's."""
+    import gguf  # the tests that write GGUF files import it (or skip) themselves
+
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(arch.num_layers if blocks is None else blocks)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_feed_forward_length(arch.ffn_hidden_size)
+    writer.add_head_count(arch.num_attention_heads)
+    return writer
+
+
 def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(0, vocab, (length,), generator=g).tolist()

@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.cli import parity
 from megatron_rl.config import ConfigError
+from tests.helpers import gguf_writer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -39,21 +40,16 @@ def tiny():
     return parity.case_model(TINY)
 
 
-def write_gguf(path, model, state, *, pattern=None):
+def write_gguf(path, model, arch, state, *, pattern=None):
     """The file llama.cpp's convert_hf_to_gguf.py writes for a Gemma 2 / 3 checkpoint (norms + 1)."""
     c = model.config
     name = "gemma2" if c.model_type == "gemma2" else "gemma3"
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), name)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+    writer = gguf_writer(path, name, arch)
+    writer.add_head_count_kv(arch.num_query_groups)
+    writer.add_key_length(arch.head_dim)
+    writer.add_value_length(arch.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     writer.add_sliding_window(c.sliding_window)
@@ -88,7 +84,7 @@ def test_gemma_gguf_reads_back_as_transformers_reads_it(tmp_path, case):
 
     model, arch, state = parity.case_model(case)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied
-    write_gguf(tmp_path / "model.gguf", model, state)
+    write_gguf(tmp_path / "model.gguf", model, arch, state)
     read_arch, read_state, spec = read_gguf(tmp_path / "model.gguf")
     assert read_arch.norm_eps == float(np.float32(arch.norm_eps))
     assert dataclasses.replace(read_arch, norm_eps=arch.norm_eps, max_position_embeddings=arch.max_position_embeddings) \
@@ -109,10 +105,10 @@ def test_an_explicit_layer_pattern_is_read(tmp_path, tiny):
 
     model, arch, state = tiny
     flags = [True, False, True, True, False, True]
-    write_gguf(tmp_path / "model.gguf", model, state, pattern=flags)
+    write_gguf(tmp_path / "model.gguf", model, arch, state, pattern=flags)
     read_arch = read_gguf(tmp_path / "model.gguf")[0]
     assert [read_arch.layer_window(i) is not None for i in range(arch.num_layers)] == flags
-    write_gguf(tmp_path / "short.gguf", model, state, pattern=flags[:4])
+    write_gguf(tmp_path / "short.gguf", model, arch, state, pattern=flags[:4])
     with pytest.raises(ConfigError, match="'gemma3.attention.sliding_window_pattern' has 4 entries for 6 layers"):
         read_gguf(tmp_path / "short.gguf")
 

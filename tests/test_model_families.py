@@ -22,6 +22,7 @@ from megatron_rl.models.megatron_layout import (
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.placement.launch import run_distributed
+from tests.helpers import gguf_writer
 
 transformers = pytest.importorskip("transformers")
 
@@ -226,12 +227,7 @@ def _write_gguf(path, gguf_arch, model, arch, rope_freqs=None):
     import gguf
     import numpy as np
 
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(arch.num_layers)
-    writer.add_context_length(arch.max_position_embeddings)
-    writer.add_embedding_length(arch.hidden_size)
-    writer.add_feed_forward_length(arch.ffn_hidden_size)
-    writer.add_head_count(arch.num_attention_heads)
+    writer = gguf_writer(path, gguf_arch, arch)
     writer.add_head_count_kv(arch.num_query_groups)
     writer.add_key_length(arch.head_dim)
     writer.add_rope_dimension_count(arch.head_dim)

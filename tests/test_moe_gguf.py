@@ -14,6 +14,7 @@ import torch
 from megatron_rl.config import ConfigError
 from megatron_rl.models.megatron_layout import canonical_hf_state
 from tests import moe_helpers
+from tests.helpers import gguf_writer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -37,11 +38,6 @@ def built():
 
 def _metadata(writer, name, model, arch, mtp_blocks, gating):
     c = model.config
-    writer.add_block_count(arch.num_layers + mtp_blocks)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_expert_count(arch.num_experts)
@@ -116,7 +112,7 @@ def _tensors(name, model, arch, published):
 
 
 def write_gguf(path, name, model, arch, state, mtp_blocks=0, gating=None):
-    writer = gguf.GGUFWriter(str(path), GGUF_ARCH[name])
+    writer = gguf_writer(path, GGUF_ARCH[name], arch, blocks=arch.num_layers + mtp_blocks)
     _metadata(writer, name, model, arch, mtp_blocks, gguf.ExpertGatingFuncType.SIGMOID if gating is None else gating)
     for gname, values in _tensors(name, model, arch, canonical_hf_state(state, arch)):
         writer.add_tensor(gname, np.ascontiguousarray(values, dtype=np.float32))
