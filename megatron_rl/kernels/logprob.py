@@ -154,10 +154,7 @@ def reference_logprobs_and_entropy(hidden, weight, targets, *, vocab_size=None, 
     """Unfused reference (full logits in the inputs' dtype promoted to fp32 or better; tests use float64)."""
     w = weight if vocab_size is None else weight[:vocab_size]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logits = hidden.to(dtype) @ w.to(dtype).T
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
+    logits = soft_cap(hidden.to(dtype) @ w.to(dtype).T, softcap) / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -214,8 +211,9 @@ def _combine(m, s, t, zt, tp_group):
     return zt - logz, log_s - t / s, logz
 
 
-def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return x if softcap is None else torch.tanh(x / softcap) * softcap
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft-capped logits and attention scores); x itself when `cap` is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +239,7 @@ class _TorchImpl:
         zt = torch.zeros(n, dtype=torch.float32, device=dev)
         idx = owned.nonzero().squeeze(1)
         if idx.numel():
-            zt[idx] = _capped((hidden[idx].float() * w32[local[idx]]).sum(-1), cfg.softcap) * cfg.inv_temperature
+            zt[idx] = soft_cap((hidden[idx].float() * w32[local[idx]]).sum(-1), cfg.softcap) * cfg.inv_temperature
         cn, cv = cfg.chunk_size, min(cfg.vocab_chunk_size, max(cfg.n_valid, 1))
         buf_z = torch.empty(min(cn, n), cv, dtype=torch.float32, device=dev)
         buf_e = torch.empty_like(buf_z)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_rl.kernels.logprob import soft_cap
 from megatron_rl.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if softcap is not None:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale),
+                          softcap)
         allowed = causal_window_mask(length, window or length, q.device)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(F.dropout(probs, p=dropout_p), v)

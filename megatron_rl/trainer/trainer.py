@@ -43,7 +43,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron_rl.config import ConfigError
-from megatron_rl.kernels.logprob import fused_logprobs_and_entropy
+from megatron_rl.kernels.logprob import fused_logprobs_and_entropy, soft_cap
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.lora_layout import (
     base_checksum,
@@ -558,10 +558,7 @@ class MegatronTrainer:
         """Full-vocabulary logits [B, S-1, vocab_size] (float32, CPU) predicting tokens[:, 1:], gathered
         over TP (padding dropped), on every rank of this DP replica. For parity checks and evaluation."""
         def on_hidden(hidden, tokens, mb):
-            logits = hidden.float() @ self._output_weight().float().t()
-            cap = self.arch.final_logit_softcapping
-            if cap is not None:
-                logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap(hidden.float() @ self._output_weight().float().t(), self.arch.final_logit_softcapping)
             full = gather_from_tensor_model_parallel_region(logits)[..., :self.arch.vocab_size]
             return hidden.new_zeros(()), {"logits": full}
 

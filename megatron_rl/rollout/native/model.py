@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels.logprob import soft_cap
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.kv_cache import KVCache
@@ -342,8 +343,5 @@ class LlamaModel:
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
         h = norm(x, w.norm, a.norm_eps)
-        logits = matmul(h, w.lm_head, w.packed_lm_head)
-        if a.final_logit_softcapping is not None:  # (in the activation dtype, as transformers)
-            cap = a.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        # (capped in the activation dtype, as transformers)
+        return soft_cap(matmul(h, w.lm_head, w.packed_lm_head), a.final_logit_softcapping).float()
