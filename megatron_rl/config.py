@@ -192,6 +192,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, source: Source) -
         kwargs[key] = _convert(value, hints[key], path, source)
         if fields[key].metadata.get(RECIPE_PATH_FIELD) and isinstance(kwargs[key], str):
             kwargs[key] = recipe_relative(kwargs[key], path, source)
+        elif fields[key].metadata.get(RECIPE_PATH_FIELD) and isinstance(kwargs[key], list):
+            kwargs[key] = [recipe_relative(v, path, source) if isinstance(v, str) else v for v in kwargs[key]]
         if key in importing:
             import_modules(kwargs[key], path, source)
     try:

@@ -5,13 +5,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config import Registry, require
+from megatron_rl.config import RECIPE_PATH_FIELD, Registry, require
 from megatron_rl.recipes.agent.sandbox import SandboxConfig
 
 TOOLS = ("calculator", "python")
 
 # `agent.environment`: fn(agent config, tokenizer) -> a factory of fresh `Environment`s.
 ENVIRONMENTS = Registry("agent environment", {"tools": "megatron_rl.recipes.agent.recipe:tool_environment_factory"})
+# `agent.environment: <library>:<target>`: an environment library's own environments (docs/environments.md).
+LIBRARY_ENVIRONMENTS = {"verifiers": "megatron_rl.recipes.agent.verifiers_env:verifiers_environment_factory",
+                        "openenv": "megatron_rl.recipes.agent.openenv_env:openenv_environment_factory"}
+
+
+def library_environment(spec: str) -> tuple[str, str] | None:
+    """(library, target) of `verifiers:<env>` / `openenv:<env>`, else None (a registered name or a
+    'package.module:function' factory)."""
+    library, sep, target = spec.partition(":")
+    return (library, target) if sep and library in LIBRARY_ENVIRONMENTS else None
 # `agent.openai_agent`: fn(agent config, tokenizer) -> agent(client, model, prompt); none built in.
 OPENAI_AGENTS = Registry("OpenAI agent")
 
@@ -54,6 +64,77 @@ class CalculatorTaskConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class VerifiersConfig:
+    """`agent.environment: verifiers:<env id or module>`: a `verifiers` (0.4, `verifiers.v1`) environment,
+    its taskset's rows as the prompts, its tools as the policy's, its rubric as the reward
+    (recipes/agent/verifiers_env.py)."""
+
+    python: str = ""
+    """The interpreter that imports verifiers (its pins, openai<3 and mcp==2.0.0, may clash with the
+    trainer's environment): '' takes $MEGATRON_RL_VERIFIERS_PYTHON, else this interpreter when it has
+    verifiers, else .venv-verifiers/bin/python (`bash scripts/setup_verifiers.sh`)."""
+    import_paths: list[str] = dataclasses.field(default_factory=list, metadata={RECIPE_PATH_FIELD: True})
+    """Folders put first on the worker's module path, for an environment module that is not installed
+    (relative to the config file)."""
+    taskset_args: dict = dataclasses.field(default_factory=dict)
+    """The taskset config's fields besides its id (e.g. {num_examples: 500})."""
+    env_args: dict = dataclasses.field(default_factory=dict)
+    """The environment config's other fields (e.g. a seat's settings)."""
+    heldout_size: int = 32
+    """Rows set aside for the held-out evaluation (after a seeded shuffle)."""
+    train_size: int = 0
+    """Training rows (0: all the others)."""
+    seed: int = 2024
+    """Shuffles the rows before the split."""
+    call_timeout_s: float = 300.0
+    """Longest wait for one answer of the environment (a tool call, the scoring)."""
+
+    def __post_init__(self) -> None:
+        require(self.heldout_size >= 0, "heldout_size", "must be >= 0")
+        require(self.train_size >= 0, "train_size", "must be >= 0")
+        require(self.call_timeout_s > 0, "call_timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OpenEnvConfig:
+    """`agent.environment: openenv:<package.module:EnvironmentClass | http://host:port>`: an OpenEnv
+    environment, reset with one seed per prompt, its observations rendered as user messages, the
+    policy's text as its action (recipes/agent/openenv_env.py)."""
+
+    transport: Literal["in_process", "server"] = "in_process"
+    """in_process: the Environment class runs in the driver; server: the run starts OpenEnv's own
+    FastAPI server for it (uvicorn on loopback) and plays over its WebSocket client. A URL target is
+    always a server someone else started."""
+    env_args: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the Environment class."""
+    action_field: str = ""
+    """The Action field that takes the policy's text ('': the Action's one string field; required for
+    a URL target)."""
+    observation_field: str = ""
+    """The Observation field rendered as the user message ('': its one string field besides done,
+    reward and metadata; else all of them as JSON)."""
+    system_prompt: str = ""
+    """A system message before the first observation ('' : none)."""
+    reward: Literal["last", "sum"] = "last"
+    """The episode's reward: the last step's (as OpenEnv's rollout harness scores), or the sum of all."""
+    python: str = ""
+    """server: the interpreter that runs the server ('': this one)."""
+    startup_timeout_s: float = 60.0
+    """server: longest wait for the server's health check."""
+    train_size: int = 256
+    """Training episodes (reset seeds seed+heldout_size ...)."""
+    heldout_size: int = 32
+    """Held-out episodes (reset seeds seed ... seed+heldout_size-1)."""
+    seed: int = 2024
+    """First reset seed."""
+
+    def __post_init__(self) -> None:
+        require(self.train_size >= 1, "train_size", "must be >= 1")
+        require(self.heldout_size >= 0, "heldout_size", "must be >= 0")
+        require(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True)
 class AgentConfig:
     """A multi-turn tool-using agent run (recipes/agent/): every episode alternates the policy and its
     tools until a final answer or `max_turns`; one token-exact trajectory per episode."""
@@ -61,9 +142,11 @@ class AgentConfig:
     task: CalculatorTaskConfig = dataclasses.field(default_factory=CalculatorTaskConfig)
     """The problems and their grading (replaces the `data` section)."""
     environment: str = "tools"
-    """tools: the task with the tools below (ToolEnvironment); or a custom environment: a name registered
-    with `ENVIRONMENTS.register` or 'package.module:function', called with (this config, the tokenizer),
-    returning a factory of fresh `Environment`s (docs/extending.md)."""
+    """tools: the task with the tools below (ToolEnvironment); `verifiers:<env id or module>` or
+    `openenv:<package.module:EnvironmentClass or URL>`: an environment of those libraries, with its own
+    prompts and reward (the `verifiers` / `openenv` sections; docs/environments.md); or a custom
+    environment: a name registered with `ENVIRONMENTS.register` or 'package.module:function', called with
+    (this config, the tokenizer), returning a factory of fresh `Environment`s (docs/extending.md)."""
     openai_agent: str = ""
     """'package.module:function' (or a name registered with `OPENAI_AGENTS.register`): train an agent
     written against the OpenAI API instead of running `environment`
@@ -94,10 +177,20 @@ class AgentConfig:
     timing: a resumed run is bit-exact)."""
     record_episodes: bool = True
     """Append every training episode, turn by turn, to RUN_DIR/agent_episodes.jsonl."""
+    verifiers: VerifiersConfig = dataclasses.field(default_factory=VerifiersConfig)
+    """`environment: verifiers:<env>`: where verifiers runs and how its rows split."""
+    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
+    """`environment: openenv:<env>`: how the environment runs, what its actions and observations are."""
 
     def __post_init__(self) -> None:
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
-        ENVIRONMENTS.check(self.environment, "environment")
+        library = library_environment(self.environment)
+        if library is None:
+            ENVIRONMENTS.check(self.environment, "environment")
+        else:
+            require(bool(library[1].strip()), "environment", f"name the {library[0]} environment after '{library[0]}:'")
+            require(not self.openai_agent, "openai_agent", f"an OpenAI agent replaces the environment; "
+                    f"'{self.environment}' would be ignored")
         if self.openai_agent:
             OPENAI_AGENTS.check(self.openai_agent, "openai_agent")
         require(self.openai_concurrency >= 1, "openai_concurrency", "must be >= 1")

@@ -87,6 +87,25 @@ def tool_instructions(tools: Sequence[Tool], tool_format: ToolCallFormat) -> str
                    "answer only, without a tool call.")
 
 
+def with_tool_instructions(messages: Sequence[dict[str, Any]], tools: Sequence[Tool],
+                           tool_format: ToolCallFormat) -> list[dict[str, Any]]:
+    """`messages` with the tool instructions at the end of the system message (one is added when there
+    is none): for chat templates that do not render `tools` themselves."""
+    messages = [dict(m) for m in messages]
+    text = tool_instructions(tools, tool_format)
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = messages[0]["content"] + "\n\n" + text
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+    return messages
+
+
+def renders_tools(chat_template: Any) -> bool:
+    """Whether the chat template (or any of a named set) renders `tools` itself."""
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    return any(template_renders_tools(t) for t in templates)
+
+
 class ToolEnvironment:
     """Tool use: each tool call in an assistant message is run and answered with a tool message; a
     message without a tool call is the final answer, graded by `grade`. Malformed calls are answered
@@ -105,8 +124,7 @@ class ToolEnvironment:
         self.max_turns = max_turns
         self.limits = limits or SandboxLimits()
         self.examples = list(examples)
-        templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
-        self.instructions_in_system = not any(template_renders_tools(t) for t in templates)
+        self.instructions_in_system = not renders_tools(chat_template)
         self.sandbox: Sandbox | None = None
         self.prompt: Prompt | None = None
         self.turns = 0
@@ -118,11 +136,7 @@ class ToolEnvironment:
             at = 1 if messages and messages[0]["role"] == "system" else 0
             messages[at:at] = [m for example in self.examples for m in self._shown(example)]
         if self.instructions_in_system and self.tools:
-            text = tool_instructions(self.tools, self.tool_format)
-            if messages and messages[0]["role"] == "system":
-                messages[0]["content"] = messages[0]["content"] + "\n\n" + text
-            else:
-                messages.insert(0, {"role": "system", "content": text})
+            messages = with_tool_instructions(messages, self.tools, self.tool_format)
         return messages
 
     def _shown(self, example: WorkedExample) -> list[dict[str, Any]]:

@@ -42,8 +42,7 @@ import torch
 from megatron_rl.controller.episodes import EpisodeRuns, Sample
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import ChatTokenizer
-from megatron_rl.data.tool_calls import template_renders_tools
-from megatron_rl.recipes.agent.environment import Environment, EnvStep
+from megatron_rl.recipes.agent.environment import Environment, EnvStep, renders_tools
 from megatron_rl.rewards.registry import RewardResult
 from megatron_rl.rollout.engine import (
     GenerateRequest,
@@ -335,9 +334,7 @@ class AgentEpisodes(EpisodeRuns):
         self.generated_samples = 0
         self.step = 0
         self._counts: dict[str, float] = {}
-        template = tokenizer.chat_template
-        self._renders_tools = any(template_renders_tools(t) for t in
-                                  (template.values() if isinstance(template, dict) else [template]))
+        self._renders_tools = renders_tools(tokenizer.chat_template)
 
     @property
     def engines(self) -> list:
@@ -394,6 +391,10 @@ def count_episode(counts: dict[str, float], episode: AgentEpisode) -> None:
     add("sampled_tokens", episode.trajectory.sampled_tokens)
     add("environment_tokens", episode.trajectory.environment_tokens)
     add("used_tool", float(episode.count("tool_calls") > 0))
+    final = episode.turns[-1].step if episode.turns else None
+    for key, value in (final.info if final is not None else {}).items():
+        if key.startswith("env/"):  # an environment library's own reward terms and metrics (per-episode means)
+            add(key, float(value))
 
 
 def episode_metrics(counts: dict[str, float]) -> dict[str, float]:
@@ -414,6 +415,8 @@ def episode_metrics(counts: dict[str, float]) -> dict[str, float]:
     for key, value in counts.items():
         if key.startswith("end_"):
             out[key] = value
+        elif key.startswith("env/"):
+            out[key] = value / n
     return out
 
 

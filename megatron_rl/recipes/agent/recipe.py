@@ -7,7 +7,14 @@ import os
 from megatron_rl import ranks
 from megatron_rl.controller.evaluate import HeldoutEvaluation
 from megatron_rl.controller.recipe import RunParts, build_policy
-from megatron_rl.recipes.agent.config import ENVIRONMENTS, OPENAI_AGENTS, AgentConfig
+from megatron_rl.config import import_object
+from megatron_rl.recipes.agent.config import (
+    ENVIRONMENTS,
+    LIBRARY_ENVIRONMENTS,
+    OPENAI_AGENTS,
+    AgentConfig,
+    library_environment,
+)
 from megatron_rl.recipes.agent.environment import ToolEnvironment
 from megatron_rl.recipes.agent.episodes import (
     AgentEpisodes,
@@ -28,8 +35,12 @@ TOOL_CLASSES = {"calculator": Calculator, "python": PythonTool}
 
 
 def environment_factory(agent: AgentConfig, tokenizer):
-    """() -> a fresh environment for one episode: the configured task and tools, or the custom
-    environment `agent.environment` names."""
+    """() -> a fresh environment for one episode: the configured task and tools, an environment
+    library's (`verifiers:` / `openenv:`), or the custom environment `agent.environment` names. A
+    factory with a `datasets()` method brings its own (train, held-out) prompts."""
+    library = library_environment(agent.environment)
+    if library is not None:
+        return import_object(LIBRARY_ENVIRONMENTS[library[0]], "agent environment")(agent, tokenizer)
     return ENVIRONMENTS.resolve(agent.environment)(agent, tokenizer)
 
 
@@ -65,10 +76,14 @@ def build_agent(config, model) -> RunParts:
     policy, selector = build_policy(config, model)
     agent: AgentConfig = config.agent
     driver = ranks.is_driver()
-    train, heldout = build_calculator_datasets(agent.task)
     if agent.openai_agent:
+        train, heldout = build_calculator_datasets(agent.task)
         return _openai_agent_parts(config, model, policy, selector, train, heldout)
     make_environment = environment_factory(agent, model.tokenizer)
+    own_datasets = getattr(make_environment, "datasets", None)
+    train, heldout = [], []  # trainer ranks receive scored groups from the driver
+    if driver:
+        train, heldout = own_datasets() if own_datasets else build_calculator_datasets(agent.task)
     context = context_length(config, model)
     episodes = None
     if driver:
@@ -78,8 +93,6 @@ def build_agent(config, model) -> RunParts:
                                  samples_per_prompt=config.rollout.samples_per_prompt, record_path=record,
                                  max_seq_len=context,
                                  environment_threads=agent.environment_threads if config.rollout.is_async else 0)
-    else:  # trainer ranks receive scored groups from the driver
-        train, heldout = [], []
 
     def measure(step: int) -> dict[str, float]:
         if not driver:
