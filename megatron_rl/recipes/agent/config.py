@@ -107,6 +107,9 @@ class OpenEnvConfig:
     always a server someone else started."""
     env_args: dict = dataclasses.field(default_factory=dict)
     """Keyword arguments of the Environment class."""
+    import_paths: list[str] = dataclasses.field(default_factory=list, metadata={RECIPE_PATH_FIELD: True})
+    """Folders put first on the module path (this process's and the server's), for an environment module
+    that is not installed (relative to the config file)."""
     action_field: str = ""
     """The Action field that takes the policy's text ('': the Action's one string field; required for
     a URL target)."""
