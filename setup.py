@@ -60,7 +60,13 @@ setup(
                 # property-based fuzzing of configs and data through the CLI (tests/test_fuzz_inputs.py)
                 "hypothesis>=6.100",
                 # the reference of the LoRA tests (tests/test_lora.py): adapters loaded onto transformers models
-                "peft>=0.17"],
+                "peft>=0.17",
+                # OpenEnv environments in process (agent.environment: openenv:...; tests/test_agent_environments.py)
+                "openenv>=0.10,<0.11"],
+        # Environment libraries (docs/environments.md). They cannot share one environment (verifiers pins
+        # mcp==2.0.0, OpenEnv's fastmcp mcp<2): verifiers usually runs in its own, scripts/setup_verifiers.sh.
+        "openenv": ["openenv>=0.10,<0.11"],
+        "verifiers": ["verifiers>=0.4,<0.5"],
         "parquet": ["pyarrow>=14"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

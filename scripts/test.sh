@@ -12,6 +12,11 @@ fi
 if ! bash scripts/setup_vllm_cpu.sh --check .venv-vllm; then
   bash scripts/setup_vllm_cpu.sh .venv-vllm || echo "scripts/setup_vllm_cpu.sh failed: the vLLM backend's tests will skip" >&2
 fi
+# verifiers in its own environment (about 35 s once): the verifiers environment tests run against it, and skip
+# with the reason when it cannot be installed here.
+if ! bash scripts/setup_verifiers.sh --check .venv-verifiers; then
+  bash scripts/setup_verifiers.sh .venv-verifiers || echo "scripts/setup_verifiers.sh failed: the verifiers tests will skip" >&2
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} WANDB_MODE=${WANDB_MODE:-disabled}
 if [ $# -eq 0 ]; then
   set -- -m "not slow and not gpu"

@@ -7,45 +7,20 @@ turns the id into the module name `vf_calculator`, found through `agent.verifier
 """
 from __future__ import annotations
 
-import ast
-import operator
 import random
 import re
 
 import verifiers.v1 as vf
 
+from vf_calculator.tools import CalculatorTools
+
 SYSTEM_PROMPT = "You are a helpful assistant."
 INSTRUCTION = "Use the calculator tool, then give the final answer as a number."
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def evaluate(expression: str) -> int:
-    """Integer arithmetic (+, -, *, parentheses) without eval."""
-    def value(node):
-        if isinstance(node, ast.Expression):
-            return value(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        raise ValueError(f"unsupported expression: {expression!r}")
-    return value(ast.parse(expression.replace(",", ""), mode="eval"))
 
 
 def last_integer(text: str) -> int | None:
     found = re.findall(r"-?\d[\d,]*", text)
     return int(found[-1].replace(",", "")) if found else None
-
-
-class CalculatorTools(vf.Toolset[vf.ToolsetConfig]):
-    TOOL_PREFIX = None  # the model sees the bare name `calculator`
-
-    @vf.tool
-    def calculator(self, expression: str) -> str:
-        """Evaluate an arithmetic expression with integers, +, -, * and parentheses."""
-        return str(evaluate(expression))
 
 
 class ProductData(vf.TaskData):
@@ -67,7 +42,8 @@ class ProductTask(vf.Task[ProductData, vf.State, ProductTaskConfig]):
 
     @vf.reward(weight=0.1)
     async def used_calculator(self, trace: vf.Trace) -> float:
-        return float(len(trace.tool_messages) > 0)
+        """A call the model made (the worked example's call in the prompt is text, not a tool call)."""
+        return float(any(m.role == "assistant" and m.tool_calls for m in trace.messages))
 
     @vf.metric
     async def turns(self, trace: vf.Trace) -> float:

@@ -114,8 +114,8 @@ class OpenEnvConfig:
     """The Action field that takes the policy's text ('': the Action's one string field; required for
     a URL target)."""
     observation_field: str = ""
-    """The Observation field rendered as the user message ('': its one string field besides done,
-    reward and metadata; else all of them as JSON)."""
+    """The Observation field rendered as the user message ('': its only field besides done, reward and
+    metadata when that is a string; else those fields as JSON)."""
     system_prompt: str = ""
     """A system message before the first observation ('' : none)."""
     reward: Literal["last", "sum"] = "last"

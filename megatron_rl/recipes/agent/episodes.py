@@ -367,6 +367,9 @@ class AgentEpisodes(EpisodeRuns):
     def close(self) -> None:
         if self.environment_pool is not None:
             self.environment_pool.shutdown(wait=False, cancel_futures=True)
+        close_source = getattr(self.make_environment, "close", None)
+        if close_source is not None:  # an environment library's process or server (verifiers, OpenEnv)
+            close_source()
 
     def play(self, prompts: Sequence[Prompt], *, tag: str) -> list[AgentEpisode]:
         """One episode per prompt now, outside the training stream (evaluation), batched together."""

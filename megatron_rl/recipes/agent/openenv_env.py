@@ -71,14 +71,14 @@ def text_field(model: type, field: str, what: str, config_field: str) -> str:
 
 
 def observation_text(fields: dict[str, Any], field: str) -> str:
-    """An observation as the user message's text: `field`, else its one string field, else its fields
-    (besides done, reward and metadata) as JSON."""
+    """An observation as the user message's text: `field`; else its only field besides done, reward and
+    metadata when that is a string; else those fields as JSON."""
     shown = {k: v for k, v in fields.items() if k not in _OBSERVATION_BASE_FIELDS}
     if field:
         value = shown.get(field, "")
         return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    strings = [v for v in shown.values() if isinstance(v, str)]
-    return strings[0] if len(strings) == 1 else json.dumps(shown, sort_keys=True)
+    only = list(shown.values())
+    return only[0] if len(only) == 1 and isinstance(only[0], str) else json.dumps(shown, sort_keys=True)
 
 
 class InProcessSession:
@@ -236,7 +236,10 @@ class OpenEnvSource:
     def datasets(self) -> tuple[PromptDataset, PromptDataset]:
         config = self.config
         seeds = range(config.seed, config.seed + config.heldout_size + config.train_size)
-        prompts = [Prompt(prompt_id=stable_id(f"openenv-{self.target}", str(seed), None), messages=[],
+        # The episode's first messages come from its reset; a prompt names the seed (what the run's ledger
+        # and its prompt-length check read).
+        prompts = [Prompt(prompt_id=stable_id(f"openenv-{self.target}", str(seed), None),
+                          messages=[{"role": "user", "content": f"{self.target} (reset seed {seed})"}],
                           question=f"{self.target} seed {seed}", metadata={"openenv_seed": seed}) for seed in seeds]
         return (PromptDataset(f"openenv:{self.target}", prompts[config.heldout_size:]),
                 PromptDataset(f"openenv:{self.target}:heldout", prompts[:config.heldout_size]))
