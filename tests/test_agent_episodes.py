@@ -5,6 +5,7 @@ negative control (a re-tokenizing loop changes tokens), and the tool environment
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import threading
 
 import pytest
@@ -368,3 +369,97 @@ def test_multi_turn_prompts_follow_each_published_template(tmp_path, family, kwa
             assert ours == full, (k, ours, full)
     if thinking:  # the earlier turns' reasoning is still in the prompt the policy sees
         assert "step 0" in tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class _ScriptedAgentEngine:
+    """Answers each turn with `script(prompt text)` and the end-of-turn token (a policy that calls the
+    calculator, then answers), as the engine interface episodes drive: submit, wait."""
+
+    max_seq_len = 4096
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+
+    def submit(self, requests, on_token=None):
+        from concurrent.futures import Future
+
+        from megatron_rl.types import Completion
+
+        futures = []
+        for request in requests:
+            ids = self.tokenizer.encode(self.script(self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)))
+            ids.append(self.tokenizer.eos_token_id)
+            future = Future()
+            future.set_result(Completion(request.request_id, list(request.prompt_ids), ids, [-0.5] * len(ids),
+                                         [0] * len(ids), "stop", request.group_id))
+            futures.append(future)
+        return futures
+
+    def wait(self, futures):
+        pass
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_calculator_episodes_complete_and_each_turn_equals_transformers_render(tmp_path, thinking):
+    """The calculator agent on Qwen3's published template (thinking on and off), with the worked example:
+    every episode completes (no template drift), and each turn's prompt ids equal transformers' own
+    tokenization of its full render of the conversation so far, token for token with thinking on (in a
+    tool loop every assistant turn follows the last user message, where Qwen3's template keeps the
+    reasoning); with thinking off, but for the empty reasoning block of each earlier generation prompt."""
+    from transformers import AutoTokenizer
+    from megatron_rl.data.tokenizer import ChatTokenizer
+    from megatron_rl.data.tool_calls import ToolCall, tool_call_format
+    from megatron_rl.models.gguf import read_gguf_tokenizer
+    from megatron_rl.models.pretrained import smollm2_gguf_path
+    from megatron_rl.recipes.agent.tasks import worked_examples
+    from megatron_rl.recipes.agent.tools import Calculator
+    import gguf
+
+    from tests.chat_families import FAMILIES, save_family_tokenizer
+
+    path = smollm2_gguf_path()
+    vocabulary = ChatTokenizer.from_spec(read_gguf_tokenizer(gguf.GGUFReader(path), path)).hf_tokenizer \
+        .backend_tokenizer.to_str()
+    save_family_tokenizer(tmp_path / "qwen3", FAMILIES["qwen3"], vocabulary)
+    tokenizer = ChatTokenizer.from_hf_dir(str(tmp_path / "qwen3"))
+    tokenizer.use_template(None, {"enable_thinking": thinking})
+    reference = AutoTokenizer.from_pretrained(str(tmp_path / "qwen3"))
+    task = CalculatorTaskConfig(train_size=6, heldout_size=0)
+    train, _ = build_calculator_datasets(task)
+    hermes = tool_call_format("hermes")
+
+    def policy(prompt_text: str) -> str:
+        import re
+
+        *_, (a, b) = re.findall(r"What is (\d+) \* (\d+)\?", prompt_text)
+        a, b = int(a), int(b)
+        think = "<think>\nI should use the calculator.\n</think>\n\n" if thinking else ""
+        if "</tool_response>" in prompt_text[prompt_text.rindex(f"What is {a} * {b}?"):]:
+            return f"{think}The answer is {a * b}."
+        return think + hermes.render_call(ToolCall(name="calculator", arguments={"expression": f"{a} * {b}"}))
+
+    environment = lambda: ToolEnvironment([Calculator()], hermes, grade_final_answer, max_turns=3,  # noqa: E731
+                                          chat_template=tokenizer.chat_template, examples=worked_examples(task, 1))
+    producer = AgentEpisodes(_ScriptedAgentEngine(tokenizer, policy), tokenizer, environment,
+                             sampling=SamplingParams(max_new_tokens=64, temperature=0.0))
+    episodes = producer.play(list(train), tag="qwen3")
+    tools = [Calculator().schema()]
+    empty_block = tokenizer.encode("<think>\n\n</think>\n\n")
+    compared = 0
+    for episode in episodes:
+        assert episode.end == "answer" and episode.reward == 1.0 and len(episode.turns) == 2
+        for k, turn in enumerate(episode.turns):
+            ours = turn.completion.prompt_ids
+            full = list(reference.apply_chat_template(turn.messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False, enable_thinking=thinking))
+            compared += len(full)
+            if thinking:
+                assert ours == full
+                continue
+            # Thinking off: the generation prompt of each earlier turn carried an empty reasoning block that
+            # the policy saw and the trajectory keeps; the template's re-render of history leaves it out.
+            # Those 4 tokens per earlier turn are the only difference.
+            extra = [op for op in difflib.SequenceMatcher(None, ours, full, autojunk=False).get_opcodes()
+                     if op[0] != "equal"]
+            assert [(tag, ours[i1:i2], j1 == j2) for tag, i1, i2, j1, j2 in extra] == [("delete", empty_block, True)] * k
+    assert compared > 6 * 2 * 100
