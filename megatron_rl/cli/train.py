@@ -17,8 +17,10 @@ from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.checkpoints_tools.convert import save_hf
 from megatron_rl.config import ConfigError, from_dict, load_yaml_data, split_config_and_overrides, to_dict
 from megatron_rl.controller.loop import train
+from megatron_rl.controller.recipe import recipe_name
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.observability.run_log import prepare_run_dir
+from megatron_rl.recipes.agent.recipe import agent_datasets
 from megatron_rl.recipes.reward_model.config import RewardModelRunConfig
 from megatron_rl.recipes.reward_model.data import load_pairs
 from megatron_rl.recipes.reward_model.recipe import latest_checkpoint, refuse_used_run_dir, train_reward_model
@@ -80,7 +82,10 @@ def train_reward_model_command(config: RewardModelRunConfig, args: argparse.Name
 def check(config: RunConfig, *, resume: bool, fresh: bool) -> int:
     """What `train` refuses before its slow set-up, without its side effects: the config, every data
     row, and the run directory (previous run, checkpoint to resume)."""
-    train_set, heldout = build_datasets(config.data)
+    if recipe_name(config) == "agent" and not config.agent.openai_agent:
+        train_set, heldout = agent_datasets(config.agent)  # the agent's task or its environment library's
+    else:
+        train_set, heldout = build_datasets(config.data)
     generator = config.cluster.generator
     if generator.backend == "vllm" and not generator.urls:
         vllm_python(generator.vllm_python)  # the environment the run would launch its servers from

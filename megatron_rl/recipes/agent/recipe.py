@@ -44,6 +44,18 @@ def environment_factory(agent: AgentConfig, tokenizer):
     return ENVIRONMENTS.resolve(agent.environment)(agent, tokenizer)
 
 
+def agent_datasets(agent: AgentConfig, tokenizer=None):
+    """(train, held-out) prompts of an agent run without its model (`train --check`): the environment
+    library's own, or the calculator task's; the library's process or server is closed again."""
+    if library_environment(agent.environment) is None:
+        return build_calculator_datasets(agent.task)
+    source = environment_factory(agent, tokenizer)
+    try:
+        return source.datasets()
+    finally:
+        source.close()
+
+
 def tool_environment_factory(agent: AgentConfig, tokenizer):
     """`agent.environment: tools`: the configured task with the configured tools."""
     tools = [TOOL_CLASSES[name]() for name in agent.tools]

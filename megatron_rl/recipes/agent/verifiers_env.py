@@ -199,7 +199,7 @@ class VerifiersSource:
 
     def __init__(self, agent: AgentConfig, tokenizer, env: str):
         self.agent, self.env = agent, env
-        template = tokenizer.chat_template
+        template = tokenizer.chat_template if tokenizer is not None else None  # None: checking the config alone
         if agent.tool_call_format == "auto":
             self.tool_format = tool_call_format_for(template if isinstance(template, str) else None)
         else:

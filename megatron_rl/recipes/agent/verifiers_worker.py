@@ -366,7 +366,7 @@ async def _serve() -> None:
                 raise BridgeError(f"unknown op {op!r}")
             _reply({"id": rid, "ok": True, **(await handler(**request))})
         except Exception as exc:  # noqa: BLE001 - every failure goes back as one line
-            if not isinstance(exc, BridgeError):
+            if op != "load" and not isinstance(exc, BridgeError):  # an environment's own bug: its traceback helps
                 traceback.print_exc(file=sys.stderr)
             _reply({"id": rid, "ok": False, "error": _one_line(exc)})
 
