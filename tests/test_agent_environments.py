@@ -292,22 +292,28 @@ class UntypedEnvironment:
     """Not an OpenEnv Environment subclass (refused: no Action / Observation types)."""
 
 
-def test_openenv_trains_through_the_agent_recipe_with_its_server(tmp_path, tiny_chat_model):
+def _train_two_steps(recipe: str, run_dir: str, model_path: str, *overrides: str) -> tuple[list[dict], list[dict]]:
+    """Two steps of 2 x 2 episodes of an example recipe on the tiny model: (every metrics row, the trained
+    steps' rows)."""
     from megatron_rl.controller.loop import train
     from megatron_rl.run_config import load_run_config
 
-    run_dir = str(tmp_path / "run")
-    config = load_run_config(os.path.join(REPO, "examples", "configs", "agent_openenv.yaml"), [
-        f"model.path={tiny_chat_model}", f"run_dir={run_dir}", "steps=2", "rollout.prompts_per_step=2",
+    config = load_run_config(os.path.join(REPO, "examples", "configs", recipe), [
+        f"model.path={model_path}", f"run_dir={run_dir}", "steps=2", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6", "trainer.micro_batch_size=2",
-        "agent.openenv.transport=server", "agent.openenv.train_size=8", "agent.openenv.heldout_size=2",
         "engine.max_batch_size=8", "engine.num_threads=1", "eval.max_new_tokens=6", "logging.wandb=disabled",
-        "logging.plots=false", "rollout.drop_uninformative_groups=false"])
-    summary = train(config)
-    assert summary.steps == 2
+        "logging.plots=false", "rollout.drop_uninformative_groups=false", *overrides])
+    assert train(config).steps == 2
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     trained = [m for m in metrics if "agent/episodes" in m]
     assert len(trained) == 2 and all(m["agent/episodes"] == 4 for m in trained)
+    return metrics, trained
+
+
+def test_openenv_trains_through_the_agent_recipe_with_its_server(tmp_path, tiny_chat_model):
+    _, trained = _train_two_steps("agent_openenv.yaml", str(tmp_path / "run"), tiny_chat_model,
+                                  "agent.openenv.transport=server", "agent.openenv.train_size=8",
+                                  "agent.openenv.heldout_size=2")
     assert all("agent/env/reward/last_step" in m and m["agent/turns_per_episode"] >= 1 for m in trained)
     assert not _children_running("openenv_server")  # the run's OpenEnv server went with it
 
@@ -329,21 +335,10 @@ def _children_running(name: str) -> list[int]:
 
 
 def test_verifiers_trains_through_the_agent_recipe(verifiers_python, tmp_path, tiny_chat_model):
-    from megatron_rl.controller.loop import train
-    from megatron_rl.run_config import load_run_config
-
     run_dir = str(tmp_path / "run")
-    config = load_run_config(os.path.join(REPO, "examples", "configs", "agent_verifiers.yaml"), [
-        f"model.path={tiny_chat_model}", f"run_dir={run_dir}", "steps=2", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6", "trainer.micro_batch_size=2",
-        "agent.verifiers.taskset_args={num_examples: 12}", "agent.verifiers.heldout_size=2",
-        "engine.max_batch_size=8", "engine.num_threads=1", "eval.max_new_tokens=6", "logging.wandb=disabled",
-        "logging.plots=false", "rollout.drop_uninformative_groups=false"])
-    summary = train(config)
-    assert summary.steps == 2
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    trained = [m for m in metrics if "agent/episodes" in m]
-    assert len(trained) == 2 and all(m["agent/episodes"] == 4 for m in trained)
+    metrics, trained = _train_two_steps("agent_verifiers.yaml", run_dir, tiny_chat_model,
+                                        "agent.verifiers.taskset_args={num_examples: 12}",
+                                        "agent.verifiers.heldout_size=2")
     assert all("agent/env/reward/correct" in m and "agent/env/metric/turns" in m for m in trained)
     assert any("eval/env/reward/correct" in m for m in metrics)
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "agent_episodes.jsonl"))]

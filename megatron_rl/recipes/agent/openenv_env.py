@@ -28,6 +28,8 @@ import time
 import typing
 from typing import Any
 
+import httpx
+
 from megatron_rl.config import ConfigError, import_object
 from megatron_rl.data.prompts import Prompt, PromptDataset, stable_id
 from megatron_rl.recipes.agent.config import AgentConfig, OpenEnvConfig, library_environment
@@ -44,7 +46,7 @@ def _refuse(message: str, field: str = "agent.environment") -> ConfigError:
 
 def environment_types(env_cls: type) -> tuple[type, type]:
     """(Action class, Observation class) an OpenEnv `Environment[ActT, ObsT, StateT]` subclass declares."""
-    from openenv.core.env_server.interfaces import Environment
+    from openenv.core.env_server.interfaces import Environment  # optional library: imported when used
 
     for klass in env_cls.__mro__:
         for base in getattr(klass, "__orig_bases__", ()):
@@ -104,7 +106,7 @@ class ClientSession:
     """One WebSocket session of OpenEnv's client with a server (one environment instance there)."""
 
     def __init__(self, url: str, action_field: str):
-        from openenv import GenericEnvClient
+        from openenv import GenericEnvClient  # optional library: imported when used
 
         self.client = GenericEnvClient(base_url=url).sync()
         self.client.connect()
@@ -182,8 +184,6 @@ class OpenEnvServer:
         self._wait(config.startup_timeout_s)
 
     def _wait(self, timeout_s: float) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

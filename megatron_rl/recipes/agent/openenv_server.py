@@ -13,6 +13,9 @@ import os
 import sys
 import threading
 
+from megatron_rl.config import import_object
+from megatron_rl.recipes.agent.openenv_env import environment_types
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -22,11 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sessions", type=int, default=64)
     args = parser.parse_args(argv)
 
-    import uvicorn
-    from openenv.core.env_server.http_server import create_app
-
-    from megatron_rl.config import import_object
-    from megatron_rl.recipes.agent.openenv_env import environment_types
+    import uvicorn  # optional: serves OpenEnv's app when a run asks for a server
+    from openenv.core.env_server.http_server import create_app  # optional library: imported when used
 
     env_cls = import_object(args.target, "OpenEnv environment")
     action_cls, observation_cls = environment_types(env_cls)

@@ -35,6 +35,15 @@ import threading
 import time
 import traceback
 
+import verifiers
+import verifiers.v1 as vf
+from mcp.server.mcpserver import MCPServer
+from verifiers.v1.dialects.chat import message_to_wire, parse_message, parse_tools
+from verifiers.v1.graph import prepare_turn
+from verifiers.v1.harnesses.utils.compaction import bound_tool_message
+from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
+from verifiers.v1.state import State, state_cls
+
 
 def _reply(payload: dict) -> None:
     sys.stdout.write(json.dumps(payload) + "\n")
@@ -48,8 +57,6 @@ class BridgeError(Exception):
 def _initial_messages(task) -> list[dict]:
     """The messages a prompted task opens with (its system prompt, then its prompt), as the library's
     chat programs build them."""
-    from verifiers.v1.dialects.chat import message_to_wire
-
     data = task.data
     messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(data.prompt, str):
@@ -74,8 +81,6 @@ def _check_task(task) -> None:
     runtime = [fn.__name__ for attr in ("reward", "metric") for fn in task.hooks(attr) if _needs_runtime(fn)]
     if runtime:
         raise BridgeError(f"task {name}: {runtime} need a live runtime (a sandbox), which the bridge does not start")
-    from verifiers.v1.state import State
-
     for toolset in type(task).toolsets(task.config):
         if toolset._state_cls is not State:
             raise BridgeError(f"task {name}: toolset {type(toolset).__name__} keeps its own state, which the "
@@ -94,8 +99,6 @@ class Tools:
         self.schemas: list[dict] = []
 
     async def start(self, task) -> "Tools":
-        from mcp.server.mcpserver import MCPServer
-
         for toolset in self.task_toolsets + self.shared_toolsets:
             await toolset.setup()
             if toolset in self.task_toolsets:  # taskset-scoped servers skip the per-task hook
@@ -113,9 +116,6 @@ class Tools:
 
     async def call(self, name: str, arguments: str) -> str:
         """The tool message's content, as the library's chat loop and MCP server write it (errors as text)."""
-        from verifiers.v1.harnesses.utils.compaction import bound_tool_message
-        from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
-
         try:
             args = json.loads(arguments or "{}")
         except json.JSONDecodeError as exc:
@@ -136,11 +136,6 @@ def build_trace(task, messages: list[dict], tools: list[dict], sampled: set[int]
     """The library's trace of a conversation: one model call per sampled assistant message (`sampled`:
     their positions; the prompt's own assistant messages, e.g. worked examples, are part of the request),
     committed through its own graph, so the rewards read exactly what its rollouts record."""
-    import verifiers.v1 as vf
-    from verifiers.v1.dialects.chat import parse_message, parse_tools
-    from verifiers.v1.graph import prepare_turn
-    from verifiers.v1.state import state_cls
-
     trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                      agent=vf.AgentInfo(config=vf.AgentConfig()), state=state_cls(type(task))())
     parsed = [parse_message(m) for m in messages]
@@ -168,9 +163,6 @@ class Interaction:
         self.stop: str | None = None
 
     async def turn(self, message=None):
-        import verifiers.v1 as vf
-        from verifiers.v1.dialects.chat import message_to_wire, parse_message
-
         if self.over:
             return vf.Segment(messages=[], terminated=True)
         new = [] if self.started else _initial_messages(self.episode.task)
@@ -259,8 +251,6 @@ class Episode:
         return await self.replies.get()
 
     async def run(self) -> None:
-        import verifiers.v1 as vf
-
         try:
             await self.tools.start(self.task)
             await self.bridge.env.run(self.task, Seats(self))
@@ -299,9 +289,6 @@ class Bridge:
         for path in reversed(import_paths):
             if path not in sys.path:
                 sys.path.insert(0, path)
-        import verifiers
-        import verifiers.v1 as vf
-
         config = vf.resolve_env_config({"taskset": {"id": env, **taskset_args}, **env_args})
         self.env, self.env_id = vf.load_environment(config), env
         self.tasks = list(self.env.taskset)
