@@ -146,9 +146,12 @@ def assert_close_after_adam(got: dict, want: dict, lrs, first_step: int = 1):
     noise = adam_noise_bound(lrs, first_step)
     for name, tensor in want.items():
         diff, beyond, atol = _beyond_rounding(got[name], tensor, noise, len(lrs))
-        assert diff.max().item() <= noise and beyond <= NOISE_GRADIENT_FRACTION, \
+        # At least one element may be a cancelled gradient: a tensor of 64 norm weights has no 1% to spare,
+        # and one element of 64 is still far from the all-of-it a wrong moment moves.
+        allowed = max(NOISE_GRADIENT_FRACTION, 1.0 / max(tensor.numel(), 1))
+        assert diff.max().item() <= noise and beyond <= allowed, \
             f"{name}: max |difference| {diff.max().item():.3g} (noise bound {noise:.3g}), " \
-            f"{beyond:.2%} of it beyond the rounding bound {atol:.3g} (at most {NOISE_GRADIENT_FRACTION:.0%})"
+            f"{beyond:.2%} of it beyond the rounding bound {atol:.3g} (at most {allowed:.2%})"
 
 
 def fraction_beyond_rounding_after_adam(got: dict, want: dict, lrs, first_step: int = 1) -> float:

@@ -344,3 +344,12 @@ def test_verifiers_trains_through_the_agent_recipe(verifiers_python, tmp_path, t
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "agent_episodes.jsonl"))]
     assert len(episodes) == 8 and all(e["end"] in ("agent_completed", "max_turns") for e in episodes)
     assert not _children_running("verifiers_worker")  # the run's verifiers process went with it
+
+
+def test_verifiers_episodes_run_asynchronously_on_environment_threads(verifiers_python, tmp_path, tiny_chat_model):
+    """Generation one step ahead of training (staleness 1), the environment's steps on 4 threads: the
+    verifiers process answers concurrent episodes."""
+    _, trained = _train_two_steps("agent_verifiers.yaml", str(tmp_path / "run"), tiny_chat_model,
+                                  "agent.verifiers.taskset_args={num_examples: 12}", "agent.verifiers.heldout_size=2",
+                                  "rollout.max_staleness=1", "agent.environment_threads=4")
+    assert [m["rollout/staleness_max"] for m in trained] == [0.0, 1.0]
