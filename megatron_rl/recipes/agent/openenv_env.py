@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 from typing import Any
@@ -182,6 +183,7 @@ class OpenEnvServer:
             **os.environ, "ENABLE_WEB_INTERFACE": "false", "PYTHONPATH": os.pathsep.join(p for p in paths if p)})
         atexit.register(self.close)
         self._wait(config.startup_timeout_s)
+        logger.info("OpenEnv server for %s at %s", target, self.url)
 
     def _wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -214,6 +216,7 @@ class OpenEnvSource:
         self.agent, self.target, self.config = agent, target, agent.openenv
         self.url = target if "://" in target else ""
         self.server: OpenEnvServer | None = None
+        self._lock = threading.Lock()
         if self.url:
             if not self.config.action_field:
                 raise _refuse("name the Action's text field for a server target", "agent.openenv.action_field")
@@ -248,9 +251,10 @@ class OpenEnvSource:
         if self.url:
             session = ClientSession(self.url, self.action_field)
         elif self.config.transport == "server":
-            if self.server is None:
-                sessions = 256  # every episode in flight holds one, the held-out evaluation's too
-                self.server = OpenEnvServer(self.target, self.config, sessions)
+            with self._lock:  # the first episodes may start on several threads
+                if self.server is None:
+                    sessions = 256  # every episode in flight holds one, the held-out evaluation's too
+                    self.server = OpenEnvServer(self.target, self.config, sessions)
             session = ClientSession(self.server.url, self.action_field)
         else:
             session = InProcessSession(self.env_cls, self.config.env_args, self.action_cls, self.action_field)

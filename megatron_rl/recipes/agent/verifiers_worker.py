@@ -45,9 +45,13 @@ from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
 from verifiers.v1.state import State, state_cls
 
 
+# The protocol owns stdout; whatever the library or an environment prints goes to stderr instead.
+_PROTOCOL = sys.stdout
+
+
 def _reply(payload: dict) -> None:
-    sys.stdout.write(json.dumps(payload) + "\n")
-    sys.stdout.flush()
+    _PROTOCOL.write(json.dumps(payload) + "\n")
+    _PROTOCOL.flush()
 
 
 class BridgeError(Exception):
@@ -366,4 +370,5 @@ async def _serve() -> None:
 
 
 if __name__ == "__main__":
+    sys.stdout = sys.stderr
     asyncio.run(_serve())
