@@ -17,6 +17,7 @@ import math
 import errno
 import os
 import stat
+import subprocess
 import textwrap
 import types
 import typing
@@ -423,6 +424,17 @@ def _import_module(module_name: str):
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:
         raise ValueError(_import_failure(module_name, exc)) from None
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_has_module(python: str, module: str) -> bool:
+    """Whether the interpreter `python` finds `module` (looked up, not imported: one interpreter start):
+    for a library that runs in an environment of its own (vLLM, verifiers)."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def import_object(spec: str, what: str):

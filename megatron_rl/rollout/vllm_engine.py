@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import save_file
 
-from megatron_rl.config import ConfigError, InfrastructureError
+from megatron_rl.config import ConfigError, InfrastructureError, interpreter_has_module
 from megatron_rl.models.families import to_hf_config
 from megatron_rl.rollout.client import EngineHTTPError, HTTPEngine, _buckets
 from megatron_rl.rollout.engine import (
@@ -78,7 +77,7 @@ def vllm_python(configured: str = "") -> str:
     for path in candidates:
         if path and os.path.isfile(os.path.expanduser(path)) and os.access(os.path.expanduser(path), os.X_OK):
             python = os.path.abspath(os.path.expanduser(path))
-            if not _has_vllm(python):  # e.g. a set-up cut short by a full disk: refused here, not at server start
+            if not interpreter_has_module(python, "vllm"):  # e.g. a set-up cut short by a full disk: refused here, not at server start
                 raise ConfigError(f"cluster.generator.vllm_python: {python} has no vllm module; set it up again "
                                   "with `bash scripts/setup_vllm_cpu.sh` (CPU) or point it at a Python that "
                                   "imports vllm", field="cluster.generator.vllm_python")
@@ -87,16 +86,6 @@ def vllm_python(configured: str = "") -> str:
     raise ConfigError(f"cluster.generator.vllm_python: no vLLM environment at {where}; create one with "
                       "`bash scripts/setup_vllm_cpu.sh` (CPU) or point it at a Python that imports vllm",
                       field="cluster.generator.vllm_python")
-
-
-@functools.lru_cache(maxsize=None)
-def _has_vllm(python: str) -> bool:
-    """Whether `python` finds the vllm package (looked up, not imported: one interpreter start)."""
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    try:
-        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
 
 
 def device_server_args() -> list[str]:

@@ -51,9 +51,15 @@ def agent_datasets(agent: AgentConfig, tokenizer=None):
         return build_calculator_datasets(agent.task)
     source = environment_factory(agent, tokenizer)
     try:
-        return source.datasets()
+        return environment_prompts(agent, source)
     finally:
         source.close()
+
+
+def environment_prompts(agent: AgentConfig, make_environment):
+    """(train, held-out): the environment's own (its factory's `datasets()`), else the calculator task's."""
+    own = getattr(make_environment, "datasets", None)
+    return own() if own is not None else build_calculator_datasets(agent.task)
 
 
 def tool_environment_factory(agent: AgentConfig, tokenizer):
@@ -92,10 +98,8 @@ def build_agent(config, model) -> RunParts:
         train, heldout = build_calculator_datasets(agent.task)
         return _openai_agent_parts(config, model, policy, selector, train, heldout)
     make_environment = environment_factory(agent, model.tokenizer)
-    own_datasets = getattr(make_environment, "datasets", None)
-    train, heldout = [], []  # trainer ranks receive scored groups from the driver
-    if driver:
-        train, heldout = own_datasets() if own_datasets else build_calculator_datasets(agent.task)
+    # trainer ranks receive scored groups from the driver
+    train, heldout = environment_prompts(agent, make_environment) if driver else ([], [])
     context = context_length(config, model)
     episodes = None
     if driver:

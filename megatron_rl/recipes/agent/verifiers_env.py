@@ -24,7 +24,7 @@ import uuid
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, interpreter_has_module
 from megatron_rl.data.prompts import Prompt, PromptDataset, stable_id
 from megatron_rl.data.tool_calls import ToolCallFormat, tool_call_format, tool_call_format_for
 from megatron_rl.recipes.agent.config import AgentConfig, library_environment
@@ -41,14 +41,6 @@ class VerifiersError(RuntimeError):
     """The verifiers side refused a request or failed (its one-line reason)."""
 
 
-def _has_verifiers(python: str) -> bool:
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('verifiers') is None)"
-    try:
-        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def verifiers_python(configured: str = "") -> str:
     """The interpreter of the verifiers side: `configured`, else $MEGATRON_RL_VERIFIERS_PYTHON, else this
     interpreter when it has verifiers, else .venv-verifiers/bin/python in the working directory or the
@@ -60,7 +52,8 @@ def verifiers_python(configured: str = "") -> str:
                                                   *venv_pythons]
     for path in candidates:
         python = os.path.abspath(os.path.expanduser(path)) if path else ""
-        if python and os.path.isfile(python) and os.access(python, os.X_OK) and _has_verifiers(python):
+        if python and os.path.isfile(python) and os.access(python, os.X_OK) and \
+                interpreter_has_module(python, "verifiers"):
             return python
     where = configured or f"${VERIFIERS_PYTHON_ENV}, this interpreter or {DEFAULT_VERIFIERS_VENV}/bin/python"
     raise ConfigError(f"agent.verifiers.python: no Python with the verifiers package at {where}; create one with "
