@@ -30,7 +30,7 @@ from megatron_rl.models.lora_layout import (
     peft_adapter_config,
     write_peft_files,
 )
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf
+from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron, megatron_to_hf, published_hf_state
 from megatron_rl.models.pretrained import (
     LORA_BASE_CHECKSUM,
     MEGATRON_META,
@@ -203,6 +203,7 @@ def save_hf(path: str, arch: ModelArch, state: dict[str, torch.Tensor], tokenize
     if arch.tie_word_embeddings:
         # save_pretrained leaves out the tied head: it is the embedding
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = published_hf_state(state, arch)
     tmp = _atomic_dir(path)
     try:
         dtype_name = str(_state_dtype(state)).removeprefix("torch.")

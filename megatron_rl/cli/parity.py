@@ -24,6 +24,7 @@ from megatron_rl.checkpoints_tools.convert import convert
 from megatron_rl.config import ConfigError
 from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import canonical_hf_state
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.placement.launch import run_distributed
 from megatron_rl.rollout.native.parity import engine_parity
@@ -102,6 +103,11 @@ CASES: tuple[Case, ...] = (
     Case("gemma2 (16-token window on layers 0 and 2, soft-capped attention 5 and logits 3)", "Gemma2Config", {
         **_BASE, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, **_rope("default", 10000.0)}),
+    Case("gpt_oss (16-token window on layer 0, sinks, biases, top-2 of 4 clamped-SwiGLU experts, yarn rope)",
+         "GptOssConfig", {**_BASE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "sliding_window": 16, "swiglu_limit": 2.0, "rope_parameters": {
+                              "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0}}),
     Case("smollm2-like", "LlamaConfig", {**_BASE, "tie_word_embeddings": True, "num_key_value_heads": 2,
                                          **_rope("default", 100000.0)}),
     Case("long: llama3 rope", "LlamaConfig", {**_LONG, "max_position_embeddings": 8192, **_rope(
@@ -142,7 +148,8 @@ def case_model(case: Case, seed: int = 0) -> tuple[Any, ModelArch, dict[str, tor
     """(transformers model, our ModelArch read from its config through the registry, HF-named state)."""
     model = hf_model(case, seed)
     arch = families.from_hf_config(model.config.to_dict(), where=f"{case.config_class}({case.name})")
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # (GPT-OSS's stacked experts as per-expert tensors: the form the trainer and the engine take)
+    state = canonical_hf_state({k: v.detach().clone() for k, v in model.state_dict().items()}, arch)
     return model, arch, state
 
 

@@ -175,6 +175,24 @@ class ModelArch:
     softmax (Gemma 2: 50); None: no cap."""
     final_logit_softcapping: float | None = None
     """Output logits pass through cap * tanh(logit / cap) (Gemma 2: 30); None: no cap."""
+    attention_output_bias: bool = False
+    """The attention's output projection (o_proj) carries a bias (GPT-OSS)."""
+    attention_sinks: bool = False
+    """Every query head has a learned sink logit s_h (GPT-OSS `self_attn.sinks`): the softmax over a row's
+    scores gets one more column, s_h, whose probability is dropped, so a row's weights sum to less than 1."""
+    moe_router_bias: bool = False
+    """The router's linear carries a bias [E] added to its logits before the top-k and the softmax (GPT-OSS
+    `mlp.router.bias`); unlike `moe_router_expert_bias` it changes the weights too."""
+    expert_biases: bool = False
+    """Every expert's gate, up and down projections carry biases (GPT-OSS); the down bias is part of the expert's
+    output, weighted by its routing weight."""
+    swiglu_alpha: float = 1.0
+    """The gated MLPs' activation is g * sigmoid(alpha * g) (1.0: SiLU; GPT-OSS: 1.702, Megatron's quick_gelu)."""
+    swiglu_limit: float | None = None
+    """Clamp of the gated MLPs' inputs before the activation: the gate at most the limit, the up projection within
+    +-limit (GPT-OSS: 7.0); None: no clamp."""
+    glu_linear_offset: float = 0.0
+    """Added to the up projection before the product with the activated gate (GPT-OSS: 1.0)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -254,6 +272,19 @@ class ModelArch:
             require(not self.is_moe and not self.is_mla, "sandwich_norms",
                     "Gemma's layer numerics (sandwich or (1 + w) norms, GeGLU) are implemented for dense "
                     "grouped-query-attention models")
+        if self.swiglu_alpha != 1.0 or self.swiglu_limit is not None or self.glu_linear_offset:
+            require(self.mlp_activation == "silu", "swiglu_alpha",
+                    "the clamped, offset SwiGLU (GPT-OSS) is a SiLU-family activation (mlp_activation silu)")
+        require(self.swiglu_alpha > 0, "swiglu_alpha", f"must be positive, got {self.swiglu_alpha}")
+        require(self.swiglu_limit is None or self.swiglu_limit > 0, "swiglu_limit", "must be positive")
+        require(not (self.moe_router_bias or self.expert_biases) or self.is_moe, "expert_biases",
+                "router and expert biases need a mixture-of-experts model (num_experts > 0)")
+        require(not (self.moe_router_bias and self.moe_router_score != "softmax"), "moe_router_bias",
+                "a router logit bias is implemented for the softmax router")
+        require(not ((self.attention_sinks or self.attention_output_bias) and self.is_mla), "attention_sinks",
+                "attention sinks and an output-projection bias are implemented for grouped-query attention")
+        require(not (self.attention_sinks and self.attn_logit_softcapping), "attention_sinks",
+                "attention sinks with soft-capped scores are not implemented")
         require(self.shared_expert_ffn_hidden_size >= 0, "shared_expert_ffn_hidden_size", "must be >= 0")
         require(self.shared_expert_ffn_hidden_size == 0 or self.num_experts > 0, "shared_expert_ffn_hidden_size",
                 "a shared expert needs a mixture-of-experts model (num_experts > 0)")
@@ -312,6 +343,10 @@ class ModelArch:
         params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             params += self.q_size + 2 * self.kv_size
+        if self.attention_output_bias:
+            params += h
+        if self.attention_sinks:
+            params += self.num_attention_heads
         if self.qk_norm:
             params += 2 * self.head_dim
         return params
@@ -374,7 +409,9 @@ class ModelArch:
         h = self.hidden_size
         if self.is_moe and (layer is None or self.layer_is_moe(layer)):
             shared = 3 * h * self.shared_expert_ffn_hidden_size + (h if self.shared_expert_gate else 0)
-            return self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h + shared
+            biases = self.num_experts * (2 * self.moe_ffn_hidden_size + h) if self.expert_biases else 0
+            router = self.num_experts * (h + int(self.moe_router_bias))
+            return self.num_experts * 3 * h * self.moe_ffn_hidden_size + router + shared + biases
         return 3 * h * self.ffn_hidden_size
 
     def num_parameters(self) -> int:

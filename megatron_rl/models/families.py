@@ -85,6 +85,12 @@ class Family:
     attn_softcap: bool = False
     """The family's transformers attention applies `attn_logit_softcapping` (Gemma 2; Gemma 3's carries the field
     but never passes it to its attention: a value there is refused)."""
+    gpt_oss: bool = False
+    """GPT-OSS's numerics: learned attention sinks (`self_attn.sinks`), `attention_bias` switching biases on q/k/v
+    and o_proj together, a router (`mlp.router`) with a logit bias, biased experts with the clamped SwiGLU
+    (`swiglu_alpha`, `swiglu_limit`, up + 1), stored stacked: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
+    and up columns interleaved, `mlp.experts.down_proj` [E, I, H], and their biases (`canonical_hf_state` and
+    `published_hf_state` in models/megatron_layout.py turn them into per-expert tensors and back)."""
     dense_layers_field: str | None = None
     """How the family's HF config names its dense layers among the MoE ones: "mlp_only_layers" (Qwen-MoE: that
     list, and every layer whose 1-based index `decoder_sparse_step` does not divide), "first_k_dense_replace"
@@ -128,6 +134,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Gemma 2: alternating sliding-window and global layers (one RoPE), soft-capped attention and output logits.
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "Gemma2Config", bias_field="attention_bias",
            has_window=True, window_layer_types=True, gemma=True, attn_softcap=True),
+    # GPT-OSS 20B / 120B: alternating 128-token windows and full layers, attention sinks, biases everywhere, YaRN,
+    # softmax top-4 routing over biased logits into clamped-SwiGLU experts.
+    Family("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), "GptOssConfig", has_window=True,
+           window_layer_types=True, moe_block="mlp", experts_field="num_local_experts",
+           expert_size_field="intermediate_size", gpt_oss=True),
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "MixtralConfig", has_window=True,
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
            expert_size_field="intermediate_size"),
@@ -156,7 +167,12 @@ _SIGMOID_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 def hf_router_name(family: Family, layer: int) -> str:
     """The published HF name of layer `layer`'s router weight [E, H]."""
-    return f"model.layers.{layer}.{family.moe_block}.gate.weight"
+    return f"model.layers.{layer}.{family.moe_block}.{'router' if family.gpt_oss else 'gate'}.weight"
+
+
+def hf_router_logit_bias_name(family: Family, layer: int) -> str:
+    """The HF name of layer `layer`'s router logit bias [E] (GPT-OSS)."""
+    return f"model.layers.{layer}.{family.moe_block}.router.bias"
 
 
 def hf_router_bias_name(family: Family, layer: int) -> str:
@@ -177,6 +193,12 @@ def hf_expert_names(family: Family, layer: int, expert: int) -> tuple[str, str, 
     """The published HF names of one expert's (gate [I, H], up [I, H], down [H, I]) weights."""
     prefix = f"model.layers.{layer}.{family.moe_block}.experts.{expert}."
     return tuple(prefix + n + ".weight" for n in family.expert_names)  # type: ignore[return-value]
+
+
+def hf_expert_bias_names(family: Family, layer: int, expert: int) -> tuple[str, str, str]:
+    """The per-expert names of one expert's (gate [I], up [I], down [H]) biases (GPT-OSS, whose published
+    checkpoints stack them: `canonical_hf_state`)."""
+    return tuple(n[:-len("weight")] + "bias" for n in hf_expert_names(family, layer, expert))  # type: ignore
 
 
 def get_family(name: str) -> Family:
@@ -325,7 +347,8 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
             raise _refuse(where, "hidden_act", f"{act!r} is not supported (only 'silu', the SwiGLU MLP)")
     if config.get("mlp_bias"):
         raise _refuse(where, "mlp_bias", "MLP biases are not implemented")
-    if config.get("attention_bias") and not family.qkv_bias and family.qkv_bias_field != "attention_bias":
+    if config.get("attention_bias") and not family.qkv_bias and family.qkv_bias_field != "attention_bias" \
+            and not family.gpt_oss:
         raise _refuse(where, "attention_bias", f"true adds biases to q/k/v and o_proj in {family.name}; "
                       "an output-projection bias is not implemented")
     if float(config.get("attention_dropout") or 0.0) != 0.0:
@@ -361,10 +384,13 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
         arch_fields.update(_mla_fields(config, where))
     qkv_bias = bool(config.get(family.qkv_bias_field)) if family.qkv_bias_field else family.qkv_bias
     qk_norm = bool(config.get(family.qk_norm_field)) if family.qk_norm_field else family.qk_norm
+    gpt_oss_fields = _gpt_oss_fields(config, where) if family.gpt_oss else {}
+    if family.gpt_oss:
+        qkv_bias = gpt_oss_fields["attention_output_bias"]
     if family.layer_type_rope and window is None:
         gemma_fields.pop("local_rope_theta")  # no sliding layer left to rotate with it
     try:
-        return ModelArch(**arch_fields, **gemma_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
+        return ModelArch(**arch_fields, **gemma_fields, **gpt_oss_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
                          rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers,
                          partial_rotary_factor=_partial_rotary(family, config, where))
     except ConfigError as exc:
@@ -380,6 +406,42 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "kv_lora_rank": "kv_lora
              "ffn_hidden_size": "intermediate_size", "head_dim": "head_dim", "moe_top_k": "num_experts_per_tok",
              "moe_norm_topk_prob": "norm_topk_prob", "moe_router_groups": "n_group", "moe_router_group_topk": "topk_group",
              "moe_routed_scaling_factor": "routed_scaling_factor", "partial_rotary_factor": "partial_rotary_factor"}
+
+
+def _gpt_oss_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArch fields of GPT-OSS's numerics (its config class has filled every absent field)."""
+    fields: dict[str, Any] = {}
+    for field, name in (("swiglu_alpha", "swiglu_alpha"), ("swiglu_limit", "swiglu_limit")):
+        value = config.get(field, 1.702 if field == "swiglu_alpha" else None)  # (transformers 4.x: alpha fixed)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise _refuse(where, field, f"{value!r}: must be a positive number")
+        fields[name] = None if value is None else float(value)
+    bias = config.get("attention_bias", True)
+    if not isinstance(bias, bool):
+        raise _refuse(where, "attention_bias", f"{bias!r}: must be true or false")
+    return dict(fields, attention_sinks=True, attention_output_bias=bias, moe_router_bias=True, expert_biases=True,
+                glu_linear_offset=1.0)
+
+
+_GPT_OSS_EXPECTED = dict(attention_sinks=True, moe_router_bias=True, expert_biases=True, glu_linear_offset=1.0)
+
+
+def _gpt_oss_config(family: Family, arch: ModelArch) -> dict[str, Any]:
+    """The GPT-OSS HF fields of `arch` (refusing, for every family, numerics its config cannot spell)."""
+    if not family.gpt_oss:
+        if arch.attention_sinks or arch.attention_output_bias or arch.moe_router_bias or arch.expert_biases \
+                or arch.swiglu_alpha != 1.0 or arch.swiglu_limit is not None or arch.glu_linear_offset:
+            raise ConfigError(f"model family {family.name!r} cannot express GPT-OSS's attention sinks, biases or "
+                              "clamped SwiGLU in an HF config")
+        return {}
+    if any(getattr(arch, k) != v for k, v in _GPT_OSS_EXPECTED.items()) \
+            or arch.attention_output_bias != arch.attention_bias:
+        raise ConfigError(f"model family {family.name!r} has sinks, router and expert biases, the +1 SwiGLU offset, "
+                          "and o_proj biases exactly when q/k/v ones: "
+                          + ", ".join(f"{k}={getattr(arch, k)}" for k in (*_GPT_OSS_EXPECTED, "attention_bias",
+                                                                          "attention_output_bias")))
+    return {"attention_bias": arch.attention_bias, "swiglu_alpha": arch.swiglu_alpha,
+            "swiglu_limit": arch.swiglu_limit}
 
 
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
@@ -594,7 +656,7 @@ def rope_parameters(arch: ModelArch) -> dict[str, Any]:
 def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
     """An HF config.json for `arch` that transformers loads as the family's own class with the same numerics."""
     family = get_family(arch.family)
-    if (arch.attention_bias != family.qkv_bias and not family.qkv_bias_field) \
+    if (arch.attention_bias != family.qkv_bias and not family.qkv_bias_field and not family.gpt_oss) \
             or (arch.qk_norm != family.qk_norm and not family.qk_norm_field):
         raise ConfigError(f"model family {family.name!r} cannot express attention_bias={arch.attention_bias}, "
                           f"qk_norm={arch.qk_norm} in an HF config")
@@ -660,7 +722,7 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
         if family.window_flag:
             config[family.window_flag] = arch.sliding_window is not None
         if family.window_layer_types:
-            if not family.gemma:
+            if family.window_flag:  # (Qwen's)
                 config["max_window_layers"] = 0
             config["layer_types"] = ["sliding_attention" if arch.layer_window(i) else "full_attention"
                                      for i in range(arch.num_layers)]
@@ -684,6 +746,7 @@ def to_hf_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
             or arch.embedding_multiplier != 1.0 or arch.attention_scale is not None \
             or arch.attn_logit_softcapping or arch.final_logit_softcapping:
         raise ConfigError(f"model family {family.name!r} cannot express Gemma's layer numerics in an HF config")
+    config.update(_gpt_oss_config(family, arch))
     config.update(extra)
     return config
 

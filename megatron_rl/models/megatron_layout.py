@@ -42,9 +42,12 @@ import torch
 from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.families import (
+    Family,
     get_family,
+    hf_expert_bias_names,
     hf_expert_names,
     hf_router_bias_name,
+    hf_router_logit_bias_name,
     hf_router_name,
     hf_shared_expert_names,
 )
@@ -278,6 +281,8 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
     if not arch.is_moe or not any(k.endswith(".experts.gate_up_proj") for k in state):
         return state
     family = get_family(arch.family)
+    if family.gpt_oss:
+        return _unstacked_gpt_oss_experts(state, arch, family)
     out = dict(state)
     for layer in arch.moe_layer_indices:
         fused = f"model.layers.{layer}.mlp."
@@ -294,6 +299,58 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
         for expert in range(gate_up.shape[0]):
             g, u, d = hf_expert_names(family, layer, expert)
             out[g], out[u], out[d] = gates[expert], ups[expert], down[expert]
+    return out
+
+
+_GPT_OSS_STACKED = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+
+
+def _unstacked_gpt_oss_experts(state: dict[str, torch.Tensor], arch: ModelArch,
+                               family: Family) -> dict[str, torch.Tensor]:
+    """GPT-OSS's stacked experts (`mlp.experts.gate_up_proj` [E, H, 2I], gate and up columns interleaved, its bias
+    [E, 2I], `down_proj` [E, I, H] and its bias [E, H]) as per-expert [out, in] tensors (views, no copy)."""
+    out = dict(state)
+    for layer in arch.moe_layer_indices:
+        prefix = f"model.layers.{layer}.mlp."
+        missing = [prefix + n for n in _GPT_OSS_STACKED if prefix + n not in out]
+        if missing:
+            raise ConfigError(f"checkpoint is missing tensor '{missing[0]}' (GPT-OSS keeps its experts stacked)")
+        gate_up, gate_up_bias, down, down_bias = (out.pop(prefix + n) for n in _GPT_OSS_STACKED)
+        e, h, i = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
+        for name, tensor, shape in ((prefix + _GPT_OSS_STACKED[0], gate_up, (e, h, 2 * i)),
+                                    (prefix + _GPT_OSS_STACKED[1], gate_up_bias, (e, 2 * i)),
+                                    (prefix + _GPT_OSS_STACKED[2], down, (e, i, h)),
+                                    (prefix + _GPT_OSS_STACKED[3], down_bias, (e, h))):
+            if tuple(tensor.shape) != shape:
+                raise ConfigError(f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)}, but this GPT-OSS "
+                                  f"config needs {shape}")
+        for expert in range(e):
+            g, u, d = hf_expert_names(family, layer, expert)
+            gb, ub, db = hf_expert_bias_names(family, layer, expert)
+            out[g], out[u] = gate_up[expert, :, 0::2].t(), gate_up[expert, :, 1::2].t()
+            out[d] = down[expert].t()
+            out[gb], out[ub], out[db] = gate_up_bias[expert, 0::2], gate_up_bias[expert, 1::2], down_bias[expert]
+    return out
+
+
+def published_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Inverse of `canonical_hf_state` where a family's published checkpoints differ from the per-expert form
+    (GPT-OSS: experts stacked and interleaved, as transformers and vLLM load them); `state` itself otherwise."""
+    family = get_family(arch.family)
+    if not family.gpt_oss:
+        return state
+    out = dict(state)
+    for layer in arch.moe_layer_indices:
+        names = [hf_expert_names(family, layer, e) for e in range(arch.num_experts)]
+        biases = [hf_expert_bias_names(family, layer, e) for e in range(arch.num_experts)]
+        gate_up = torch.stack([torch.stack([out.pop(g).t(), out.pop(u).t()], dim=-1).flatten(-2)
+                               for g, u, _ in names])
+        gate_up_bias = torch.stack([torch.stack([out.pop(g), out.pop(u)], dim=-1).flatten() for g, u, _ in biases])
+        down = torch.stack([out.pop(d).t() for _, _, d in names])
+        down_bias = torch.stack([out.pop(d) for _, _, d in biases])
+        prefix = f"model.layers.{layer}.mlp."
+        for name, tensor in zip(_GPT_OSS_STACKED, (gate_up, gate_up_bias, down, down_bias)):
+            out[prefix + name] = tensor.contiguous()
     return out
 
 
@@ -340,13 +397,22 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
             attention = {"self_attention.linear_qkv.weight": qkv,
                          "self_attention.linear_proj.weight": _split_cols(_require(state, hf + "self_attn.o_proj.weight"),
                                                                           tp)}
+        if arch.attention_output_bias:  # a row-parallel bias: added once, after the reduction
+            attention["self_attention.linear_proj.bias"] = _tp_split(_require(state, hf + "self_attn.o_proj.bias"),
+                                                                     None, tp)
+        if arch.attention_sinks:  # one per query head: TP rank r holds its heads'
+            attention["self_attention.core_attention.softmax_offset"] = _split_rows(
+                _require(state, hf + "self_attn.sinks"), tp)
         if moe:
             router = _require(state, hf_router_name(family, layer))
             router_bias = _require(state, hf_router_bias_name(family, layer)) if arch.moe_router_expert_bias else None
-            experts = {}
+            experts, expert_biases = {}, {}
             for expert in range(arch.num_experts):
                 g, u, d = (_require(state, n) for n in hf_expert_names(family, layer, expert))
                 experts[expert] = (fuse_gate_up(g, u, tp), _split_cols(d, tp))
+                if arch.expert_biases:  # fc1's split like its rows; fc2's whole on every rank (trainer/moe.py)
+                    gb, ub, db = (_require(state, n) for n in hf_expert_bias_names(family, layer, expert))
+                    expert_biases[expert] = (fuse_gate_up(gb, ub, tp), _tp_split(db, None, tp))
             if arch.shared_expert_ffn_hidden_size:  # split over TP like a dense MLP, replicated over EP
                 g, u, d, shared_gate = hf_shared_expert_names(family, layer)
                 shared_fc1 = fuse_gate_up(_require(state, g), _require(state, u), tp)
@@ -361,12 +427,18 @@ def hf_to_megatron(state: dict[str, torch.Tensor], layout: MegatronLayout) -> li
                 shard[meg + name] = parts[t]
             if moe:
                 shard[meg + "mlp.router.weight"] = router.clone()
+                if arch.moe_router_bias:
+                    shard[meg + "mlp.router.bias"] = _require(state, hf_router_logit_bias_name(family, layer)).clone()
                 if router_bias is not None:  # Megatron keeps it as an fp32 buffer
                     shard[meg + "mlp.router.expert_bias"] = router_bias.float().clone()
                 for j, expert in enumerate(_expert_range(layout, e)):
                     fc1_e, fc2_e = experts[expert]
                     shard[meg + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1_e[t]
                     shard[meg + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = fc2_e[t]
+                    if arch.expert_biases:
+                        fc1_b, fc2_b = expert_biases[expert]
+                        shard[meg + f"mlp.experts.local_experts.{j}.linear_fc1.bias"] = fc1_b[t]
+                        shard[meg + f"mlp.experts.local_experts.{j}.linear_fc2.bias"] = fc2_b[t]
                 if arch.shared_expert_ffn_hidden_size:
                     shard[meg + "mlp.shared_experts.linear_fc1.weight"] = shared_fc1[t]
                     shard[meg + "mlp.shared_experts.linear_fc2.weight"] = shared_fc2[t]
@@ -474,6 +546,10 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
                           "self_attn.v_proj.bias": (arch.kv_size,)})
     if arch.qk_norm:
         per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if arch.attention_output_bias:
+        per_layer["self_attn.o_proj.bias"] = (h,)
+    if arch.attention_sinks:
+        per_layer["self_attn.sinks"] = (arch.num_attention_heads,)
     for layer in range(arch.num_layers):
         shapes.update({f"model.layers.{layer}.{n}": s for n, s in per_layer.items()})
         if not arch.layer_is_moe(layer):
@@ -484,9 +560,14 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes[hf_router_name(family, layer)] = (arch.num_experts, h)
             if arch.moe_router_expert_bias:
                 shapes[hf_router_bias_name(family, layer)] = (arch.num_experts,)
+            if arch.moe_router_bias:
+                shapes[hf_router_logit_bias_name(family, layer)] = (arch.num_experts,)
             for expert in range(arch.num_experts):
                 g, u, d = hf_expert_names(family, layer, expert)
                 shapes.update({g: (i, h), u: (i, h), d: (h, i)})
+                if arch.expert_biases:
+                    g, u, d = hf_expert_bias_names(family, layer, expert)
+                    shapes.update({g: (i,), u: (i,), d: (h,)})
             if arch.shared_expert_ffn_hidden_size:
                 g, u, d, gate = hf_shared_expert_names(family, layer)
                 sh = arch.shared_expert_ffn_hidden_size
@@ -548,8 +629,17 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
             state[hf + "self_attn.k_proj.weight"] = k
             state[hf + "self_attn.v_proj.weight"] = v
             state[hf + "self_attn.o_proj.weight"] = torch.cat(gather(stage, meg + "self_attention.linear_proj.weight"), 1)
+            if arch.attention_output_bias:
+                state[hf + "self_attn.o_proj.bias"] = _require(shards[stage][0],
+                                                               meg + "self_attention.linear_proj.bias").clone()
+            if arch.attention_sinks:
+                state[hf + "self_attn.sinks"] = torch.cat(gather(stage, meg + "self_attention.core_attention."
+                                                                 "softmax_offset"))
         if arch.layer_is_moe(layer):
             state[hf_router_name(family, layer)] = _require(shards[stage][0], meg + "mlp.router.weight").clone()
+            if arch.moe_router_bias:
+                state[hf_router_logit_bias_name(family, layer)] = _require(shards[stage][0],
+                                                                           meg + "mlp.router.bias").clone()
             if arch.moe_router_expert_bias:
                 state[hf_router_bias_name(family, layer)] = _require(shards[stage][0],
                                                                      meg + "mlp.router.expert_bias").clone()
@@ -560,6 +650,10 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], layout: Megatron
                     g, u, d = hf_expert_names(family, layer, expert)
                     state[g], state[u] = gate, up
                     state[d] = torch.cat(gather(stage, name + "linear_fc2.weight", e), 1)
+                    if arch.expert_biases:
+                        gb, ub, db = hf_expert_bias_names(family, layer, expert)
+                        state[gb], state[ub] = split_gate_up(gather(stage, name + "linear_fc1.bias", e))
+                        state[db] = _require(shards[stage][layout.shard_index(0, e)], name + "linear_fc2.bias").clone()
             if arch.shared_expert_ffn_hidden_size:
                 g, u, d, shared_gate = hf_shared_expert_names(family, layer)
                 state[g], state[u] = split_gate_up(gather(stage, meg + "mlp.shared_experts.linear_fc1.weight"))

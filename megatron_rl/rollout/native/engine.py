@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.megatron_layout import canonical_hf_state
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import (
@@ -114,6 +115,8 @@ class NativeEngine(_Scheduler):
         self.kv_cache = KVCache(arch, config.max_batch_size, self.max_seq_len, self.device, self.dtype)
         self.weights = LlamaWeights(arch, self.device, self.dtype, weight_arena)
         if state is not None:
+            if isinstance(state, dict):  # (a family's published form, e.g. GPT-OSS's stacked experts)
+                state = canonical_hf_state(state, arch)
             self.weights.load(iter_named_tensors(state), strict=True)
         if config.prepack_weights:
             self.weights.enable_packing(self.kv_cache.slots)

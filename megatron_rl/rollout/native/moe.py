@@ -34,8 +34,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.families import (
     get_family,
+    hf_expert_bias_names,
     hf_expert_names,
     hf_router_bias_name,
+    hf_router_logit_bias_name,
     hf_router_name,
     hf_shared_expert_names,
 )
@@ -79,6 +81,11 @@ def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int,
     blocks = [[(n.router, (arch.num_experts, h))], gate_up, [(d, (h, i)) for d in n.down]]
     if arch.moe_router_expert_bias:
         blocks.append([(hf_router_bias_name(get_family(arch.family), layer), (arch.num_experts,))])
+    if arch.moe_router_bias:
+        blocks.append([(hf_router_logit_bias_name(get_family(arch.family), layer), (arch.num_experts,))])
+    if arch.expert_biases:  # per expert its gate then up bias ([E, 2I] as one view); downs ([E, H])
+        biases = [hf_expert_bias_names(get_family(arch.family), layer, e) for e in range(arch.num_experts)]
+        blocks += [[t for g, u, _ in biases for t in ((g, (i,)), (u, (i,)))], [(d, (h,)) for _, _, d in biases]]
     if arch.shared_expert_ffn_hidden_size:
         s = arch.shared_expert_ffn_hidden_size
         gate, up, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
@@ -91,13 +98,18 @@ def arena_blocks(arch: ModelArch, layer: int) -> list[list[tuple[str, tuple[int,
 class MoeLayer:
     """Views into the arena of one layer's router, experts and shared expert."""
 
-    __slots__ = ("router", "router_bias", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")
+    __slots__ = ("router", "router_bias", "router_logit_bias", "gate_up", "down", "gate_up_bias", "down_bias",
+                 "shared_gate_up", "shared_down", "shared_gate")
 
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-                 router_bias: torch.Tensor | None = None):
+                 router_bias: torch.Tensor | None = None, router_logit_bias: torch.Tensor | None = None,
+                 expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.router = router      # [E, H]
         self.router_bias = router_bias  # [E]: a sigmoid router's expert-score correction (None: none)
+        self.router_logit_bias = router_logit_bias  # [E]: added to the router's logits (GPT-OSS; None: none)
+        # [E, 2I] gate then up biases, [E, H] down biases (GPT-OSS; None: unbiased experts)
+        self.gate_up_bias, self.down_bias = expert_biases if expert_biases is not None else (None, None)
         self.gate_up = gate_up    # [E, 2I, H]: per expert gate rows then up rows
         self.down = down          # [E, H, I]
         # the shared expert: [2S, H] gate rows then up rows, [H, S], its gate [1, H] (None: ungated / none)
@@ -123,9 +135,17 @@ def layer_views(arch: ModelArch, layer: int, arena: torch.Tensor,
         gate, _, down, shared_gate = hf_shared_expert_names(get_family(arch.family), layer)
         shared = (view(gate, (2 * sh, h)), view(down, (h, sh)),
                   view(shared_gate, (1, h)) if arch.shared_expert_gate else None)
-    bias = view(hf_router_bias_name(get_family(arch.family), layer), (e,)) if arch.moe_router_expert_bias else None
+    family = get_family(arch.family)
+    bias = view(hf_router_bias_name(family, layer), (e,)) if arch.moe_router_expert_bias else None
+    logit_bias = view(hf_router_logit_bias_name(family, layer), (e,)) if arch.moe_router_bias else None
+    expert_biases = None
+    if arch.expert_biases:
+        gate_bias, _, down_bias = hf_expert_bias_names(family, layer, 0)
+        expert_biases = view(gate_bias, (e, 2 * i)), view(down_bias, (e, h))
     moe = MoeLayer(view(n.router, (e, h)), view(n.gate[0], (e, 2 * i, h)), view(n.down[0], (e, h, i)), shared,
-                   router_bias=bias)
+                   router_bias=bias, router_logit_bias=logit_bias, expert_biases=expert_biases)
+    if family.gpt_oss:  # (its stacked tensors are [E, H, 2I] interleaved: no view of the arena)
+        return moe, {}, {}
     aliases = {n.fused_gate_up: moe.gate_up, n.fused_down: moe.down}
     covers = {n.fused_gate_up: tuple(x for pair in zip(n.gate, n.up) for x in pair), n.fused_down: n.down}
     if n.fused_router != n.router:
@@ -148,7 +168,7 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
     """The MoE MLP of normed hidden states h [N, H]; writes the chosen expert ids into `record` [N, k]
     (int16) when given."""
     k, ffn = arch.moe_top_k, arch.moe_ffn_hidden_size
-    weights, experts = route(F.linear(h, moe.router), moe, arch)
+    weights, experts = route(F.linear(h, moe.router, moe.router_logit_bias), moe, arch)
     if record is not None:
         record.copy_(experts)
     flat = experts.reshape(-1)
@@ -161,8 +181,10 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
     for e, count in enumerate(counts):
         if not count:
             continue
-        gate_up = F.linear(rows[start:start + count], moe.gate_up[e])
-        out_rows[start:start + count] = F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], moe.down[e])
+        biased = moe.gate_up_bias is not None
+        gate_up = F.linear(rows[start:start + count], moe.gate_up[e], moe.gate_up_bias[e] if biased else None)
+        out_rows[start:start + count] = F.linear(swiglu(gate_up[:, :ffn], gate_up[:, ffn:], arch), moe.down[e],
+                                                 moe.down_bias[e] if biased else None)
         start += count
     out_rows.mul_(weights.reshape(-1).index_select(0, order).to(h.dtype)[:, None])
     out = torch.zeros_like(h).index_add_(0, tokens, out_rows)
@@ -174,6 +196,17 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
             shared = torch.sigmoid(F.linear(h, moe.shared_gate)) * shared
         out = out + shared
     return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """The gated MLP's activation, as transformers computes it: silu(gate) * up, or GPT-OSS's clamped form
+    (gate at most `swiglu_limit`, up within +-limit) gate * sigmoid(alpha * gate) * (up + `glu_linear_offset`)."""
+    limit = arch.swiglu_limit
+    if limit is None and arch.swiglu_alpha == 1.0 and not arch.glu_linear_offset:
+        return F.silu(gate) * up
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + arch.glu_linear_offset) * (gate * torch.sigmoid(gate * arch.swiglu_alpha))
 
 
 def route(logits: torch.Tensor, moe: MoeLayer, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:

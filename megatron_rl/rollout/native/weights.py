@@ -61,7 +61,7 @@ class PackedMatrix:
 
 
 class _Layer:
-    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down", "ln1", "ln2", "post_attn_norm",
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "gate_up", "down", "ln1", "ln2", "post_attn_norm",
                  "post_mlp_norm", "moe", "mla")
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
@@ -112,6 +112,10 @@ def weight_arena_layout(arch: ModelArch, dtype: torch.dtype) -> BucketLayout:
             block((p + "self_attn.q_norm.weight", (arch.head_dim,)), (p + "self_attn.k_norm.weight", (arch.head_dim,)))
         if not arch.is_mla:
             block((p + "self_attn.o_proj.weight", (h, q)))
+        if arch.attention_output_bias:
+            block((p + "self_attn.o_proj.bias", (h,)))
+        if arch.attention_sinks:
+            block((p + "self_attn.sinks", (arch.num_attention_heads,)))
         if arch.layer_is_moe(i):  # router, experts' gate/up, experts' down (rollout/native/moe.py)
             for tensors in arena_blocks(arch, i):
                 block(*tensors)
@@ -166,6 +170,8 @@ class LlamaWeights:
             if arch.qk_norm:
                 layer.q_norm, layer.k_norm = t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"]
             layer.o = t[p + "self_attn.o_proj.weight"]                      # [h, q]
+            layer.o_bias = t[p + "self_attn.o_proj.bias"] if arch.attention_output_bias else None
+            layer.sinks = t[p + "self_attn.sinks"] if arch.attention_sinks else None  # [heads]
             if arch.layer_is_moe(i):
                 layer.gate_up = layer.down = None
                 layer.moe, aliases, covers = layer_views(arch, i, arena, offsets)
