@@ -42,8 +42,12 @@ CASES = {
         "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
         "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 24,
         "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_interleave": True}),
+    # GPT-OSS: layer 0 a 16-token window, layer 1 full; sinks, q/k/v/o biases, a biased router, biased experts with
+    # the SwiGLU clamped at 2 (random activations reach it) and its +1 offset.
+    "gpt_oss": parity.Case("gpt_oss", "GptOssConfig", {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
+                                                      "sliding_window": 16, "swiglu_limit": 2.0}),
 }
-FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
+FAMILY_CASES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 # Dense layers among the MoE ones: Qwen2-MoE's mlp_only_layers (layer 0 dense, 1 to 3 MoE; PP=2 puts a dense and an
 # MoE layer on stage 0). Dense MLP width 96, shared expert 48, experts 32: all divide by TP=2.
 DENSE_LAYERS = parity.Case("qwen2_moe (dense layer 0)", "Qwen2MoeConfig", {
@@ -64,7 +68,7 @@ def hf_forced_routing(model, record: torch.Tensor):
     """transformers' routers take the experts of `record` [B, S, L, k] (-1: the router's own top-k) for a
     forward of B x S tokens; the weights are the router's own probabilities of those experts, renormalised
     when the family renormalises (the semantics of routing replay)."""
-    routers = [(index, layer.mlp.gate) for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
+    routers = [(index, _router(layer)) for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
     originals = []
     for index, router in routers:
         originals.append(router.forward)
@@ -93,14 +97,18 @@ def hf_forced_routing(model, record: torch.Tensor):
 
 
 def _is_moe(layer) -> bool:
-    return hasattr(layer.mlp, "gate")  # a dense layer's MLP has gate_proj, no router
+    return hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")  # a dense layer's MLP has gate_proj, no router
+
+
+def _router(layer):
+    return layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
 
 
 def hf_own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
     """The experts transformers' routers choose for tokens [B, S]: [B, S, L, k] in ascending expert id (-1 in dense
     layers)."""
     chosen: dict[int, torch.Tensor] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o, index=index: chosen.__setitem__(index, o[2]))
+    hooks = [_router(layer).register_forward_hook(lambda m, i, o, index=index: chosen.__setitem__(index, o[2]))
              for index, layer in enumerate(model.model.layers) if _is_moe(layer)]
     try:
         with torch.no_grad():

@@ -26,6 +26,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -38,7 +39,7 @@ from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import MegatronLayout, check_parallel_layout
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.trainer import local_fusions
-from megatron_rl.trainer.moe import sequence_parallel_block_spec
+from megatron_rl.trainer.moe import ExpertDownProjection, sequence_parallel_block_spec
 from megatron_rl.trainer.packing import causal_attention, varlen_causal_attention
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,32 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 MLP_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
+def sigmoid_gated(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """x * sigmoid(alpha * x): GPT-OSS's gate activation (alpha 1.702, Megatron's quick_gelu), SiLU at alpha 1."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def mlp_activation(arch: ModelArch):
+    """The gated MLPs' activation function of `arch` (Megatron applies the clamp and the linear offset itself)."""
+    if arch.swiglu_alpha != 1.0:
+        return functools.partial(sigmoid_gated, alpha=arch.swiglu_alpha)
+    return MLP_ACTIVATIONS[arch.mlp_activation]
+
+
+def linear_biases(arch: ModelArch) -> bool:
+    """Megatron's `add_bias_linear`: every linear layer (q/k/v, output projection, MLPs, experts, router) has a bias,
+    or none does. A model whose biases are on some of them only is refused by name."""
+    flags = {"attention_bias": arch.attention_bias, "attention_output_bias": arch.attention_output_bias,
+             "expert_biases": arch.expert_biases, "moe_router_bias": arch.moe_router_bias}
+    if not (arch.attention_output_bias or arch.expert_biases or arch.moe_router_bias):
+        return False
+    if not all(flags.values()) or arch.has_dense_mlp:
+        raise ConfigError(f"Megatron's add_bias_linear puts biases on every linear layer or none; this model has "
+                          f"{', '.join(f'{k}={v}' for k, v in flags.items())}, dense MLP layers {arch.has_dense_mlp} "
+                          "(unbiased)", field="attention_output_bias")
+    return True
+
+
 def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parallel: int,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
                        fp8: str | None = None, fp8_recipe: str | None = None, fp8_amax_history_len: int = 1024,
@@ -145,7 +172,13 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # the same as a softmax scale of scaling^2 / sqrt(head_dim), which Megatron takes as is.
         scale = arch.attention_scale if arch.attention_scale is not None else 1 / math.sqrt(arch.head_dim)
         kwargs.update(softmax_scale=rope_scale ** 2 * scale)
-    return config_class(
+    # Megatron's config refuses biased experts split over TP (its MLP adds bias x weight on every expert-TP rank before
+    # the partial outputs are summed); ExpertDownProjection (trainer/moe.py) adds it on rank 0 only, so the experts
+    # split over TP like the rest stay exact. The process groups, not this field, set the experts' split.
+    biased_experts_over_tp = arch.expert_biases and tensor_parallel > 1
+    if biased_experts_over_tp:
+        kwargs.update(expert_tensor_parallel_size=1)
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -155,8 +188,11 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
-        activation_func=MLP_ACTIVATIONS[arch.mlp_activation],
-        add_bias_linear=False,
+        activation_func=mlp_activation(arch),
+        activation_func_clamp_value=arch.swiglu_limit,
+        glu_linear_offset=arch.glu_linear_offset,
+        add_bias_linear=linear_biases(arch),
+        softmax_type="learnable" if arch.attention_sinks else "vanilla",
         add_qkv_bias=arch.attention_bias,
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
@@ -173,12 +209,16 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # torch / Megatron fallbacks on any CUDA build. persist_layer_norm needs Apex's persistent kernel,
         # which the torch RMSNorm of the local spec asserts against.
         apply_rope_fusion=transformer_engine_available() and not arch.is_mla,  # (MLA's fusion is YaRN-only)
-        bias_activation_fusion=on_gpu and arch.mlp_activation == "silu",  # (Megatron fuses erf-GELU, not tanh)
+        # (Megatron fuses erf-GELU, not tanh, and its fused clamped GLU only where probabilities scale the input)
+        bias_activation_fusion=on_gpu and mlp_activation(arch) is F.silu and arch.swiglu_limit is None,
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **kwargs,
     )
+    if biased_experts_over_tp:
+        config.expert_tensor_parallel_size = tensor_parallel
+    return config
 
 
 def mla_config_kwargs(arch: ModelArch, tensor_parallel: int) -> dict:
@@ -236,7 +276,7 @@ def moe_config_kwargs(arch: ModelArch, *, tensor_parallel: int, expert_parallel:
 
 
 def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_experts: int = 0, mla: bool = False,
-               sandwich_norms: bool = False, attn_softcap: float | None = None):
+               sandwich_norms: bool = False, attn_softcap: float | None = None, expert_biases: bool = False):
     """Megatron's layer spec; `qk_norm` adds per-head RMSNorms (over head_dim) on q and k before RoPE;
     `num_experts` > 0 makes every MLP a mixture of experts (SequentialMLP experts, no grouped GEMM); `mla`:
     multi-latent attention, with its RMSNorms on the q and kv latents; `sandwich_norms` (local only): the
@@ -250,6 +290,8 @@ def layer_spec(kind: Literal["local", "te"], *, qk_norm: bool = False, num_exper
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(attn_softcap)
+    if num_experts and expert_biases:
+        spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertDownProjection
     if sandwich_norms:
         spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
         spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
@@ -269,7 +311,8 @@ def block_spec(layout: MegatronLayout, pp_rank: int, *, sequence_parallel: bool)
     arch, kind = layout.arch, layout.layer_spec
     dense = layer_spec(kind, qk_norm=arch.qk_norm, mla=arch.is_mla, sandwich_norms=arch.sandwich_norms,
                        attn_softcap=arch.attn_logit_softcapping)
-    moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts, mla=arch.is_mla) \
+    moe = layer_spec(kind, qk_norm=arch.qk_norm, num_experts=arch.num_experts, mla=arch.is_mla,
+                     expert_biases=arch.expert_biases) \
         if arch.is_moe else dense
     local_rope = None
     if arch.local_rope_theta is not None:  # the windowed layers rotate with a RoPE of their own
@@ -293,13 +336,27 @@ def _sdpa_attention_class(softcap: float | None = None):
     and GPU) keep O(s) per layer. Packed rows (THD, `PackedSeqParams`) run one SDPA call per document
     (trainer/packing.py). A sliding window (`config.window_size` on the layers `window_attn_skip_freq`
     marks) is a banded causal mask here; the local class builds its window mask on CUDA only. Soft-capped scores
-    (`softcap`, Gemma 2) are materialised (`causal_attention`). Other masks, attention offsets and biases keep the
-    local path."""
+    (`softcap`, Gemma 2) and learned sinks (`softmax_type` learnable, GPT-OSS: Megatron's `softmax_offset`, one per
+    query head) are materialised (`causal_attention`). Other masks, attention offsets and biases keep the local
+    path."""
     class SDPADotProductAttention(DotProductAttention):
         def __init__(self, config, layer_number, *args, k_channels=None, v_channels=None, **kwargs):
             # multi-latent attention passes its q/k and v widths (Transformer Engine's attention takes them); SDPA
             # reads them off the tensors, and the output width is kv_channels (v_head_dim) per head
-            super().__init__(config, layer_number, *args, **kwargs)
+            learnable = config.softmax_type == "learnable"
+            if learnable:  # (Megatron allocates the sinks on the current CUDA device: built here, on CPU too)
+                vanilla = copy.copy(config)
+                vanilla.softmax_type = "vanilla"
+            super().__init__(vanilla if learnable else config, layer_number, *args, **kwargs)
+            if learnable:
+                self.config = config
+                self.softmax_offset = torch.nn.Parameter(torch.zeros(
+                    self.num_attention_heads_per_partition, dtype=config.params_dtype,
+                    device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu"))
+                if config.perform_initialization:
+                    config.init_method(self.softmax_offset)
+                # one sink per query head: TP rank r holds its heads' (not a duplicate in the gradient norm)
+                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
             # Megatron's window_size is (left, right): keys in [i - left, i + right]
             self.window = (config.window_size[0] + 1 if is_layer_window_attention(
                 config.window_size, config.window_attn_skip_freq, max(1, layer_number)) else None)
@@ -307,8 +364,9 @@ def _sdpa_attention_class(softcap: float | None = None):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            sinks = self.softmax_offset if self.config.softmax_type == "learnable" else None
             plain = (attention_mask is None and mask_type == AttnMaskType.causal and attention_bias is None
-                     and self.softmax_offset is None)
+                     and (self.softmax_offset is None or sinks is not None))
             dropout_p = self.attention_dropout.p if self.training else 0.0
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 if not plain:
@@ -316,7 +374,7 @@ def _sdpa_attention_class(softcap: float | None = None):
                                      "bias or softmax offset")
                 return varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                                scale=self.softmax_scale, window=self.window, dropout_p=dropout_p,
-                                               softcap=softcap)
+                                               softcap=softcap, sinks=sinks)
             if not plain or packed_seq_params is not None:
                 if self.window is not None or softcap is not None:
                     raise ValueError("a sliding window or soft-capped scores on the local layers need causal "
@@ -327,7 +385,7 @@ def _sdpa_attention_class(softcap: float | None = None):
             # [s, b, heads, d] -> [b, heads, s, d]; key / value keep their query groups (GQA in the kernel)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             context = causal_attention(q, k, v, scale=self.softmax_scale, window=self.window, dropout_p=dropout_p,
-                                       softcap=softcap)
+                                       softcap=softcap, sinks=sinks)
             return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     return SDPADotProductAttention

@@ -18,6 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -181,6 +182,23 @@ class MoERouting:
         for router in self.routers:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+
+
+class ExpertDownProjection(RowParallelLinear):
+    """An expert's down projection (`linear_fc2`) whose bias (GPT-OSS) joins the output on expert-TP rank 0 only.
+    Megatron sums the experts' TP partial outputs after the MLP has added bias x routing weight on every rank,
+    which would count the bias TP times; here the other ranks add zero. The bias is marked sequence-parallel
+    (Megatron does so under TP), so finalize_model_grads sums its gradient over TP: rank 0's, everywhere."""
+
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if bias is None:
+            return output, bias
+        if self.tp_group.size() > 1 and self.tp_group.rank() != 0:
+            bias = bias * 0  # (still in the graph: a zero gradient, summed over TP with rank 0's)
+        # Megatron's MLP adds bias x weight in place, forbidden on the view a single-rank reduction returns
+        return output.clone(), bias
 
 
 class SequenceParallelTorchNorm:

@@ -120,19 +120,28 @@ def causal_window_mask(length: int, window: int, device: torch.device) -> torch.
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
-                     window: int | None = None, dropout_p: float = 0.0, softcap: float | None = None) -> torch.Tensor:
+                     window: int | None = None, dropout_p: float = 0.0, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA over [b, heads, s, d] q and [b, groups, s, d] k / v (GQA in the kernel), within a
     sliding `window` when one is given and the sequence is longer than it (a banded mask; no mask otherwise).
-    `softcap` (Gemma 2): the scaled scores pass through softcap * tanh(score / softcap) before the mask, which no
-    fused kernel takes: the scores are materialised, the softmax in fp32 (transformers' eager attention)."""
+    `softcap` (Gemma 2): the scaled scores pass through softcap * tanh(score / softcap) before the mask; `sinks`
+    [heads] (GPT-OSS): each head's softmax gets one more column, its sink logit, whose share is dropped. No fused
+    kernel takes either: the scores are materialised, the softmax in fp32 (transformers' eager attention)."""
     length = q.shape[2]
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale),
-                          softcap)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         allowed = causal_window_mask(length, window or length, q.device)
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, length, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+            probs = probs.to(q.dtype)
         return torch.matmul(F.dropout(probs, p=dropout_p), v)
     mask = None if window is None or length <= window else causal_window_mask(length, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -141,7 +150,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                             *, scale: float | None, window: int | None = None, dropout_p: float = 0.0,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention (within a sliding `window` if given) inside each document of packed [T, heads, d] q
     and [T, groups, d] k / v (GQA), one fused SDPA call per document: the cost of each document's own
     length, no [T, T] mask. Returns [T, heads * d]."""
@@ -151,7 +160,8 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         if end == start:
             continue
         q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        out = causal_attention(q, k, v, scale=scale, window=window, dropout_p=dropout_p, softcap=softcap)
+        out = causal_attention(q, k, v, scale=scale, window=window, dropout_p=dropout_p, softcap=softcap,
+                               sinks=sinks)
         outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs).reshape(query.shape[0], -1)
 
