@@ -16,6 +16,9 @@ LLAMA3_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", 
 # SmolLM2's vocabulary already has <|im_start|>, <|im_end|> and <|endoftext|> as special tokens.
 QWEN_PLAIN_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 GEMMA3_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"]
+# GPT-OSS's harmony format (SmolLM2's vocabulary has <|endoftext|> already)
+HARMONY_TOKENS = ["<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>"]
 MISTRAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
@@ -46,6 +49,7 @@ FAMILIES = {
     "mistral-v0.3": Family("mistralai-Mistral-7B-Instruct-v0.3.jinja", eos="</s>", bos="<s>",
                            special=tuple(MISTRAL_TOKENS)),
     "gemma-3": Family("google-gemma-3-it.jinja", eos="<eos>", bos="<bos>", pad="<pad>", special=tuple(GEMMA3_TOKENS)),
+    "gpt-oss": Family("openai-gpt-oss-120b.jinja", eos="<|return|>", pad="<|endoftext|>", special=tuple(HARMONY_TOKENS)),
     "smollm2": Family(None, eos="<|im_end|>", bos="<|im_start|>", pad="<|im_end|>"),
 }
 

@@ -12,7 +12,7 @@ import transformers
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.families import from_hf_config, get_family, hf_expert_names, hf_router_name
-from megatron_rl.models.megatron_layout import MegatronLayout, hf_to_megatron
+from megatron_rl.models.megatron_layout import MegatronLayout, canonical_hf_state, hf_to_megatron
 from megatron_rl.models.pretrained import read_safetensors_dir
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
@@ -54,6 +54,10 @@ CONFIGS = {
                                                    use_qk_norm=True, rope_parameters={
                                                        "rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.5}),
+    # GPT-OSS: sinks, q/k/v/o biases, a biased router choosing top-2 of 8 biased experts with the SwiGLU clamped at 2,
+    # a 16-token window on layer 0
+    "gpt_oss": lambda: transformers.GptOssConfig(**SHAPES, intermediate_size=48, num_local_experts=8,
+                                                 num_experts_per_tok=2, swiglu_limit=2.0, sliding_window=16),
     # DeepSeek-V3: multi-latent attention (latent cache), the same router and layout as GLM-4.5
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**SHAPES, "num_key_value_heads": 4}, intermediate_size=96,
                                                          moe_intermediate_size=32, n_routed_experts=8,
@@ -87,7 +91,7 @@ def _hf_routing(model, ids: list[int]) -> torch.Tensor:
     return moe_helpers.hf_own_routing(model, torch.tensor([ids]))[0]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_routing_record_equals_transformers_routing(kind, tmp_path):
     """Sampled answers (temperature 1), a 40-token prompt sampled twice (the second copy shares its prefix's
     K/V and routing) plus a prompt sharing 24 tokens with it, prefill chunked at 16 tokens."""
@@ -156,7 +160,7 @@ def test_published_and_fused_names_load_the_same_and_bad_names_are_refused(kind,
             e.update_weights({hf_router_name(family, 0): torch.zeros(8, 64)})
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe_dense", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kind):
     config, model, state, arch = _model(kind, seed=6)
     layout = MegatronLayout(arch, tp=2, ep=2)
@@ -165,11 +169,17 @@ def test_megatron_ep2_tp2_shards_resharded_into_the_engine_are_bit_identical(kin
     plan = R.build_reshard_plan(layout, R.EngineLayout(arch, tp=1))
     resharded = R.execute_plan(plan, 0, shards, backend="torch")
     family = get_family(arch.family)
-    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
     g, u, d = hf_expert_names(family, 1, 5)
-    assert torch.equal(resharded[g], gate_up[5, :arch.moe_ffn_hidden_size])
-    assert torch.equal(resharded[u], gate_up[5, arch.moe_ffn_hidden_size:])
-    assert torch.equal(resharded[d], state["model.layers.1.mlp.experts.down_proj"][5])
+    if family.gpt_oss:  # stacked [E, H, 2I], gate and up columns interleaved
+        gate_up = state["model.layers.1.mlp.experts.gate_up_proj"].transpose(1, 2)
+        gate, up = gate_up[5, 0::2], gate_up[5, 1::2]
+        down = state["model.layers.1.mlp.experts.down_proj"][5].t()
+        state = canonical_hf_state(state, arch)  # (the names the engine holds)
+    else:  # transformers 5's fused in-memory form
+        gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+        gate, up = gate_up[5, :arch.moe_ffn_hidden_size], gate_up[5, arch.moe_ffn_hidden_size:]
+        down = state["model.layers.1.mlp.experts.down_proj"][5]
+    assert torch.equal(resharded[g], gate) and torch.equal(resharded[u], up) and torch.equal(resharded[d], down)
     zeros = {k: torch.zeros_like(v) for k, v in state.items()}
     with NativeEngine(arch, zeros, config=NativeEngineConfig(max_batch_size=2, max_seq_len=32)) as engine:
         engine.update_weights(resharded, version=1)

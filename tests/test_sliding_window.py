@@ -40,7 +40,12 @@ GEMMA3_WINDOWED = parity.Case("gemma3_text (128-token window on layer 0)", "Gemm
     sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                      "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}))
-LONG_WINDOWED = [QWEN2_WINDOWED, GEMMA3_WINDOWED]
+# GPT-OSS's layout (window on even layers, full on odd) with its sinks, biases, clamped-SwiGLU experts and its YaRN
+GPT_OSS_WINDOWED = parity.Case("gpt_oss (128-token window on layer 0)", "GptOssConfig", dict(
+    vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=False,
+    sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=2.0))
+LONG_WINDOWED = [QWEN2_WINDOWED, GEMMA3_WINDOWED, GPT_OSS_WINDOWED]
 
 
 def _config(config_class: str, **fields) -> dict:

@@ -24,7 +24,6 @@ from megatron_rl.checkpoints_tools.convert import convert
 from megatron_rl.config import ConfigError
 from megatron_rl.models import families
 from megatron_rl.models.arch import ModelArch
-from megatron_rl.models.megatron_layout import canonical_hf_state
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.placement.launch import run_distributed
 from megatron_rl.rollout.native.parity import engine_parity
@@ -148,8 +147,7 @@ def case_model(case: Case, seed: int = 0) -> tuple[Any, ModelArch, dict[str, tor
     """(transformers model, our ModelArch read from its config through the registry, HF-named state)."""
     model = hf_model(case, seed)
     arch = families.from_hf_config(model.config.to_dict(), where=f"{case.config_class}({case.name})")
-    # (GPT-OSS's stacked experts as per-expert tensors: the form the trainer and the engine take)
-    state = canonical_hf_state({k: v.detach().clone() for k, v in model.state_dict().items()}, arch)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return model, arch, state
 
 
@@ -166,14 +164,14 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def trainer_logits(arch: ModelArch, state: dict[str, torch.Tensor], tokens: torch.Tensor, *, tp: int = 1,
-                   pp: int = 1, pg_collection=None) -> torch.Tensor:
+                   pp: int = 1, ep: int = 1, pg_collection=None) -> torch.Tensor:
     from megatron_rl.trainer.config import (  # torch + megatron: trainer only
         ParallelConfig,
         TrainerConfig,
     )
     from megatron_rl.trainer.trainer import MegatronTrainer
 
-    config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
+    config = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep),
                            micro_batch_size=tokens.shape[0], vocab_divisible_by=1)
     trainer = MegatronTrainer(arch, config, pg_collection=pg_collection, hf_state=state, frozen=True)
     return trainer.compute_logits(TrainBatch(tokens=tokens, loss_mask=torch.zeros(tokens.shape)))

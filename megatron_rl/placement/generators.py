@@ -13,6 +13,7 @@ import torch
 
 from megatron_rl import ranks
 from megatron_rl.config import ConfigError
+from megatron_rl.models.families import get_family
 from megatron_rl.placement.core_share import CoreShare
 from megatron_rl.placement.generator_process import GeneratorProcess
 from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_engine_config
@@ -40,6 +41,10 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
     engine_config = rollout_engine_config(config)
     arch = model.arch
     routing = (arch.num_layers, arch.moe_top_k) if engine_config.record_routing and arch.is_moe else None
+    if get_family(arch.family).gpt_oss and (generator.backend in ("vllm", "sglang") or generator.urls):
+        raise ConfigError(f"cluster.generator.backend: {generator.backend}: GPT-OSS weight updates to vLLM and SGLang "
+                          "are not mapped (ours carry per-expert tensors, the published checkpoints stacked ones); "
+                          "GPT-OSS rolls out on the native engine", field="cluster.generator.backend")
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
         return generator_rank_pool(config)
     if generator.backend == "vllm":

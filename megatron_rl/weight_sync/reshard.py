@@ -40,8 +40,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.families import (
     get_family,
+    hf_expert_bias_names,
     hf_expert_names,
     hf_router_bias_name,
+    hf_router_logit_bias_name,
     hf_router_name,
     hf_shared_expert_names,
 )
@@ -247,6 +249,14 @@ class _PlanBuilder:
                          meg + f"self_attention.{p}_layernorm.weight", replicated, 1)
         self.add(r, hf + "self_attn.o_proj.weight", (h, qe), 1, r * qe, (r + 1) * qe, pp,
                  meg + "self_attention.linear_proj.weight", proj_map, h)
+        if a.attention_output_bias:
+            self.add(r, hf + "self_attn.o_proj.bias", (h,), 0, 0, h, pp, meg + "self_attention.linear_proj.bias",
+                     replicated, 1)
+        if a.attention_sinks:  # one per query head, split by heads on both sides
+            he = a.num_attention_heads // self.e.tp
+            self.add(r, hf + "self_attn.sinks", (he,), 0, r * he, (r + 1) * he, pp,
+                     meg + "self_attention.core_attention.softmax_offset",
+                     proj_map_f(a.num_attention_heads // self.m.tp), 1)
 
     def _add_mla(self, r: int, hf: str, meg: str, pp: int, replicated) -> None:
         """One layer's multi-latent attention, whole on the (single) engine rank: each tensor's rows or columns
@@ -277,6 +287,9 @@ class _PlanBuilder:
         im, ie = a.moe_ffn_hidden_size // m.tp, a.moe_ffn_hidden_size // e.tp
         self.add(r, hf_router_name(family, layer), (experts, h), 0, 0, experts, pp, meg + "mlp.router.weight",
                  replicated, h)
+        if a.moe_router_bias:
+            self.add(r, hf_router_logit_bias_name(family, layer), (experts,), 0, 0, experts, pp,
+                     meg + "mlp.router.bias", replicated, 1)
         if a.moe_router_expert_bias:  # training moves it (aux-loss-free balancing): synced like a weight
             self.add(r, hf_router_bias_name(family, layer), (experts,), 0, 0, experts, pp,
                      meg + "mlp.router.expert_bias", replicated, 1)
@@ -291,6 +304,12 @@ class _PlanBuilder:
             self.add(r, gate, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", rows, h)
             self.add(r, up, (ie, h), 0, lo, hi, pp, expert + "linear_fc1.weight", up_rows, h)
             self.add(r, down, (h, ie), 1, lo, hi, pp, expert + "linear_fc2.weight", rows, h)
+            if a.expert_biases:  # fc1's like its rows; fc2's whole on every TP rank (read from TP rank 0's)
+                gate_bias, up_bias, down_bias = hf_expert_bias_names(family, layer, x)
+                self.add(r, gate_bias, (ie,), 0, lo, hi, pp, expert + "linear_fc1.bias", rows, 1)
+                self.add(r, up_bias, (ie,), 0, lo, hi, pp, expert + "linear_fc1.bias", up_rows, 1)
+                self.add(r, down_bias, (h,), 0, 0, h, pp, expert + "linear_fc2.bias",
+                         lambda i, b=base: (torch.full_like(i, b), i), 1)
         if a.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP read from EP rank 0's shards; its gate replicated
             gate, up, down, shared_gate = hf_shared_expert_names(family, layer)
             sm, se = a.shared_expert_ffn_hidden_size // m.tp, a.shared_expert_ffn_hidden_size // e.tp
