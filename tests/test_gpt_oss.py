@@ -113,3 +113,24 @@ def test_sinks_and_biases_elsewhere_are_refused_by_name(gpt_oss):
     with pytest.raises(ConfigError, match="attention_output_bias"):
         linear_biases(dataclasses.replace(arch, attention_bias=False, attention_output_bias=False))
     assert families.from_hf_config(families.to_hf_config(arch)) == arch
+
+
+def _tp2_worker(rank, world_size, arch, state, tokens):
+    from tests.test_moe_trainer import _batch, _lm_loss, _trainer
+
+    torch.set_num_threads(1)
+    trainer = _trainer(arch, state, tp=2, micro_batch_size=2, lr=1e-2)
+    for _ in range(2):
+        trainer.train_step(_batch(tokens), _lm_loss(_batch(tokens).loss_mask.sum()))
+    return {k: v for k, v in trainer.shard_state().items() if k.endswith("linear_fc2.bias")}
+
+
+def test_expert_down_biases_train_alike_on_every_tp_rank(gpt_oss):
+    """The experts' down bias joins the output on TP rank 0 only (trainer/moe.py ExpertDownProjection); its
+    gradient, summed over TP, moves every rank's copy alike."""
+    _, arch, state, tokens = gpt_oss
+    ranks = run_distributed(_tp2_worker, 2, arch, state, tokens)
+    stacked = state["model.layers.0.mlp.experts.down_proj_bias"]
+    name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias"
+    assert not torch.equal(ranks[0][name], stacked[1])  # trained
+    assert ranks[0].keys() == ranks[1].keys() and all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])

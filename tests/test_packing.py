@@ -95,9 +95,15 @@ GEMMA2 = dataclasses.replace(WINDOWED, family="gemma2", sliding_window_layers=(0
                              norm_offset=1.0, sandwich_norms=True, embedding_multiplier=8.0, attention_scale=0.25,
                              mlp_activation="gelu_tanh", attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
 
+# GPT-OSS: the window on layer 0, learned sinks (materialised per document), biases everywhere, clamped-SwiGLU experts
+GPT_OSS = dataclasses.replace(WINDOWED, family="gpt_oss", sliding_window_layers=(0,), num_experts=4, moe_top_k=2,
+                              moe_ffn_hidden_size=32, attention_bias=True, attention_output_bias=True,
+                              attention_sinks=True, moe_router_bias=True, expert_biases=True, swiglu_alpha=1.702,
+                              swiglu_limit=2.0, glu_linear_offset=1.0)
+
 
 def _state(arch):
-    if not arch.sandwich_norms:
+    if not (arch.sandwich_norms or arch.attention_sinks):
         return tiny_state(arch)
     from megatron_rl.models.megatron_layout import hf_tensor_shapes
 
@@ -109,8 +115,10 @@ def _state(arch):
 @pytest.mark.parametrize("config,arch", [(dict(sequence_packing=True), ARCH),
                                          (dict(sequence_packing=True, max_tokens_per_micro_batch=128), ARCH),
                                          (dict(sequence_packing=True), WINDOWED),
-                                         (dict(sequence_packing=True), GEMMA2)],
-                         ids=["packed", "token_budget", "packed_sliding_window", "packed_gemma2_softcaps"])
+                                         (dict(sequence_packing=True), GEMMA2),
+                                         (dict(sequence_packing=True), GPT_OSS)],
+                         ids=["packed", "token_budget", "packed_sliding_window", "packed_gemma2_softcaps",
+                              "packed_gpt_oss_sinks"])
 def test_packed_equals_padded(config, arch):
     state, batch = _state(arch), _batch()
     lp0, ent0, loss0, grads0 = _run(arch, state, batch, micro_batch_size=2)

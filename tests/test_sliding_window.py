@@ -73,6 +73,8 @@ def long_windowed(request):
     ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 16, (0,)),
     ("Gemma3TextConfig", dict(sliding_window=16, layer_types=["full_attention"] * 2), None, None),
     ("Gemma2Config", dict(sliding_window=16, num_hidden_layers=4), 16, (0, 2)),    # the default: every other
+    ("GptOssConfig", dict(sliding_window=16, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2),
+     16, (0, 2)),                                                                # the default: even layers
 ])
 def test_the_windowed_layers_are_those_transformers_builds(config_class, fields, window, layers):
     config = _config(config_class, **fields)
