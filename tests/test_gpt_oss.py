@@ -134,3 +134,42 @@ def test_expert_down_biases_train_alike_on_every_tp_rank(gpt_oss):
     name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias"
     assert not torch.equal(ranks[0][name], stacked[1])  # trained
     assert ranks[0].keys() == ranks[1].keys() and all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+
+
+def test_mxfp4_experts_as_openai_publishes_them_read_as_transformers_dequantizes_them(tmp_path, gpt_oss):
+    """openai/gpt-oss-20b and -120b ship their experts in MXFP4 (`*_blocks` / `*_scales`): read bit-equal to
+    transformers' own dequantizing loader (Mxfp4Config(dequantize=True)), and the trainer equals that model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model, arch, _, tokens = gpt_oss
+    model.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(0)
+    e, h, i = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
+    for layer in range(arch.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for projection, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            del tensors[prefix + projection]
+            tensors[prefix + projection + "_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g,
+                                                                     dtype=torch.uint8)
+            # shared exponents 2^-5 .. 2^0: the codes' values (up to 6) times these keep activations O(1)
+            tensors[prefix + projection + "_scales"] = torch.randint(122, 128, (e, rows, cols // 32), generator=g,
+                                                                     dtype=torch.uint8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    ours = load_pretrained(str(tmp_path))
+    published = published_hf_state(ours.state, ours.arch)
+    expected = reference.state_dict()
+    assert published.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(published[k].float(), expected[k])] == []
+    logits = parity.reference_logits(reference, tokens)
+    worst = (parity.trainer_logits(ours.arch, ours.state, tokens) - logits).abs().max().item()
+    assert worst <= 1e-5 * max(1.0, logits.abs().max().item())  # fp32 sums of O(1) terms, relative to the logits

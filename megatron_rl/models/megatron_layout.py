@@ -278,7 +278,8 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
             logger.info("ignoring %d multi-token-prediction tensors (layers >= %d), as transformers does",
                         len(mtp), arch.num_layers)
             state = {k: v for k, v in state.items() if k not in mtp}
-    if not arch.is_moe or not any(k.endswith(".experts.gate_up_proj") for k in state):
+    if not arch.is_moe or not any(k.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_blocks"))
+                                  for k in state):
         return state
     family = get_family(arch.family)
     if family.gpt_oss:
@@ -303,6 +304,39 @@ def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[
 
 
 _GPT_OSS_STACKED = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an FP4 (e2m1) code."""
+
+
+def dequantized_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """GPT-OSS's MXFP4 experts (OCP microscaling, as openai/gpt-oss-* publish them): `blocks` [E, rows, G, 16] uint8
+    hold two FP4 (e2m1) codes per byte, low nibble first, and every 32 values of a row share the power of two
+    `scales` [E, rows, G] - 127. Returns [E, G * 32, rows] (the stacked layout: rows are the output features) in
+    `dtype`, exactly (every such value is a float32 and a bfloat16). One expert at a time, for the memory."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16 \
+            or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ConfigError(f"MXFP4 experts: blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
+                          f"{tuple(scales.shape)} {scales.dtype}; expected uint8 [E, rows, G, 16] and [E, rows, G]")
+    table = torch.tensor(_FP4_E2M1, dtype=torch.float32)
+    out = []
+    for expert_blocks, expert_scales in zip(blocks, scales):
+        codes = torch.stack([expert_blocks & 0x0F, expert_blocks >> 4], dim=-1).flatten(-2).long()  # [rows, G, 32]
+        values = torch.ldexp(table[codes], (expert_scales.to(torch.float32) - 127.0).unsqueeze(-1))
+        out.append(values.flatten(-2).t().to(dtype))
+    return torch.stack(out)
+
+
+def _dequantized_gpt_oss_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
+    """Replace the MXFP4 `{prefix}experts.{gate_up,down}_proj_blocks / _scales` of one layer by their stacked
+    tensors, in the dtype of the experts' biases (in place)."""
+    for projection in ("gate_up_proj", "down_proj"):
+        name = f"{prefix}experts.{projection}"
+        if name + "_blocks" not in state:
+            continue
+        if name + "_scales" not in state:
+            raise ConfigError(f"checkpoint is missing tensor '{name}_scales' (MXFP4 experts: blocks and scales)")
+        dtype = state[name + "_bias"].dtype if name + "_bias" in state else torch.float32
+        state[name] = dequantized_mxfp4(state.pop(name + "_blocks"), state.pop(name + "_scales"), dtype)
 
 
 def _unstacked_gpt_oss_experts(state: dict[str, torch.Tensor], arch: ModelArch,
@@ -312,6 +346,7 @@ def _unstacked_gpt_oss_experts(state: dict[str, torch.Tensor], arch: ModelArch,
     out = dict(state)
     for layer in arch.moe_layer_indices:
         prefix = f"model.layers.{layer}.mlp."
+        _dequantized_gpt_oss_experts(out, prefix)
         missing = [prefix + n for n in _GPT_OSS_STACKED if prefix + n not in out]
         if missing:
             raise ConfigError(f"checkpoint is missing tensor '{missing[0]}' (GPT-OSS keeps its experts stacked)")
