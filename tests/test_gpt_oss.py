@@ -173,3 +173,10 @@ def test_mxfp4_experts_as_openai_publishes_them_read_as_transformers_dequantizes
     logits = parity.reference_logits(reference, tokens)
     worst = (parity.trainer_logits(ours.arch, ours.state, tokens) - logits).abs().max().item()
     assert worst <= 1e-5 * max(1.0, logits.abs().max().item())  # fp32 sums of O(1) terms, relative to the logits
+
+
+def test_tp2_ep2_logits_and_training_equal_transformers_and_one_rank(gpt_oss):
+    """Biased experts split over TP (Megatron refuses them; ExpertDownProjection makes them exact) and over EP."""
+    from tests.test_moe_trainer import _check_parallel
+
+    _check_parallel({"gpt_oss": gpt_oss}, ["gpt_oss"], tp=2, ep=2, world=4, steps=3)

@@ -112,7 +112,7 @@ def test_ep2_qwen3_moe(built):
 
 @pytest.mark.slow
 def test_pp2_moe(built):
-    _check_parallel(built, ["qwen3_moe", moe_helpers.DENSE_LAYERS.name], tp=1, ep=1, pp=2, world=2, steps=3)
+    _check_parallel(built, ["qwen3_moe", moe_helpers.DENSE_LAYERS.name, "gpt_oss"], tp=1, ep=1, pp=2, world=2, steps=3)
 
 
 def test_uneven_pp2_moe(built):
