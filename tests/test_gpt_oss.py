@@ -1,9 +1,11 @@
 """GPT-OSS (gpt_oss) against transformers' GptOssForCausalLM, fp32 on CPU, tiny random models from its config class:
-the published stacked experts read and written back bit for bit, the convert round trip bit-exact and loading as
-GptOssForCausalLM, the trainer at EP=2 over 1,000 positions with a 128-token window within 1e-5, the sink attention
-against a brute-force softmax, and every GPT-OSS numerics the code cannot honour refused by name. (The parity row is
-in megatron_rl/cli/parity.py; windows at 1,000 / 2,000 positions in tests/test_sliding_window.py; EP / TP training in
-tests/test_moe_trainer.py; the engine and weight sync in tests/test_moe_engine.py.)"""
+the published stacked experts read and written back bit for bit, MXFP4 experts read as transformers dequantizes
+them, the convert round trip bit-exact and loading as GptOssForCausalLM, the trainer at EP=2 over 1,000 positions
+with a 128-token window within 1e-5 and at TP=2 x EP=2 (logits and training), the experts' down bias trained alike
+on every TP rank, the sink attention against a brute-force softmax, and every GPT-OSS numerics the code cannot
+honour refused by name. (The parity row is in megatron_rl/cli/parity.py; windows at 1,000 / 2,000 positions in
+tests/test_sliding_window.py; PP=2 in tests/test_moe_trainer.py; the engine and weight sync in
+tests/test_moe_engine.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -98,7 +100,8 @@ def test_gpt_oss_numerics_the_code_cannot_honour_are_refused_by_name(field, valu
 
 def test_sinks_and_biases_elsewhere_are_refused_by_name(gpt_oss):
     _, arch, _, _ = gpt_oss
-    from megatron_rl.trainer.model import linear_biases
+    from megatron_rl.models.megatron_layout import MegatronLayout
+    from megatron_rl.trainer.model import linear_biases, resolve_layer_spec
 
     llama = families.from_hf_config(transformers.LlamaConfig(**{**parity._BASE}).to_dict())
     # another family's config cannot spell them
@@ -113,6 +116,10 @@ def test_sinks_and_biases_elsewhere_are_refused_by_name(gpt_oss):
     with pytest.raises(ConfigError, match="attention_output_bias"):
         linear_biases(dataclasses.replace(arch, attention_bias=False, attention_output_bias=False))
     assert families.from_hf_config(families.to_hf_config(arch)) == arch
+    # built on the local layers (Transformer Engine's would add the experts' down bias on every TP rank)
+    assert resolve_layer_spec("auto", arch) == "local"
+    with pytest.raises(ConfigError, match="trainer.layer_spec local"):
+        MegatronLayout(arch, tp=2, layer_spec="te")
 
 
 def _tp2_worker(rank, world_size, arch, state, tokens):

@@ -390,8 +390,8 @@ def from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelA
     if family.layer_type_rope and window is None:
         gemma_fields.pop("local_rope_theta")  # no sliding layer left to rotate with it
     try:
-        return ModelArch(**arch_fields, **gemma_fields, **gpt_oss_fields, family=family.name, attention_bias=qkv_bias, qk_norm=qk_norm,
-                         rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers,
+        return ModelArch(**arch_fields, **gemma_fields, **gpt_oss_fields, family=family.name, attention_bias=qkv_bias,
+                         qk_norm=qk_norm, rope_scaling=scaling, sliding_window=window, sliding_window_layers=window_layers,
                          partial_rotary_factor=_partial_rotary(family, config, where))
     except ConfigError as exc:
         hf_name = _HF_NAMES.get(exc.field or "")
@@ -411,11 +411,11 @@ _HF_NAMES = {"num_query_groups": "num_key_value_heads", "kv_lora_rank": "kv_lora
 def _gpt_oss_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelArch fields of GPT-OSS's numerics (its config class has filled every absent field)."""
     fields: dict[str, Any] = {}
-    for field, name in (("swiglu_alpha", "swiglu_alpha"), ("swiglu_limit", "swiglu_limit")):
-        value = config.get(field, 1.702 if field == "swiglu_alpha" else None)  # (transformers 4.x: alpha fixed)
+    for field, default in (("swiglu_alpha", 1.702), ("swiglu_limit", None)):  # (transformers 4.x: alpha fixed)
+        value = config.get(field, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise _refuse(where, field, f"{value!r}: must be a positive number")
-        fields[name] = None if value is None else float(value)
+        fields[field] = None if value is None else float(value)
     bias = config.get("attention_bias", True)
     if not isinstance(bias, bool):
         raise _refuse(where, "attention_bias", f"{bias!r}: must be true or false")

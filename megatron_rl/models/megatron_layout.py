@@ -27,6 +27,10 @@ Megatron's layout, as its `GPTModel` state dict names it (local or Transformer E
   among the MoE ones (`ModelArch.moe_layers`) keep the dense `mlp.linear_fc1/linear_fc2` names. A shared expert
   (Qwen2-MoE) is `mlp.shared_experts.linear_fc1/linear_fc2.weight`, split over TP like a dense MLP and held by
   every EP rank, with its sigmoid gate `mlp.shared_experts.gate_weight` [1, H] replicated.
+- GPT-OSS (models/families.py `gpt_oss`): the output projection's bias `self_attention.linear_proj.bias` and
+  each expert's `linear_fc2.bias` whole on every TP rank (the latter added on TP rank 0 only,
+  trainer/moe.py), `linear_fc1.bias` split like fc1's rows, the router's logit bias `mlp.router.bias`
+  replicated, the sinks `self_attention.core_attention.softmax_offset` [heads / TP] split by heads.
 - HF side: published per-expert names (models/families.py `hf_expert_names`); transformers 5's fused
   in-memory form (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted on
   input (`canonical_hf_state`).
@@ -80,6 +84,9 @@ class MegatronLayout:
             raise ConfigError("multi-latent attention is mapped onto Megatron's local layer spec only (Transformer "
                               "Engine's fuses its latent norms into the up projections): trainer.layer_spec local",
                               field="trainer.layer_spec")
+        if (self.arch.attention_sinks or self.arch.expert_biases) and self.layer_spec == "te":
+            raise ConfigError("GPT-OSS's attention sinks and biased experts (its down bias added once over TP) are built "
+                              "on Megatron's local layer spec only: trainer.layer_spec local", field="trainer.layer_spec")
         if self.arch.sandwich_norms and self.layer_spec == "te":
             raise ConfigError("Gemma's sandwich and (1 + w) norms are built on Megatron's local layer spec only: "
                               "trainer.layer_spec local", field="trainer.layer_spec")
@@ -269,7 +276,8 @@ def _require(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def canonical_hf_state(state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """`state` with an MoE model's experts under their published per-expert names: transformers 5's fused
     in-memory form (`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] = gate rows then up rows,
-    `...mlp.experts.down_proj` [E, H, I], router `...mlp.gate.weight`) is split (views, no copy). Dense
+    `...mlp.experts.down_proj` [E, H, I], router `...mlp.gate.weight`) is split (views, no copy), and so are
+    GPT-OSS's stacked experts (their published form, MXFP4 ones dequantized first; `published_hf_state`). Dense
     models and states already in the published form are returned as they are. A family's multi-token-prediction
     layers (GLM-4.5's, stored as layers num_layers and on) are left out, as transformers leaves them."""
     if get_family(arch.family).mtp_layers_field:

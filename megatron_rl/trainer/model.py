@@ -83,9 +83,11 @@ def transformer_engine_problem() -> str | None:
 
 def resolve_layer_spec(requested: Literal["auto", "local", "te"], arch: ModelArch | None = None, *,
                        lora: bool = False) -> Literal["local", "te"]:
-    """The layer spec a run builds. LoRA's low-rank path, multi-latent attention and Gemma's sandwich norms are
-    built on the local layers only: `auto` takes those for them (LoRA even when `te` is asked for)."""
-    if lora or (requested == "auto" and arch is not None and (arch.is_mla or arch.sandwich_norms)):
+    """The layer spec a run builds. LoRA's low-rank path, multi-latent attention, Gemma's sandwich norms and
+    GPT-OSS's sinks and biased experts are built on the local layers only: `auto` takes those for them (LoRA even
+    when `te` is asked for)."""
+    if lora or (requested == "auto" and arch is not None and (arch.is_mla or arch.sandwich_norms
+                                                              or arch.attention_sinks or arch.expert_biases)):
         return "local"
     if requested == "auto":
         problem = transformer_engine_problem()

@@ -61,8 +61,8 @@ class PackedMatrix:
 
 
 class _Layer:
-    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "gate_up", "down", "ln1", "ln2", "post_attn_norm",
-                 "post_mlp_norm", "moe", "mla")
+    __slots__ = ("qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "gate_up", "down", "ln1", "ln2",
+                 "post_attn_norm", "post_mlp_norm", "moe", "mla")
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
         """The layer's dense GEMM weights in forward order (qkv, o, then gate_up, down unless MoE)."""
