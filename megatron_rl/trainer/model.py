@@ -150,6 +150,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
     kwargs = moe_config_kwargs(arch, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                aux_loss_coeff=moe_aux_loss_coeff, dispatcher=moe_token_dispatcher,
                                expert_bias_update_rate=moe_expert_bias_update_rate)
+    activation = mlp_activation(arch)
     kwargs.update({name: value for name, value in (("num_layers_in_first_pipeline_stage", first_stage_layers),
                                                    ("num_layers_in_last_pipeline_stage", last_stage_layers))
                    if value is not None})
@@ -190,7 +191,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
-        activation_func=mlp_activation(arch),
+        activation_func=activation,
         activation_func_clamp_value=arch.swiglu_limit,
         glu_linear_offset=arch.glu_linear_offset,
         add_bias_linear=linear_biases(arch),
@@ -212,7 +213,7 @@ def transformer_config(arch: ModelArch, *, tensor_parallel: int, pipeline_parall
         # which the torch RMSNorm of the local spec asserts against.
         apply_rope_fusion=transformer_engine_available() and not arch.is_mla,  # (MLA's fusion is YaRN-only)
         # (Megatron fuses erf-GELU, not tanh, and its fused clamped GLU only where probabilities scale the input)
-        bias_activation_fusion=on_gpu and mlp_activation(arch) is F.silu and arch.swiglu_limit is None,
+        bias_activation_fusion=on_gpu and activation is F.silu and arch.swiglu_limit is None,
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_rl.kernels.logprob import soft_cap
+from megatron_rl.models.attention import softmax_with_sinks
 from megatron_rl.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
             scores = soft_cap(scores, softcap)
         allowed = causal_window_mask(length, window or length, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        else:
-            column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, length, 1)
-            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
-            probs = probs.to(q.dtype)
+        probs = (torch.softmax(scores, dim=-1, dtype=torch.float32) if sinks is None
+                 else softmax_with_sinks(scores, sinks.view(-1, 1, 1), dtype=torch.float32)).to(q.dtype)
         return torch.matmul(F.dropout(probs, p=dropout_p), v)
     mask = None if window is None or length <= window else causal_window_mask(length, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,

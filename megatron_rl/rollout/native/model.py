@@ -31,10 +31,11 @@ import torch.nn.functional as F
 
 from megatron_rl.kernels.logprob import soft_cap
 from megatron_rl.models.arch import ModelArch
+from megatron_rl.models.attention import softmax_with_sinks
 from megatron_rl.models.rope import rope_inv_freq
 from megatron_rl.rollout.native.kv_cache import KVCache
 from megatron_rl.rollout.native.lora import EngineAdapters
-from megatron_rl.rollout.native.moe import moe_mlp, swiglu
+from megatron_rl.rollout.native.moe import gated_activation, moe_mlp
 from megatron_rl.rollout.native.weights import LlamaWeights, PackedMatrix
 
 
@@ -65,15 +66,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
         return torch.addcmul(x * cos, x.roll(r // 2, -1), signed_sin)
     rot = x[..., :r]
     return torch.cat((torch.addcmul(rot * cos, rot.roll(r // 2, -1), signed_sin), x[..., r:]), dim=-1)
-
-
-def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """transformers' GPT-OSS attention weights: the softmax over each row's scores and its head's sink logit (one
-    more column, broadcast from `sinks`), the sink's share dropped (the row sums to less than 1)."""
-    sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
-    combined = torch.cat([scores, sink_column], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -200,7 +192,6 @@ class LlamaModel:
         self.layer_rope = [0 if a.layer_rope(i) is a else 1 for i in range(a.num_layers)]
         self.ropes = [self.rope] + ([_Rope(a.layer_rope(a.windowed_layers[0]), max_seq_len, weights.embed.device,
                                            weights.embed.dtype)] if a.local_rope_theta is not None else [])
-        self.act = F.silu if a.mlp_activation == "silu" else functools.partial(F.gelu, approximate="tanh")
         self.embedding_multiplier = torch.tensor(a.embedding_multiplier, dtype=torch.float32).to(weights.embed.dtype)
         offset = a.norm_offset
         self.rms_norm = _rms_norm if not offset else functools.partial(_offset_rms_norm, offset=offset)
@@ -306,7 +297,7 @@ class LlamaModel:
                 qd = q[:n_dec].reshape(n_dec, n_kv, group, dk)
                 if layer.sinks is not None:  # (no fused kernel takes the sink column)
                     scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale).add_(dec_mask)
-                    attended = torch.matmul(_softmax_with_sinks(scores, layer.sinks.view(1, n_kv, group, 1)), values)
+                    attended = torch.matmul(softmax_with_sinks(scores, layer.sinks.view(1, n_kv, group, 1)), values)
                 elif softcap is None:
                     attended = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=self.scale)
                 else:  # (no fused kernel caps the scores)
@@ -329,7 +320,7 @@ class LlamaModel:
                 if softcap is not None:
                     scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
                 scores = scores.view(n_kv, group, length, end - first).masked_fill_(hidden, float("-inf"))
-                probs = (torch.softmax(scores, dim=-1) if layer.sinks is None else _softmax_with_sinks(
+                probs = (torch.softmax(scores, dim=-1) if layer.sinks is None else softmax_with_sinks(
                     scores, layer.sinks.view(n_kv, group, 1, 1))).view(n_kv, group * length, end - first)
                 oc = torch.matmul(probs, vc[slot, :, first:end])                 # [kv, g*len, dv]
                 out[offset:offset + length] = oc.view(n_kv, group, length, dv).permute(2, 0, 1, 3).reshape(
@@ -347,8 +338,7 @@ class LlamaModel:
             gate_up = matmul(h, layer.gate_up, packed[2])
             if adapters is not None:
                 gate_up = adapters.apply(li, "gate_up", h, gate_up)
-            act = swiglu(gate_up[:, :ffn], gate_up[:, ffn:], a) if a.mlp_activation == "silu" \
-                else self.act(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            act = gated_activation(gate_up[:, :ffn], gate_up[:, ffn:], a)
             down = matmul(act, layer.down, packed[3])
             if adapters is not None:
                 down = adapters.apply(li, "down", act, down)

@@ -183,7 +183,7 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
             continue
         biased = moe.gate_up_bias is not None
         gate_up = F.linear(rows[start:start + count], moe.gate_up[e], moe.gate_up_bias[e] if biased else None)
-        out_rows[start:start + count] = F.linear(swiglu(gate_up[:, :ffn], gate_up[:, ffn:], arch), moe.down[e],
+        out_rows[start:start + count] = F.linear(gated_activation(gate_up[:, :ffn], gate_up[:, ffn:], arch), moe.down[e],
                                                  moe.down_bias[e] if biased else None)
         start += count
     out_rows.mul_(weights.reshape(-1).index_select(0, order).to(h.dtype)[:, None])
@@ -198,9 +198,12 @@ def moe_mlp(h: torch.Tensor, moe: MoeLayer, arch: ModelArch, record: torch.Tenso
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, arch: ModelArch) -> torch.Tensor:
-    """The gated MLP's activation, as transformers computes it: silu(gate) * up, or GPT-OSS's clamped form
-    (gate at most `swiglu_limit`, up within +-limit) gate * sigmoid(alpha * gate) * (up + `glu_linear_offset`)."""
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """The gated MLP's activation, as transformers computes it: silu(gate) * up, GeGLU's gelu_tanh(gate) * up, or
+    GPT-OSS's clamped form (gate at most `swiglu_limit`, up within +-limit)
+    gate * sigmoid(alpha * gate) * (up + `glu_linear_offset`)."""
+    if arch.mlp_activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     limit = arch.swiglu_limit
     if limit is None and arch.swiglu_alpha == 1.0 and not arch.glu_linear_offset:
         return F.silu(gate) * up
