@@ -11,7 +11,7 @@ setup(
     description="Asynchronous RL post-training for LLMs: Megatron-core trainers, native and SGLang rollout engines",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
-    package_data={"megatron_rl.sim": ["hardware.yaml"]},
+    package_data={"megatron_rl.sim": ["hardware.yaml"], "megatron_rl.kernels": ["cpu_decode.c", "cpu_decode_body.h"]},
     install_requires=[
         # A range, not a pin: GPU users bring their own CUDA build. CPU installs pin torch==2.13.0
         # explicitly (README, .ci/run) because a bare requirement pulls a multi-GB CUDA wheel.

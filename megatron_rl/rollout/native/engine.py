@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from megatron_rl.config import ConfigError
+from megatron_rl.kernels import cpu_decode
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import canonical_hf_state
 from megatron_rl.models.pretrained import load_pretrained
@@ -121,6 +123,7 @@ class NativeEngine(_Scheduler):
         if config.prepack_weights:
             self.weights.enable_packing(self.kv_cache.slots)
         self.model = LlamaModel(self.weights, self.max_seq_len)
+        self.model.kernels = self._cpu_kernels(config.cpu_kernels)
         self._version = int(version)
         self._epoch = 0                                  # bumped by every weight load
         # shared state (guarded by _cv)
@@ -139,6 +142,20 @@ class NativeEngine(_Scheduler):
         self._seed_rng = random.Random()
         self._thread = threading.Thread(target=self._loop, name="native-rollout-engine", daemon=True)
         self._thread.start()
+
+    def _cpu_kernels(self, mode: str) -> cpu_decode.CpuDecodeKernels | None:
+        """The fused CPU kernels `engine.cpu_kernels` asks for, or None for torch ops."""
+        if mode == "off":
+            return None
+        if self.device.type != "cpu" or not cpu_decode.CpuDecodeKernels.supports(self.dtype):
+            if mode == "on":
+                raise ConfigError(f"engine.cpu_kernels=on: the fused kernels run on CPU in fp32 or bf16, this engine "
+                                  f"is on {self.device} in {self.dtype}")
+            return None
+        kernels = cpu_decode.load()
+        if kernels is None and mode == "on":
+            raise ConfigError(f"engine.cpu_kernels=on: the fused CPU kernels cannot be built here: {cpu_decode.load_error()}")
+        return kernels
 
     @classmethod
     def from_pretrained(cls, source: Any, config: NativeEngineConfig | None = None, **kwargs: Any) -> "NativeEngine":

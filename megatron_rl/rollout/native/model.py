@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels.cpu_decode import CpuDecodeKernels
 from megatron_rl.kernels.logprob import soft_cap
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.attention import softmax_with_sinks
@@ -197,6 +198,21 @@ class LlamaModel:
         self.rms_norm = _rms_norm if not offset else functools.partial(_offset_rms_norm, offset=offset)
         self.windows = [a.layer_window(i) for i in range(a.num_layers)]
         self.adapters: EngineAdapters | None = None  # LoRA beside the base weights (lora.py)
+        self.kernels: CpuDecodeKernels | None = None
+        """The fused CPU kernels (kernels/cpu_decode.py) in place of the torch ops they stand for; set by the engine
+        (`engine.cpu_kernels`)."""
+        plain_glu = a.swiglu_limit is None and a.swiglu_alpha == 1.0 and not a.glu_linear_offset
+        self.fused_activation = a.mlp_activation if plain_glu and a.mlp_activation in ("silu", "gelu_tanh") else None
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The family's RMSNorm of x [rows, H]; with `delta`, of x + delta, which is added to x in place first
+        (the residual stream's pending update: one pass with the fused kernel)."""
+        a, kernels = self.arch, self.kernels
+        if kernels is not None and x.is_contiguous() and weight.dtype == x.dtype:
+            return kernels.rms_norm(x, weight, a.norm_eps, delta=delta, offset=a.norm_offset or None)
+        if delta is not None:
+            x.add_(delta)
+        return self.rms_norm(x, weight, a.norm_eps)
 
     def forward(self, batch: _Batch, cache: KVCache) -> torch.Tensor:
         """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns fp32
@@ -212,23 +228,29 @@ class LlamaModel:
         tokens = batch.tokens
         n = tokens.numel()
         n_dec = batch.dec_slots.numel()
+        t_alloc = cache.max_len
+        kv_heads = torch.arange(n_kv, device=tokens.device)
 
         def matmul(h: torch.Tensor, weight: torch.Tensor, packed: PackedMatrix | None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
             # packed: the same matrix laid out for the CPU's GEMM kernel; None while it waits to be re-packed
             return F.linear(h, weight, bias) if packed is None else packed(h, bias)
 
+        kernels = self.kernels
+        # the fused kernel rotates q and k and writes k and v to the cache (every row: decode and prompt chunks)
+        fused_rope = kernels is not None and not a.is_mla
         x = F.embedding(tokens, w.embed)
         if a.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
-        rotations = []  # (cos, unsigned sin, signed sin) of each RoPE the layers use
+        rotations = []  # (cos, unsigned sin, signed sin) of each RoPE the layers use; [N, rotary dims] for the kernel
         for rope in self.ropes:
             cos, raw_sin = rope(batch.positions, batch.rope_lens)
-            rotations.append((cos, raw_sin, _signed_sin(raw_sin)))
+            rotations.append((cos.reshape(n, -1).contiguous(), raw_sin.reshape(n, -1).contiguous(), None) if fused_rope
+                             else (cos, raw_sin, _signed_sin(raw_sin)))
         norm = self.rms_norm
         softcap = a.attn_logit_softcapping
         dec_masks: dict[int | None, tuple[int, torch.Tensor]] = {}
-        if n_dec:
+        if n_dec and kernels is None:
             t_max = int(batch.dec_lens.max())
             # per window: (first cache position read, additive mask over [first, t_max)), built once per step;
             # one fused SDPA call per layer reads it
@@ -241,10 +263,9 @@ class LlamaModel:
                 dec_masks[window] = first, torch.zeros(n_dec, 1, 1, t_max - first, device=tokens.device,
                                                        dtype=x.dtype).masked_fill_(
                     hidden.view(n_dec, 1, 1, t_max - first), float("-inf"))
+        if n_dec:
             # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
-            t_alloc = cache.max_len
-            heads = torch.arange(n_kv, device=tokens.device)
-            dec_rows = ((batch.dec_slots[:, None] * n_kv + heads[None, :]) * t_alloc
+            dec_rows = ((batch.dec_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc
                         + batch.positions[:n_dec, None]).reshape(-1)
         causal = {}  # (start, length, window) -> (first key position, mask of the hidden keys)
         for offset, slot, start, length in batch.chunks:
@@ -258,11 +279,20 @@ class LlamaModel:
                     if window is not None:
                         hidden |= keys <= rows - window
                     causal[key] = first, hidden
+        if fused_rope:  # each row's K/V rows in the flattened [slots * kv_heads * T, d] cache
+            row_slots = torch.empty(n, dtype=torch.long, device=tokens.device)
+            row_slots[:n_dec] = batch.dec_slots
+            for offset, slot, start, length in batch.chunks:
+                row_slots[offset:offset + length] = slot
+            cache_rows = ((row_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc + batch.positions[:, None]).contiguous()
+        if kernels is not None:
+            dec_slots, dec_lens = batch.dec_slots.contiguous(), batch.dec_lens.contiguous()
         adapters = self.adapters
+        delta = None  # the residual stream's pending addition: the last MLP's output, added inside the next norm
         for li, layer in enumerate(w.layers):
             packed = (w.packed[li] if w.packed is not None else None) or (None,) * 4
             cos, raw_sin, sin = rotations[self.layer_rope[li]]
-            h = norm(x, layer.ln1, a.norm_eps)
+            h = self.norm(x, layer.ln1, delta)
             if layer.mla is not None:
                 q, k = mla_qkv(layer.mla, h, a, cos, raw_sin, sin)
                 kc = k_cache[li]                            # [slots, 1, T, latent + rotary key]
@@ -271,18 +301,34 @@ class LlamaModel:
                 qkv = matmul(h, layer.qkv, packed[0], layer.qkv_bias)
                 if adapters is not None:
                     qkv = adapters.apply(li, "qkv", h, qkv)
-                qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
-                if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-                    q = _rope(norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
-                    k = _rope(norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
-                else:
-                    qk = _rope(qk, cos, sin)
-                    q, k = qk[:, :n_heads], qk[:, n_heads:]
-                v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
                 kc, vc = k_cache[li], v_cache[li]           # [slots, kv_heads, T, d]
+                if fused_rope:  # (q / k norms, RoPE, and the K / V cache writes of every row)
+                    q = kernels.rope_qkv(qkv.contiguous(), n_heads, n_kv, d, cos, raw_sin, kc, vc, cache_rows,
+                                         q_norm=layer.q_norm, k_norm=layer.k_norm, eps=a.norm_eps,
+                                         norm_offset=a.norm_offset or None)
+                else:
+                    qk = qkv[:, :q_size + kv_size].view(n, n_heads + n_kv, d)
+                    if layer.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+                        q = _rope(norm(qk[:, :n_heads], layer.q_norm, a.norm_eps), cos, sin)
+                        k = _rope(norm(qk[:, n_heads:], layer.k_norm, a.norm_eps), cos, sin)
+                    else:
+                        qk = _rope(qk, cos, sin)
+                        q, k = qk[:, :n_heads], qk[:, n_heads:]
+                    v = qkv[:, q_size + kv_size:].view(n, n_kv, d)
             out = torch.empty(n, n_heads * dv, device=x.device, dtype=x.dtype) if batch.chunks else None
             window = self.windows[li]
-            if n_dec:
+            if n_dec and kernels is not None:
+                if layer.mla is not None:
+                    kc.view(-1, dk).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, dk))
+                attended = kernels.decode_attention(
+                    q[:n_dec].contiguous(), kc, kc if layer.mla is not None else vc, dec_slots, dec_lens, kv_heads=n_kv,
+                    t_alloc=t_alloc, k_row=dk, v_row=dk if layer.mla is not None else d, dv=dv, scale=self.scale,
+                    window=window, softcap=softcap, sinks=None if layer.sinks is None else layer.sinks.float().contiguous())
+                if out is None:
+                    out = attended
+                else:
+                    out[:n_dec] = attended
+            elif n_dec:
                 kc.view(-1, dk).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, dk))
                 if layer.mla is None:
                     vc.view(-1, d).index_copy_(0, dec_rows, v[:n_dec].reshape(-1, d))
@@ -310,9 +356,10 @@ class LlamaModel:
                     out[:n_dec] = attended.reshape(n_dec, n_heads * dv)
             for offset, slot, start, length in batch.chunks:
                 end = start + length
-                kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
-                if layer.mla is None:
-                    vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
+                if not fused_rope:
+                    kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
+                    if layer.mla is None:
+                        vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
                 first, hidden = causal[(start, length, window)]
                 qc = q[offset:offset + length].view(length, n_kv, group, dk).permute(1, 2, 0, 3)
                 qc = qc.reshape(n_kv, group * length, dk)
@@ -330,22 +377,26 @@ class LlamaModel:
             attn = matmul(out, layer.o, packed[1], layer.o_bias)
             if adapters is not None:
                 attn = adapters.apply(li, "o", out, attn)
-            x = x + (attn if layer.post_attn_norm is None else norm(attn, layer.post_attn_norm, a.norm_eps))
-            h = norm(x, layer.ln2, a.norm_eps)
+            h = self.norm(x, layer.ln2, attn if layer.post_attn_norm is None else self.norm(attn, layer.post_attn_norm))
             if layer.moe is not None:  # mixture of experts (moe.py)
-                x = x + moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
+                delta = moe_mlp(h, layer.moe, a, None if batch.routing is None else batch.routing[:, li])
                 continue
             gate_up = matmul(h, layer.gate_up, packed[2])
             if adapters is not None:
                 gate_up = adapters.apply(li, "gate_up", h, gate_up)
-            act = gated_activation(gate_up[:, :ffn], gate_up[:, ffn:], a)
+            if kernels is not None and self.fused_activation is not None:
+                act = kernels.gated_act(gate_up.contiguous(), self.fused_activation)
+            else:
+                act = gated_activation(gate_up[:, :ffn], gate_up[:, ffn:], a)
             down = matmul(act, layer.down, packed[3])
             if adapters is not None:
                 down = adapters.apply(li, "down", act, down)
-            x = x + (down if layer.post_mlp_norm is None else norm(down, layer.post_mlp_norm, a.norm_eps))
+            delta = down if layer.post_mlp_norm is None else self.norm(down, layer.post_mlp_norm)
+        if delta is not None:
+            x.add_(delta)
         rows = batch.logit_rows.numel()
         if rows != n:
             x = x.index_select(0, batch.logit_rows)
-        h = norm(x, w.norm, a.norm_eps)
+        h = self.norm(x, w.norm)
         # (capped in the activation dtype, as transformers)
         return soft_cap(matmul(h, w.lm_head, w.packed_lm_head), a.final_logit_softcapping).float()

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels.cpu_decode import CpuDecodeKernels
 from megatron_rl.rollout.engine import SamplingParams
 
 
@@ -50,17 +51,20 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return z
 
 
-def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                  kernels: CpuDecodeKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 `logits` [R, V]; returns (tokens [R] long, logprobs [R] fp32).
 
     Greedy rows (temperature 0 or top_k 1) take argmax(logits). Other rows draw exactly from
     p = softmax(filtered_logits) by inverting its CDF at one float64 uniform from the row's own
     generator (one draw per token, so a sample's tokens do not depend on its batch neighbours).
     The returned log-prob is always log_softmax(logits)[token] of the raw logits: the engine's
-    policy at temperature 1 without truncation.
+    policy at temperature 1 without truncation. `kernels`: the fused CPU kernels, which sample plain rows in one
+    pass (the same draw, to float rounding).
     """
     if params and all(_plain(p) for p in params):
+        if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return kernels.sample_plain(logits.contiguous(), _uniforms(generators, logits.device))
         return _sample_plain(logits, generators)
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)

@@ -1,0 +1,167 @@
+/* Fused CPU kernels of the native engine's forward (rollout/native/model.py), built by kernels/cpu_decode.py
+ * with the machine's C compiler on first use and called through ctypes.
+ *
+ * Each kernel replaces a run of small torch ops with one pass over memory, and keeps the rounding of the
+ * transformers expression it stands for: in bf16 every intermediate that transformers casts to bf16 is
+ * rounded to bf16 here too (round to nearest even, as torch), in fp32 every product and sum is an fp32
+ * operation (built with -ffp-contract=off: no fused multiply-adds). What differs from torch is the order of
+ * a reduction's fp32 additions (RMSNorm's sum of squares, attention's dot products and softmax sums) and
+ * exp / tanh to about an ulp, as between any two CPU kernels.
+ *
+ * The bodies are in cpu_decode_body.h, included once per activation dtype (fp32 and bf16 as uint16).
+ * Threads: OpenMP, resolved at load time to the libgomp torch has loaded (same soname), so the kernels share
+ * torch's thread pool; each call passes torch.get_num_threads() of the calling thread.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_float(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0; /* NaN, as c10::BFloat16 */
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* e^x to about 1 ulp (Cephes' expf polynomial on [-ln2/2, ln2/2], scaled by 2^n); branch-free, so loops of
+ * it vectorize. Underflows to 0 below -87.3 (where e^x leaves the normal floats). */
+static inline float exp_approx(float x) {
+    const float hi = 88.3762626647949f, lo = -87.3365447504019f;
+    float xc = x > hi ? hi : x;
+    xc = xc < lo ? lo : xc;
+    float n = nearbyintf(xc * 1.44269504088896341f);  /* (vectorizes; floorf does not) */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    float y = p * scale;
+    return x < lo ? 0.0f : y;
+}
+
+/* tanh to a few ulp: Cephes' tanhf (odd polynomial below |x| 0.625, 1 - 2 / (e^2|x| + 1) above). */
+static inline float tanh_approx(float x) {
+    float a = fabsf(x);
+    float s = x * x;
+    float small = ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s
+                    + 1.33314422036e-1f) * s - 3.33332819422e-1f) * s * x + x;
+    float big = 1.0f - 2.0f / (exp_approx(2.0f * (a > 44.0f ? 44.0f : a)) + 1.0f);
+    big = x < 0 ? -big : big;
+    return a < 0.625f ? small : big;
+}
+
+/* a . b in fp32: 16 lanes, summed as a tree (a chain of 16 dependent adds would
+ * cost more than the products at a head width of 64) */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float lanes[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
+    for (int l = 0; l < 8; l++) lanes[l] += lanes[l + 8];
+    for (int l = 0; l < 4; l++) lanes[l] += lanes[l + 4];
+    float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+    for (; j < n; j++) sum += a[j] * b[j];
+    return sum;
+}
+
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+
+/* fp32 */
+#define SUFFIX f32
+#define T float
+#define LOAD(v) (v)
+#define STORE(f) (f)
+#define ROUND(f) (f)
+#include "cpu_decode_body.h"
+#undef SUFFIX
+#undef T
+#undef LOAD
+#undef STORE
+#undef ROUND
+
+/* bf16 */
+#define SUFFIX bf16
+#define T bf16_t
+#define LOAD(v) bf16_to_float(v)
+#define STORE(f) float_to_bf16(f)
+#define ROUND(f) bf16_to_float(float_to_bf16(f))
+#include "cpu_decode_body.h"
+
+/* One token per row of fp32 logits [rows, vocab], sampled from softmax(logits) by inverting its CDF at the
+ * row's float64 uniform, and its log-prob: rollout/native/sampling.py `_sample_plain` in one pass per row
+ * (the max, then exp(z - max) summed per block of `block` tokens in fp32, a float64 CDF over the blocks,
+ * the chosen block's tokens in float64; the same clamps). */
+void mrl_sample_plain(const float *logits, int64_t rows, int64_t vocab, const double *uniforms, int64_t block,
+                      int64_t *tokens, float *logprobs, int threads) {
+    int64_t n_blocks = (vocab + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *z = logits + r * vocab;
+        float lanes[16];
+        for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+        int64_t j = 0;
+        for (; j + 16 <= vocab; j += 16)
+            for (int l = 0; l < 16; l++) lanes[l] = z[j + l] > lanes[l] ? z[j + l] : lanes[l];
+        float m = -INFINITY;
+        for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+        for (; j < vocab; j++) m = z[j] > m ? z[j] : m;
+        double *cdf = malloc((size_t)(n_blocks + block) * sizeof(double));
+        double *inner = cdf + n_blocks;
+        double running = 0.0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            int64_t start = b * block, end = start + block < vocab ? start + block : vocab;
+            float acc[16] = {0};
+            int64_t t = start;
+            for (; t + 16 <= end; t += 16)
+                for (int l = 0; l < 16; l++) acc[l] += exp_approx(z[t + l] - m);
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            for (; t < end; t++) sum += exp_approx(z[t] - m);
+            running += (double)sum;
+            cdf[b] = running;
+        }
+        double total = cdf[n_blocks - 1];
+        double target = uniforms[r] * total;
+        double below_total = nextafter(total, 0.0);
+        target = target < below_total ? target : below_total;
+        int64_t chosen = 0;
+        while (chosen < n_blocks - 1 && cdf[chosen] <= target) chosen++;
+        double lower = chosen > 0 ? cdf[chosen - 1] : 0.0;
+        double mass = cdf[chosen] - lower;
+        int64_t start = chosen * block;
+        double in_block = 0.0;
+        for (int64_t t = 0; t < block; t++) {
+            in_block += start + t < vocab ? (double)exp_approx(z[start + t] - m) : 0.0;
+            inner[t] = in_block;
+        }
+        double within = (target - lower) / mass;
+        within = within < 0.0 ? 0.0 : (within > 1.0 ? 1.0 : within);
+        within *= inner[block - 1];
+        double below_inner = nextafter(inner[block - 1], 0.0);
+        within = within < below_inner ? within : below_inner;
+        int64_t k = 0;
+        while (k < block - 1 && inner[k] <= within) k++;
+        int64_t token = start + k;
+        tokens[r] = token;
+        logprobs[r] = (float)((double)(z[token] - m) - log(total));
+        free(cdf);
+    }
+}
