@@ -54,15 +54,17 @@ def test_plain_rows_sample_the_same_beside_greedy_and_truncated_rows():
     assert tokens[3] in logits[3].topk(5).indices
 
 
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
 @pytest.mark.parametrize("kind", ["smollm2", "qwen3"])
-def test_sampled_decode_logprobs_match_transformers_forward(kind):
-    """Sequences of different lengths decode together (the additive mask of the batched attention), with
-    answers of different lengths (decode batches of 4, 3, 2 rows: packed and transposed GEMMs)."""
+def test_sampled_decode_logprobs_match_transformers_forward(kind, cpu_kernels):
+    """Sequences of different lengths decode together (the fused CPU kernels, or torch's SDPA with the additive
+    mask of the batched attention), with answers of different lengths (decode batches of 4, 3, 2 rows: packed and
+    transposed GEMMs)."""
     config = _hf_config(kind)
     model, state = random_model(config, seed=3)
     arch = arch_of(config, FAMILY_OF[kind])
     prompts = default_prompts(arch, lengths=(2, 9, 17, 30), seed=4)
-    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64),
+    with NativeEngine(arch, state, config=NativeEngineConfig(max_batch_size=4, max_seq_len=64, cpu_kernels=cpu_kernels),
                       eos_token_ids=[]) as engine:
         outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=i))
                                 for i, (p, n) in enumerate(zip(prompts, (20, 14, 8, 5)))])

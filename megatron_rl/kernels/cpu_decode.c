@@ -81,6 +81,64 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return sum;
 }
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) { return *(const v16f_unaligned *)p; }
+
+/* The 16 lanes of a and b summed in pairs: lanes `first` of (a | b) plus lanes `second` of (a | b). */
+#define PAIR_SUM(a, b, first, second) (__builtin_shuffle((a), (b), (first)) + __builtin_shuffle((a), (b), (second)))
+
+/* out[l] = q . rows[l] for 16 rows of `width` floats (a multiple of 16): one vector of partial sums per row,
+ * then the 16 vectors folded into one by a transposing tree of shuffles and adds (four levels), so no row
+ * pays a horizontal sum of its own. */
+static inline void dot16(const float *restrict q, const float *const *rows, int64_t width, float *restrict out) {
+    v16f partial[16];
+    for (int l = 0; l < 16; l++) {
+        v16f acc = {0};
+        for (int64_t j = 0; j < width; j += 16) acc += load16(q + j) * load16(rows[l] + j);
+        partial[l] = acc;
+    }
+    const v16i a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f halves[8], quarters[4], eighths[2];
+    for (int l = 0; l < 8; l++) halves[l] = PAIR_SUM(partial[2 * l], partial[2 * l + 1], a1, b1);
+    for (int l = 0; l < 4; l++) quarters[l] = PAIR_SUM(halves[2 * l], halves[2 * l + 1], a2, b2);
+    for (int l = 0; l < 2; l++) eighths[l] = PAIR_SUM(quarters[2 * l], quarters[2 * l + 1], a3, b3);
+    *(v16f_unaligned *)out = PAIR_SUM(eighths[0], eighths[1], a4, b4);
+}
+
+static inline float max_of(const float *restrict x, int64_t n) {
+    float lanes[16];
+    for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = x[j + l] > lanes[l] ? x[j + l] : lanes[l];
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+static inline float sum_of(const float *restrict x, int64_t n) {
+    float lanes[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += x[j + l];
+    float sum = 0.0f;
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    for (; j < n; j++) sum += x[j];
+    return sum;
+}
+
+#define MAX_GROUP 256 /* query heads per KV head (kernels/cpu_decode.py checks) */
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
 
@@ -90,12 +148,14 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #define LOAD(v) (v)
 #define STORE(f) (f)
 #define ROUND(f) (f)
+#define IS_FLOAT 1
 #include "cpu_decode_body.h"
 #undef SUFFIX
 #undef T
 #undef LOAD
 #undef STORE
 #undef ROUND
+#undef IS_FLOAT
 
 /* bf16 */
 #define SUFFIX bf16
@@ -103,6 +163,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #define LOAD(v) bf16_to_float(v)
 #define STORE(f) float_to_bf16(f)
 #define ROUND(f) bf16_to_float(float_to_bf16(f))
+#define IS_FLOAT 0
 #include "cpu_decode_body.h"
 
 /* One token per row of fp32 logits [rows, vocab], sampled from softmax(logits) by inverting its CDF at the

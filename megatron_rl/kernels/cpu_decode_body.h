@@ -120,43 +120,70 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
                                 int64_t window, float scale, float softcap, const float *sinks, T *out,
                                 int threads) {
     int64_t group = heads / kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < n_dec * kv_heads; item++) {
         int64_t b = item / kv_heads, g = item % kv_heads;
         int64_t len = lens[b], lo = window > 0 && len > window ? len - window : 0, span = len - lo;
         const T *keys = k_cache + ((slots[b] * kv_heads + g) * t_alloc + lo) * k_row;
         const T *values = v_cache + ((slots[b] * kv_heads + g) * t_alloc + lo) * v_row;
-        float *scratch = malloc((size_t)(group * (span + dk + dv) + (dk > dv ? dk : dv)) * sizeof(float));
-        float *scores = scratch, *qf = scores + group * span, *acc = qf + group * dk, *row = acc + group * dv;
+        int64_t width = (dk + 15) / 16 * 16; /* a K row in fp32, zero-padded to whole vectors */
+        /* fp32 rows of whole vectors are read in place; others are converted / padded into `block` first */
+        int in_place = IS_FLOAT && width == dk && k_row % 16 == 0;
+        float *scratch = malloc((size_t)(group * (span + 16 + width + dv) + 16 * width + dv) * sizeof(float));
+        float *restrict scores = scratch, *restrict qf = scores + group * (span + 16);
+        float *restrict acc = qf + group * width, *restrict block = acc + group * dv, *restrict row = block + 16 * width;
+        memset(qf, 0, (size_t)(group * width) * sizeof(float));
+        memset(block, 0, (size_t)(16 * width) * sizeof(float));
         for (int64_t i = 0; i < group; i++)
-            for (int64_t j = 0; j < dk; j++) qf[i * dk + j] = LOAD(q[((b * heads) + g * group + i) * dk + j]);
-        for (int64_t t = 0; t < span; t++) {
-            const T *k = keys + t * k_row;
-            for (int64_t j = 0; j < dk; j++) row[j] = LOAD(k[j]);
-            for (int64_t i = 0; i < group; i++) scores[i * span + t] = dot(qf + i * dk, row, dk) * scale;
+            for (int64_t j = 0; j < dk; j++) qf[i * width + j] = LOAD(q[((b * heads) + g * group + i) * dk + j]);
+        const float *rows[16];
+        for (int64_t t0 = 0; t0 < span; t0 += 16) {
+            int64_t count = span - t0 < 16 ? span - t0 : 16;
+            /* the next block's keys, and this block's values, on their way while this block's dots run */
+            for (int64_t l = 0; l < 16 && t0 + 16 + l < span; l++)
+                for (int64_t j = 0; j < dk; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(keys + (t0 + 16 + l) * k_row + j);
+            for (int64_t l = 0; l < count; l++)
+                for (int64_t j = 0; j < dv; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(values + (t0 + l) * v_row + j, 0, 2);
+            for (int64_t l = 0; l < 16; l++) {
+                if (l >= count) {
+                    memset(block + l * width, 0, (size_t)width * sizeof(float));
+                    rows[l] = block + l * width;
+                } else if (in_place) {
+                    rows[l] = (const float *)(keys + (t0 + l) * k_row);
+                } else {
+                    const T *k = keys + (t0 + l) * k_row;
+                    for (int64_t j = 0; j < dk; j++) block[l * width + j] = LOAD(k[j]);
+                    rows[l] = block + l * width;
+                }
+            }
+            for (int64_t i = 0; i < group; i++) dot16(qf + i * width, rows, width, scores + i * (span + 16) + t0);
         }
-        float sums[256];
+        for (int64_t i = 0; i < group; i++)
+            for (int64_t t = 0; t < span; t++) scores[i * (span + 16) + t] *= scale;
+        float sums[MAX_GROUP];
         for (int64_t i = 0; i < group; i++) {
-            float *s = scores + i * span;
+            float *restrict s = scores + i * (span + 16);
             if (softcap > 0.0f)
                 for (int64_t t = 0; t < span; t++) s[t] = tanh_approx(s[t] / softcap) * softcap;
-            float m = sinks ? sinks[g * group + i] : -INFINITY;
-            for (int64_t t = 0; t < span; t++) m = s[t] > m ? s[t] : m;
-            float sum = sinks ? exp_approx(sinks[g * group + i] - m) : 0.0f;
-            for (int64_t t = 0; t < span; t++) {
-                s[t] = exp_approx(s[t] - m);
-                sum += s[t];
-            }
-            sums[i] = sum;
+            float m = max_of(s, span);
+            if (sinks) m = sinks[g * group + i] > m ? sinks[g * group + i] : m;
+            for (int64_t t = 0; t < span; t++) s[t] = exp_approx(s[t] - m);
+            sums[i] = sum_of(s, span) + (sinks ? exp_approx(sinks[g * group + i] - m) : 0.0f);
         }
         memset(acc, 0, (size_t)(group * dv) * sizeof(float));
         for (int64_t t = 0; t < span; t++) {
             const T *v = values + t * v_row;
-            for (int64_t j = 0; j < dv; j++) row[j] = LOAD(v[j]);
+            const float *restrict vf;
+            if (IS_FLOAT) {
+                vf = (const float *)v;
+            } else {
+                for (int64_t j = 0; j < dv; j++) row[j] = LOAD(v[j]);
+                vf = row;
+            }
             for (int64_t i = 0; i < group; i++) {
-                float p = scores[i * span + t];
-                float *a = acc + i * dv;
-                for (int64_t j = 0; j < dv; j++) a[j] += p * row[j];
+                float p = scores[i * (span + 16) + t];
+                float *restrict a = acc + i * dv;
+                for (int64_t j = 0; j < dv; j++) a[j] += p * vf[j];
             }
         }
         for (int64_t i = 0; i < group; i++) {
