@@ -249,3 +249,28 @@ def test_cpu_kernels_on_without_a_compiler_is_refused_by_name(monkeypatch, tmp_p
         _generate("smollm2", "on")
     # auto: the torch ops, with the same greedy tokens as ever
     assert [c.output_ids for c in _generate("smollm2", "auto")] == [c.output_ids for c in _generate("smollm2", "off")]
+
+
+def test_weight_update_reaches_the_kernels_as_a_fresh_engine_would(kernels):
+    """The kernels read the weight arena in place (nothing compiled holds a copy): after `update_weights` the
+    engine decodes bit for bit as a fresh engine built with the new weights."""
+    config = _hf_config("qwen3")
+    _, old = random_model(config, seed=11)
+    _, new = random_model(config, seed=12)
+    arch = arch_of(config, FAMILY_OF["qwen3"])
+    prompts = default_prompts(arch, lengths=(5, 19), seed=13)
+    engine_config = NativeEngineConfig(max_batch_size=2, max_seq_len=64, cpu_kernels="on", prepack_weights=False)
+
+    def requests():
+        return [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))
+                for i, p in enumerate(prompts)]
+
+    with NativeEngine(arch, old, config=engine_config, eos_token_ids=[]) as engine:
+        before = engine.generate(requests())
+        engine.update_weights(new)
+        updated = engine.generate(requests())
+    with NativeEngine(arch, new, config=engine_config, eos_token_ids=[]) as fresh_engine:
+        fresh = fresh_engine.generate(requests())
+    assert [c.output_ids for c in updated] == [c.output_ids for c in fresh]
+    assert [c.output_logprobs for c in updated] == [c.output_logprobs for c in fresh]
+    assert [c.output_logprobs for c in updated] != [c.output_logprobs for c in before]

@@ -2,11 +2,11 @@
 the gated MLP activation, decode attention over the cache and plain sampling, each one pass over memory where
 eager torch takes several ops (rollout/native/model.py uses them; docs/performance.md says what they save).
 
-`load()` builds the C source once per machine with the system's C compiler (`$CC`, else gcc; -O3
--march=native, OpenMP) into `$MEGATRON_RL_KERNEL_CACHE` (default ~/.cache/megatron_rl/kernels), keyed by the
-sources, flags, compiler and CPU, and loads it with ctypes: about a second to build, no torch headers, no
-build step at install. Where no compiler is found or the build fails, `load()` returns None and says why
-once; the engine then runs the torch ops (`engine.cpu_kernels: auto`) or refuses (`on`).
+`load()` builds the C source once per machine with the system's GCC (`$CC`, else gcc; -O3 -march=native,
+OpenMP, GCC's vector extensions) into `$MEGATRON_RL_KERNEL_CACHE` (default ~/.cache/megatron_rl/kernels),
+keyed by the sources, flags, compiler and CPU, and loads it with ctypes: about a second to build, no torch
+headers, no build step at install. Where no compiler is found or the build fails, `load()` returns None and
+says why once; the engine then runs the torch ops (`engine.cpu_kernels: auto`) or refuses (`on`).
 
 Each wrapper takes contiguous CPU tensors of one activation dtype (fp32 or bf16) and checks what the C side
 relies on; the torch expression each kernel stands for is in its docstring and the tests compare against it
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = ("cpu_decode.c", "cpu_decode_body.h")
-# -ffp-contract=off: no fused multiply-adds, so every product the torch expression rounds is rounded here too
+# -ffp-contract=off: no fused multiply-adds, so every product the torch expression rounds is rounded here too.
+# On x86, 512-bit vectors where the CPU has them (GCC otherwise stays at 256 on AVX-512 machines).
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
-          "-fno-math-errno", "-mprefer-vector-width=512")
+          "-fno-math-errno") + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 MAX_HEAD_DIM = 1024  # per-head scratch of mrl_rope_qkv
