@@ -235,20 +235,20 @@ def _generate(kind: str, cpu_kernels: str):
 def test_engine_with_the_kernels_decodes_as_without(kernels, kind):
     """Greedy tokens equal and log-probs within 1e-5 in fp32 (the kernels' reorderings, as between packed and
     unpacked GEMMs), with prompt chunks and decoding rows in the same steps."""
-    with_kernels, without = _generate(kind, "on"), _generate(kind, "off")
+    with_kernels, without = _generate(kind, "required"), _generate(kind, "disabled")
     for a, b in zip(with_kernels, without):
         assert a.output_ids == b.output_ids
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
 
 
-def test_cpu_kernels_on_without_a_compiler_is_refused_by_name(monkeypatch, tmp_path):
+def test_required_cpu_kernels_without_a_compiler_are_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_decode, "_loaded", {})
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("MEGATRON_RL_KERNEL_CACHE", str(tmp_path))
-    with pytest.raises(ConfigError, match="cpu_kernels=on.*no-such-compiler-here"):
-        _generate("smollm2", "on")
+    with pytest.raises(ConfigError, match="cpu_kernels=required.*no-such-compiler-here"):
+        _generate("smollm2", "required")
     # auto: the torch ops, with the same greedy tokens as ever
-    assert [c.output_ids for c in _generate("smollm2", "auto")] == [c.output_ids for c in _generate("smollm2", "off")]
+    assert [c.output_ids for c in _generate("smollm2", "auto")] == [c.output_ids for c in _generate("smollm2", "disabled")]
 
 
 def test_weight_update_reaches_the_kernels_as_a_fresh_engine_would(kernels):
@@ -259,7 +259,7 @@ def test_weight_update_reaches_the_kernels_as_a_fresh_engine_would(kernels):
     _, new = random_model(config, seed=12)
     arch = arch_of(config, FAMILY_OF["qwen3"])
     prompts = default_prompts(arch, lengths=(5, 19), seed=13)
-    engine_config = NativeEngineConfig(max_batch_size=2, max_seq_len=64, cpu_kernels="on", prepack_weights=False)
+    engine_config = NativeEngineConfig(max_batch_size=2, max_seq_len=64, cpu_kernels="required", prepack_weights=False)
 
     def requests():
         return [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))

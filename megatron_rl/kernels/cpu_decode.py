@@ -6,7 +6,7 @@ eager torch takes several ops (rollout/native/model.py uses them; docs/performan
 OpenMP, GCC's vector extensions) into `$MEGATRON_RL_KERNEL_CACHE` (default ~/.cache/megatron_rl/kernels),
 keyed by the sources, flags, compiler and CPU, and loads it with ctypes: about a second to build, no torch
 headers, no build step at install. Where no compiler is found or the build fails, `load()` returns None and
-says why once; the engine then runs the torch ops (`engine.cpu_kernels: auto`) or refuses (`on`).
+says why once; the engine then runs the torch ops (`engine.cpu_kernels: auto`) or refuses (`required`).
 
 Each wrapper takes contiguous CPU tensors of one activation dtype (fp32 or bf16) and checks what the C side
 relies on; the torch expression each kernel stands for is in its docstring and the tests compare against it

@@ -79,13 +79,6 @@ class RolloutConfig:
     """A prompt whose rendered tokens do not fit the engine's context (engine.max_seq_len, or the
     model's): error names the prompt, its source file and row; skip counts it (rollout/skipped_prompts)
     and draws the next prompt in its place."""
-    cpu_kernels: Literal["auto", "on", "off"] = "auto"
-    """On CPU, the fused C kernels of kernels/cpu_decode.c in place of runs of torch ops: the residual add with
-    RMSNorm, RoPE with the KV-cache write, the gated activation, decode attention over the cache and plain
-    sampling. Built on first use with the machine's C compiler (about a second, cached under
-    ~/.cache/megatron_rl/kernels). auto: where they build (else torch ops, said once in the log); on: refuse to
-    start without them; off: torch ops. Results equal the torch ops up to the order of fp32 additions in a
-    reduction and exp to about an ulp (tests/test_cpu_decode_kernels.py)."""
     record_routing: bool = False
     """MoE policies: the engine records the experts it routed every position to (`Completion.routed_experts`)
     so the trainer can replay them; the engine reads `engine.record_routing`, which whoever builds the engine
@@ -139,13 +132,13 @@ class NativeEngineConfig:
     weights); bf16, oneDNN's blocked layout for every step (one more copy; its unpacked F.linear re-lays
     out the weights on every call). Rebuilt lazily between steps after a weight update. Results equal the
     unpacked F.linear path up to float rounding (~1e-7 in fp32)."""
-    cpu_kernels: Literal["auto", "on", "off"] = "auto"
+    cpu_kernels: Literal["auto", "required", "disabled"] = "auto"
     """On CPU, the fused C kernels of kernels/cpu_decode.c in place of runs of torch ops: the residual add with
     RMSNorm, RoPE with the KV-cache write, the gated activation, decode attention over the cache and plain
-    sampling. Built on first use with the machine's C compiler (about a second, cached under
-    ~/.cache/megatron_rl/kernels). auto: where they build (else torch ops, said once in the log); on: refuse to
-    start without them; off: torch ops. Results equal the torch ops up to the order of fp32 additions in a
-    reduction and exp to about an ulp (tests/test_cpu_decode_kernels.py)."""
+    sampling (docs/performance.md). Built on first use with the machine's GCC (about a second, cached under
+    ~/.cache/megatron_rl/kernels). auto: where they build (else torch ops, said once in the log); required:
+    refuse to start without them; disabled: torch ops. Results equal the torch ops up to the order of fp32
+    additions in a reduction and exp to about an ulp (tests/test_cpu_decode_kernels.py)."""
     record_routing: bool = False
     """MoE models: record each position's expert ids into `Completion.routed_experts` (int16 [P + R - 1,
     layers, top_k]; rollout/native/moe.py). Off by default: it costs layers * top_k * 2 bytes per token."""
@@ -158,8 +151,8 @@ class NativeEngineConfig:
                 f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         require(self.num_threads >= 0, "num_threads", "must be >= 0")
         require(self.prefix_sharing_min_tokens >= 0, "prefix_sharing_min_tokens", "must be >= 0")
-        require(self.cpu_kernels in ("auto", "on", "off"), "cpu_kernels",
-                f"must be 'auto', 'on' or 'off', got {self.cpu_kernels!r}")
+        require(self.cpu_kernels in ("auto", "required", "disabled"), "cpu_kernels",
+                f"must be 'auto', 'required' or 'disabled', got {self.cpu_kernels!r}")
 
 
 @dataclasses.dataclass(kw_only=True)

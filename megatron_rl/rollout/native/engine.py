@@ -145,16 +145,16 @@ class NativeEngine(_Scheduler):
 
     def _cpu_kernels(self, mode: str) -> cpu_decode.CpuDecodeKernels | None:
         """The fused CPU kernels `engine.cpu_kernels` asks for, or None for torch ops."""
-        if mode == "off":
+        if mode == "disabled":
             return None
         if self.device.type != "cpu" or not cpu_decode.CpuDecodeKernels.supports(self.dtype):
-            if mode == "on":
-                raise ConfigError(f"engine.cpu_kernels=on: the fused kernels run on CPU in fp32 or bf16, this engine "
+            if mode == "required":
+                raise ConfigError(f"engine.cpu_kernels=required: the fused kernels run on CPU in fp32 or bf16, this engine "
                                   f"is on {self.device} in {self.dtype}")
             return None
         kernels = cpu_decode.load()
-        if kernels is None and mode == "on":
-            raise ConfigError(f"engine.cpu_kernels=on: the fused CPU kernels cannot be built here: {cpu_decode.load_error()}")
+        if kernels is None and mode == "required":
+            raise ConfigError(f"engine.cpu_kernels=required: the fused CPU kernels cannot be built here: {cpu_decode.load_error()}")
         return kernels
 
     @classmethod
