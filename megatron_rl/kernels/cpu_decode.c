@@ -176,14 +176,7 @@ void mrl_sample_plain(const float *logits, int64_t rows, int64_t vocab, const do
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *z = logits + r * vocab;
-        float lanes[16];
-        for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
-        int64_t j = 0;
-        for (; j + 16 <= vocab; j += 16)
-            for (int l = 0; l < 16; l++) lanes[l] = z[j + l] > lanes[l] ? z[j + l] : lanes[l];
-        float m = -INFINITY;
-        for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
-        for (; j < vocab; j++) m = z[j] > m ? z[j] : m;
+        float m = max_of(z, vocab);
         double *cdf = malloc((size_t)(n_blocks + block) * sizeof(double));
         double *inner = cdf + n_blocks;
         double running = 0.0;
