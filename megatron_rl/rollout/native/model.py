@@ -19,6 +19,10 @@ max(prompt length, max_position_embeddings) and the answer token at position p w
 max(p + 1, max_position_embeddings); the engine does the same per sequence (`_Batch.rope_lens`), so a
 sequence's result does not depend on what it is batched with (transformers' padded batches, where the
 longest sequence sets the length of all, are not reproduced).
+
+On CPU the engine hands `kernels` the fused kernels of kernels/cpu_decode.py: residual add + RMSNorm, RoPE with
+the cache writes, the gated activation and decode attention then each take one pass instead of a run of torch
+ops, with the same roundings where transformers fixes them (docs/performance.md).
 """
 from __future__ import annotations
 
