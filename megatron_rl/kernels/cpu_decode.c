@@ -67,39 +67,19 @@ static inline float tanh_approx(float x) {
     return a < 0.625f ? small : big;
 }
 
-/* a . b in fp32: 16 lanes, summed as a tree (a chain of 16 dependent adds would
- * cost more than the products at a head width of 64) */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float lanes[16] = {0};
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
-    for (int l = 0; l < 8; l++) lanes[l] += lanes[l + 8];
-    for (int l = 0; l < 4; l++) lanes[l] += lanes[l + 4];
-    float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
-    for (; j < n; j++) sum += a[j] * b[j];
-    return sum;
-}
-
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16_unaligned __attribute__((vector_size(32), aligned(2), may_alias));
 
 static inline v16f load16(const float *p) { return *(const v16f_unaligned *)p; }
 
 /* The 16 lanes of a and b summed in pairs: lanes `first` of (a | b) plus lanes `second` of (a | b). */
 #define PAIR_SUM(a, b, first, second) (__builtin_shuffle((a), (b), (first)) + __builtin_shuffle((a), (b), (second)))
 
-/* out[l] = q . rows[l] for 16 rows of `width` floats (a multiple of 16): one vector of partial sums per row,
- * then the 16 vectors folded into one by a transposing tree of shuffles and adds (four levels), so no row
- * pays a horizontal sum of its own. */
-static inline void dot16(const float *restrict q, const float *const *rows, int64_t width, float *restrict out) {
-    v16f partial[16];
-    for (int l = 0; l < 16; l++) {
-        v16f acc = {0};
-        for (int64_t j = 0; j < width; j += 16) acc += load16(q + j) * load16(rows[l] + j);
-        partial[l] = acc;
-    }
+/* The 16 vectors folded into one: lane l of the result is the sum of the lanes of partial[l], by a four-level
+ * transposing tree of shuffles and adds. */
+static inline v16f fold16(const v16f partial[16]) {
     const v16i a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16i b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16i a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -112,7 +92,7 @@ static inline void dot16(const float *restrict q, const float *const *rows, int6
     for (int l = 0; l < 8; l++) halves[l] = PAIR_SUM(partial[2 * l], partial[2 * l + 1], a1, b1);
     for (int l = 0; l < 4; l++) quarters[l] = PAIR_SUM(halves[2 * l], halves[2 * l + 1], a2, b2);
     for (int l = 0; l < 2; l++) eighths[l] = PAIR_SUM(quarters[2 * l], quarters[2 * l + 1], a3, b3);
-    *(v16f_unaligned *)out = PAIR_SUM(eighths[0], eighths[1], a4, b4);
+    return PAIR_SUM(eighths[0], eighths[1], a4, b4);
 }
 
 static inline float max_of(const float *restrict x, int64_t n) {

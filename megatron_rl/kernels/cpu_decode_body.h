@@ -106,63 +106,125 @@ void NAME(mrl_rope_qkv)(const T *qkv, int64_t n, int64_t heads, int64_t kv_heads
     }
 }
 
+/* Attention's dot products and weighted sums may use fused multiply-adds (no torch expression fixes their
+ * rounding order). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+/* 16 consecutive values of T as fp32 lanes (bf16: the bits shifted into the high half, exact). */
+static inline v16f NAME(load16)(const T *p) {
+#if IS_FLOAT
+    return load16(p);
+#else
+    v16i wide = __builtin_convertvector(*(const v16u16_unaligned *)p, v16i) << 16;
+    return (v16f)wide;
+#endif
+}
+
+/* out[l] = q . rows[l] for 16 rows of `width` values (a multiple of 16): one vector of partial sums per row,
+ * folded into one vector by `fold16`, so no row pays a horizontal sum of its own. */
+static inline void NAME(dot16)(const float *restrict q, const T *const *rows, int64_t width, float *restrict out) {
+    v16f partial[16];
+    for (int l = 0; l < 16; l++) {
+        v16f acc = {0};
+        for (int64_t j = 0; j < width; j += 16) acc += load16(q + j) * NAME(load16)(rows[l] + j);
+        partial[l] = acc;
+    }
+    *(v16f_unaligned *)out = fold16(partial);
+}
+
+/* acc[h][c0 + 16 k] += sum_t p[h][t] v_t[c0 + 16 k] for 4 heads (score rows `stride` apart) and `vectors` (4 or 1)
+ * vectors of 16 columns: the accumulators stay in registers over the whole span. */
+static inline void NAME(weighted_values)(const float *restrict p, int64_t stride, const T *values, int64_t v_row,
+                                         int64_t span, int64_t c0, int vectors, float *restrict acc, int64_t dv) {
+    v16f a[4][4] = {{{0}}};
+    if (vectors == 4) {
+        for (int64_t t = 0; t < span; t++) {
+            const T *v = values + t * v_row + c0;
+            v16f v0 = NAME(load16)(v), v1 = NAME(load16)(v + 16), v2 = NAME(load16)(v + 32), v3 = NAME(load16)(v + 48);
+            for (int h = 0; h < 4; h++) {
+                v16f w = (v16f){0} + p[h * stride + t];
+                a[h][0] += w * v0;
+                a[h][1] += w * v1;
+                a[h][2] += w * v2;
+                a[h][3] += w * v3;
+            }
+        }
+    } else {
+        for (int64_t t = 0; t < span; t++) {
+            v16f v0 = NAME(load16)(values + t * v_row + c0);
+            for (int h = 0; h < 4; h++) a[h][0] += ((v16f){0} + p[h * stride + t]) * v0;
+        }
+    }
+    for (int h = 0; h < 4; h++)
+        for (int k = 0; k < vectors; k++) *(v16f_unaligned *)(acc + h * dv + c0 + 16 * k) = a[h][k];
+}
+
 /* Decode attention over the KV cache: for each of n_dec sequences and each KV head, its group of
  * heads / kv_heads query heads (q [n_dec, heads, dk]) against the cached keys of positions [lo, len)
  * (len = lens[b]; lo = len - window for a sliding window, else 0) of slot slots[b]: softmax(q . k * scale)
  * in fp32 (scores capped as cap * tanh(s / cap) with softcap > 0; with sinks, each head's learned logit joins
  * the normalisation as one more column), times the values; out [n_dec, heads * dv] in T. The cache of each
  * layer is [slots, kv_heads, t_alloc, row] with keys the first dk values of a row of k_row, values the first
- * dv of a row of v_row (multi-latent attention: v_cache = k_cache, the latents). Each K / V row is read once
- * per group. */
+ * dv of a row of v_row (multi-latent attention: v_cache = k_cache, the latents). Each K row is read once per
+ * group, each V row once per 4 heads and 64 columns. Head widths that are not a multiple of 16 are copied into
+ * zero-padded rows first. */
 void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, const int64_t *slots,
                                 const int64_t *lens, int64_t n_dec, int64_t heads, int64_t kv_heads,
                                 int64_t t_alloc, int64_t dk, int64_t dv, int64_t k_row, int64_t v_row,
                                 int64_t window, float scale, float softcap, const float *sinks, T *out,
                                 int threads) {
-    int64_t group = heads / kv_heads;
+    int64_t group = heads / kv_heads, heads4 = (group + 3) / 4 * 4;
+    int64_t kw = (dk + 15) / 16 * 16, vw = (dv + 15) / 16 * 16; /* padded widths */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < n_dec * kv_heads; item++) {
         int64_t b = item / kv_heads, g = item % kv_heads;
         int64_t len = lens[b], lo = window > 0 && len > window ? len - window : 0, span = len - lo;
+        int64_t stride = (span + 15) / 16 * 16; /* a head's score row */
         const T *keys = k_cache + ((slots[b] * kv_heads + g) * t_alloc + lo) * k_row;
         const T *values = v_cache + ((slots[b] * kv_heads + g) * t_alloc + lo) * v_row;
-        int64_t width = (dk + 15) / 16 * 16; /* a K row in fp32, zero-padded to whole vectors */
-        /* fp32 rows of whole vectors are read in place; others are converted / padded into `block` first */
-        int in_place = IS_FLOAT && width == dk && k_row % 16 == 0;
-        float *scratch = malloc((size_t)(group * (span + 16 + width + dv) + 16 * width + dv) * sizeof(float));
-        float *restrict scores = scratch, *restrict qf = scores + group * (span + 16);
-        float *restrict acc = qf + group * width, *restrict block = acc + group * dv, *restrict row = block + 16 * width;
-        memset(qf, 0, (size_t)(group * width) * sizeof(float));
-        memset(block, 0, (size_t)(16 * width) * sizeof(float));
-        for (int64_t i = 0; i < group; i++)
-            for (int64_t j = 0; j < dk; j++) qf[i * width + j] = LOAD(q[((b * heads) + g * group + i) * dk + j]);
-        const float *rows[16];
-        for (int64_t t0 = 0; t0 < span; t0 += 16) {
-            int64_t count = span - t0 < 16 ? span - t0 : 16;
-            /* the next block's keys, and this block's values, on their way while this block's dots run */
-            for (int64_t l = 0; l < 16 && t0 + 16 + l < span; l++)
-                for (int64_t j = 0; j < dk; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(keys + (t0 + 16 + l) * k_row + j);
-            for (int64_t l = 0; l < count; l++)
-                for (int64_t j = 0; j < dv; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(values + (t0 + l) * v_row + j, 0, 2);
-            for (int64_t l = 0; l < 16; l++) {
-                if (l >= count) {
-                    memset(block + l * width, 0, (size_t)width * sizeof(float));
-                    rows[l] = block + l * width;
-                } else if (in_place) {
-                    rows[l] = (const float *)(keys + (t0 + l) * k_row);
-                } else {
-                    const T *k = keys + (t0 + l) * k_row;
-                    for (int64_t j = 0; j < dk; j++) block[l * width + j] = LOAD(k[j]);
-                    rows[l] = block + l * width;
-                }
+        int64_t kr = k_row, vr = v_row;
+        size_t floats = (size_t)(heads4 * (stride + kw + vw));
+        size_t padded = (size_t)((kw != dk ? span * kw : 0) + (vw != dv ? span * vw : 0) + kw);
+        float *scratch = malloc(floats * sizeof(float) + padded * sizeof(T));
+        float *restrict scores = scratch, *restrict qf = scores + heads4 * stride, *restrict acc = qf + heads4 * kw;
+        T *spare = (T *)(scratch + floats), *zero_row = spare;
+        memset(scores, 0, (size_t)(heads4 * (stride + kw)) * sizeof(float));
+        memset(zero_row, 0, (size_t)kw * sizeof(T));
+        spare += kw;
+        if (kw != dk) { /* rows of whole vectors, zero-padded */
+            T *copy = spare;
+            spare += span * kw;
+            for (int64_t t = 0; t < span; t++) {
+                memcpy(copy + t * kw, keys + t * k_row, (size_t)dk * sizeof(T));
+                memset(copy + t * kw + dk, 0, (size_t)(kw - dk) * sizeof(T));
             }
-            for (int64_t i = 0; i < group; i++) dot16(qf + i * width, rows, width, scores + i * (span + 16) + t0);
+            keys = copy, kr = kw;
+        }
+        if (vw != dv) {
+            T *copy = spare;
+            for (int64_t t = 0; t < span; t++) {
+                memcpy(copy + t * vw, values + t * v_row, (size_t)dv * sizeof(T));
+                memset(copy + t * vw + dv, 0, (size_t)(vw - dv) * sizeof(T));
+            }
+            values = copy, vr = vw;
         }
         for (int64_t i = 0; i < group; i++)
-            for (int64_t t = 0; t < span; t++) scores[i * (span + 16) + t] *= scale;
+            for (int64_t j = 0; j < dk; j++) qf[i * kw + j] = LOAD(q[((b * heads) + g * group + i) * dk + j]);
+        const T *rows[16];
+        for (int64_t t0 = 0; t0 < span; t0 += 16) {
+            /* the next block's keys, and this block's values, on their way while this block's dots run */
+            for (int64_t l = 0; l < 16 && t0 + 16 + l < span; l++)
+                for (int64_t j = 0; j < kw; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(keys + (t0 + 16 + l) * kr + j);
+            for (int64_t l = 0; l < 16 && t0 + l < span; l++)
+                for (int64_t j = 0; j < vw; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(values + (t0 + l) * vr + j, 0, 2);
+            for (int64_t l = 0; l < 16; l++) rows[l] = t0 + l < span ? keys + (t0 + l) * kr : zero_row;
+            for (int64_t i = 0; i < group; i++) NAME(dot16)(qf + i * kw, rows, kw, scores + i * stride + t0);
+        }
         float sums[MAX_GROUP];
         for (int64_t i = 0; i < group; i++) {
-            float *restrict s = scores + i * (span + 16);
+            float *restrict s = scores + i * stride;
+            for (int64_t t = 0; t < span; t++) s[t] *= scale;
             if (softcap > 0.0f)
                 for (int64_t t = 0; t < span; t++) s[t] = tanh_approx(s[t] / softcap) * softcap;
             float m = max_of(s, span);
@@ -170,30 +232,23 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
             for (int64_t t = 0; t < span; t++) s[t] = exp_approx(s[t] - m);
             sums[i] = sum_of(s, span) + (sinks ? exp_approx(sinks[g * group + i] - m) : 0.0f);
         }
-        memset(acc, 0, (size_t)(group * dv) * sizeof(float));
-        for (int64_t t = 0; t < span; t++) {
-            const T *v = values + t * v_row;
-            const float *restrict vf;
-            if (IS_FLOAT) {
-                vf = (const float *)v;
-            } else {
-                for (int64_t j = 0; j < dv; j++) row[j] = LOAD(v[j]);
-                vf = row;
-            }
-            for (int64_t i = 0; i < group; i++) {
-                float p = scores[i * (span + 16) + t];
-                float *restrict a = acc + i * dv;
-                for (int64_t j = 0; j < dv; j++) a[j] += p * vf[j];
-            }
+        for (int64_t h0 = 0; h0 < group; h0 += 4) {
+            int64_t c0 = 0;
+            for (; c0 + 64 <= vw; c0 += 64)
+                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, 4, acc + h0 * vw, vw);
+            for (; c0 < vw; c0 += 16)
+                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, 1, acc + h0 * vw, vw);
         }
         for (int64_t i = 0; i < group; i++) {
             float inv = 1.0f / sums[i];
             T *o = out + (b * heads + g * group + i) * dv;
-            for (int64_t j = 0; j < dv; j++) o[j] = STORE(acc[i * dv + j] * inv);
+            for (int64_t j = 0; j < dv; j++) o[j] = STORE(acc[i * vw + j] * inv);
         }
         free(scratch);
     }
 }
+
+#pragma GCC pop_options
 
 #undef CAT_
 #undef CAT
