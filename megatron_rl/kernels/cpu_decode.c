@@ -67,32 +67,51 @@ static inline float tanh_approx(float x) {
     return a < 0.625f ? small : big;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16u16_unaligned __attribute__((vector_size(32), aligned(2), may_alias));
+/* GCC vector types of one machine register: 16 fp32 lanes with AVX-512, else 8 (AVX2; GCC splits wider vectors
+ * into several registers but lowers their cross-lane shuffles poorly). */
+#if defined(__AVX512F__)
+#define LANES 16
+#define VALUE_VECTORS 4 /* columns of the values' register block: 4 x 16 accumulators per head */
+#else
+#define LANES 8
+#define VALUE_VECTORS 2 /* 16 ymm registers: 4 heads x 2 accumulators, the values and the weight */
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef float vf_unaligned __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vu16_unaligned __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
-static inline v16f load16(const float *p) { return *(const v16f_unaligned *)p; }
+static inline vf loadv(const float *p) { return *(const vf_unaligned *)p; }
 
 /* The 16 lanes of a and b summed in pairs: lanes `first` of (a | b) plus lanes `second` of (a | b). */
 #define PAIR_SUM(a, b, first, second) (__builtin_shuffle((a), (b), (first)) + __builtin_shuffle((a), (b), (second)))
 
-/* The 16 vectors folded into one: lane l of the result is the sum of the lanes of partial[l], by a four-level
- * transposing tree of shuffles and adds. */
-static inline v16f fold16(const v16f partial[16]) {
-    const v16i a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16i a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const v16i a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const v16i b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const v16i a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16f halves[8], quarters[4], eighths[2];
+/* The LANES vectors folded into one: lane l of the result is the sum of the lanes of partial[l], by a
+ * transposing tree of shuffles and adds (log2(LANES) levels). */
+static inline vf fold_lanes(const vf partial[LANES]) {
+#if LANES == 16
+    const vi a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf halves[8], quarters[4], eighths[2];
     for (int l = 0; l < 8; l++) halves[l] = PAIR_SUM(partial[2 * l], partial[2 * l + 1], a1, b1);
     for (int l = 0; l < 4; l++) quarters[l] = PAIR_SUM(halves[2 * l], halves[2 * l + 1], a2, b2);
     for (int l = 0; l < 2; l++) eighths[l] = PAIR_SUM(quarters[2 * l], quarters[2 * l + 1], a3, b3);
     return PAIR_SUM(eighths[0], eighths[1], a4, b4);
+#else
+    const vi a1 = {0, 1, 2, 3, 8, 9, 10, 11}, b1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi a2 = {0, 1, 4, 5, 8, 9, 12, 13}, b2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const vi a3 = {0, 2, 4, 6, 8, 10, 12, 14}, b3 = {1, 3, 5, 7, 9, 11, 13, 15};
+    vf halves[4], quarters[2];
+    for (int l = 0; l < 4; l++) halves[l] = PAIR_SUM(partial[2 * l], partial[2 * l + 1], a1, b1);
+    for (int l = 0; l < 2; l++) quarters[l] = PAIR_SUM(halves[2 * l], halves[2 * l + 1], a2, b2);
+    return PAIR_SUM(quarters[0], quarters[1], a3, b3);
+#endif
 }
 
 static inline float max_of(const float *restrict x, int64_t n) {

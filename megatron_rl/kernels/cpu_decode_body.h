@@ -111,53 +111,51 @@ void NAME(mrl_rope_qkv)(const T *qkv, int64_t n, int64_t heads, int64_t kv_heads
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
-/* 16 consecutive values of T as fp32 lanes (bf16: the bits shifted into the high half, exact). */
-static inline v16f NAME(load16)(const T *p) {
+/* LANES consecutive values of T as fp32 lanes (bf16: the bits shifted into the high half, exact). */
+static inline vf NAME(loadv)(const T *p) {
 #if IS_FLOAT
-    return load16(p);
+    return loadv(p);
 #else
-    v16i wide = __builtin_convertvector(*(const v16u16_unaligned *)p, v16i) << 16;
-    return (v16f)wide;
+    vi wide = __builtin_convertvector(*(const vu16_unaligned *)p, vi) << 16;
+    return (vf)wide;
 #endif
 }
 
-/* out[l] = q . rows[l] for 16 rows of `width` values (a multiple of 16): one vector of partial sums per row,
- * folded into one vector by `fold16`, so no row pays a horizontal sum of its own. */
-static inline void NAME(dot16)(const float *restrict q, const T *const *rows, int64_t width, float *restrict out) {
-    v16f partial[16];
-    for (int l = 0; l < 16; l++) {
-        v16f acc = {0};
-        for (int64_t j = 0; j < width; j += 16) acc += load16(q + j) * NAME(load16)(rows[l] + j);
+/* out[l] = q . rows[l] for LANES rows of `width` values (a multiple of 16): one vector of partial sums per row,
+ * folded into one vector by `fold_lanes`, so no row pays a horizontal sum of its own. */
+static inline void NAME(dot_rows)(const float *restrict q, const T *const *rows, int64_t width, float *restrict out) {
+    vf partial[LANES];
+    for (int l = 0; l < LANES; l++) {
+        vf acc = {0};
+        for (int64_t j = 0; j < width; j += LANES) acc += loadv(q + j) * NAME(loadv)(rows[l] + j);
         partial[l] = acc;
     }
-    *(v16f_unaligned *)out = fold16(partial);
+    *(vf_unaligned *)out = fold_lanes(partial);
 }
 
-/* acc[h][c0 + 16 k] += sum_t p[h][t] v_t[c0 + 16 k] for 4 heads (score rows `stride` apart) and `vectors` (4 or 1)
- * vectors of 16 columns: the accumulators stay in registers over the whole span. */
+/* acc[h][c0 + LANES k] += sum_t p[h][t] v_t[c0 + LANES k] for 4 heads (score rows `stride` apart) and `vectors`
+ * (VALUE_VECTORS or 1) vectors of columns: the accumulators stay in registers over the whole span. */
 static inline void NAME(weighted_values)(const float *restrict p, int64_t stride, const T *values, int64_t v_row,
                                          int64_t span, int64_t c0, int vectors, float *restrict acc, int64_t dv) {
-    v16f a[4][4] = {{{0}}};
-    if (vectors == 4) {
+    vf a[4][VALUE_VECTORS] = {{{0}}};
+    if (vectors == VALUE_VECTORS) {
         for (int64_t t = 0; t < span; t++) {
             const T *v = values + t * v_row + c0;
-            v16f v0 = NAME(load16)(v), v1 = NAME(load16)(v + 16), v2 = NAME(load16)(v + 32), v3 = NAME(load16)(v + 48);
+            vf row[VALUE_VECTORS];
+            for (int k = 0; k < VALUE_VECTORS; k++) row[k] = NAME(loadv)(v + LANES * k);
             for (int h = 0; h < 4; h++) {
-                v16f w = (v16f){0} + p[h * stride + t];
-                a[h][0] += w * v0;
-                a[h][1] += w * v1;
-                a[h][2] += w * v2;
-                a[h][3] += w * v3;
+                vf w = (vf){0} + p[h * stride + t];
+                for (int k = 0; k < VALUE_VECTORS; k++) a[h][k] += w * row[k];
             }
         }
     } else {
         for (int64_t t = 0; t < span; t++) {
-            v16f v0 = NAME(load16)(values + t * v_row + c0);
-            for (int h = 0; h < 4; h++) a[h][0] += ((v16f){0} + p[h * stride + t]) * v0;
+            vf v0 = NAME(loadv)(values + t * v_row + c0);
+            for (int h = 0; h < 4; h++) a[h][0] += ((vf){0} + p[h * stride + t]) * v0;
         }
     }
     for (int h = 0; h < 4; h++)
-        for (int k = 0; k < vectors; k++) *(v16f_unaligned *)(acc + h * dv + c0 + 16 * k) = a[h][k];
+        for (int k = 0; k < vectors; k++) *(vf_unaligned *)(acc + h * dv + c0 + LANES * k) = a[h][k];
 }
 
 /* Decode attention over the KV cache: for each of n_dec sequences and each KV head, its group of
@@ -167,8 +165,8 @@ static inline void NAME(weighted_values)(const float *restrict p, int64_t stride
  * the normalisation as one more column), times the values; out [n_dec, heads * dv] in T. The cache of each
  * layer is [slots, kv_heads, t_alloc, row] with keys the first dk values of a row of k_row, values the first
  * dv of a row of v_row (multi-latent attention: v_cache = k_cache, the latents). Each K row is read once per
- * group, each V row once per 4 heads and 64 columns. Head widths that are not a multiple of 16 are copied into
- * zero-padded rows first. */
+ * group, each V row once per 4 heads and register block of columns. Head widths that are not a multiple of 16
+ * are copied into zero-padded rows first. */
 void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, const int64_t *slots,
                                 const int64_t *lens, int64_t n_dec, int64_t heads, int64_t kv_heads,
                                 int64_t t_alloc, int64_t dk, int64_t dv, int64_t k_row, int64_t v_row,
@@ -211,15 +209,16 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
         }
         for (int64_t i = 0; i < group; i++)
             for (int64_t j = 0; j < dk; j++) qf[i * kw + j] = LOAD(q[((b * heads) + g * group + i) * dk + j]);
-        const T *rows[16];
-        for (int64_t t0 = 0; t0 < span; t0 += 16) {
+        const T *rows[LANES];
+        for (int64_t t0 = 0; t0 < span; t0 += LANES) {
             /* the next block's keys, and this block's values, on their way while this block's dots run */
-            for (int64_t l = 0; l < 16 && t0 + 16 + l < span; l++)
-                for (int64_t j = 0; j < kw; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(keys + (t0 + 16 + l) * kr + j);
-            for (int64_t l = 0; l < 16 && t0 + l < span; l++)
+            for (int64_t l = 0; l < LANES && t0 + LANES + l < span; l++)
+                for (int64_t j = 0; j < kw; j += 64 / (int64_t)sizeof(T))
+                    __builtin_prefetch(keys + (t0 + LANES + l) * kr + j);
+            for (int64_t l = 0; l < LANES && t0 + l < span; l++)
                 for (int64_t j = 0; j < vw; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(values + (t0 + l) * vr + j, 0, 2);
-            for (int64_t l = 0; l < 16; l++) rows[l] = t0 + l < span ? keys + (t0 + l) * kr : zero_row;
-            for (int64_t i = 0; i < group; i++) NAME(dot16)(qf + i * kw, rows, kw, scores + i * stride + t0);
+            for (int64_t l = 0; l < LANES; l++) rows[l] = t0 + l < span ? keys + (t0 + l) * kr : zero_row;
+            for (int64_t i = 0; i < group; i++) NAME(dot_rows)(qf + i * kw, rows, kw, scores + i * stride + t0);
         }
         float sums[MAX_GROUP];
         for (int64_t i = 0; i < group; i++) {
@@ -234,9 +233,9 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
         }
         for (int64_t h0 = 0; h0 < group; h0 += 4) {
             int64_t c0 = 0;
-            for (; c0 + 64 <= vw; c0 += 64)
-                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, 4, acc + h0 * vw, vw);
-            for (; c0 < vw; c0 += 16)
+            for (; c0 + VALUE_VECTORS * LANES <= vw; c0 += VALUE_VECTORS * LANES)
+                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, VALUE_VECTORS, acc + h0 * vw, vw);
+            for (; c0 < vw; c0 += LANES)
                 NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, 1, acc + h0 * vw, vw);
         }
         for (int64_t i = 0; i < group; i++) {
