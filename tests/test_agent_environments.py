@@ -130,7 +130,10 @@ def test_verifiers_episodes_are_token_exact_and_count_what_re_rendering_changes(
             assert turn.completion.prompt_ids == full[:len(turn.completion.prompt_ids)]
             if k:
                 assert turn.messages[-1]["role"] == "user" and turn.messages[-1]["content"] in ("higher", "lower")
-                sampled_before = episode.turns[k - 1].completion.output_ids[:-1]
+                before = episode.turns[k - 1].completion
+                # the sampled text, without the stop token where the turn ended on one (a turn cut at max_new_tokens
+                # may end on any token, a special one too, which the message's text drops)
+                sampled_before = before.output_ids[:-1] if before.finish_reason == "stop" else before.output_ids
                 if not any(tokenizer.token_text(t) and not tokenizer.decode([t]) for t in sampled_before):
                     assert tokenizer.decode(turn.completion.prompt_ids, skip_special_tokens=False) == \
                         tokenizer.render_chat(turn.messages)

@@ -33,7 +33,9 @@ _SOURCES = ("cpu_decode.c", "cpu_decode_body.h")
 # -ffp-contract=off: no fused multiply-adds, so every product the torch expression rounds is rounded here too.
 # On x86, 512-bit vectors where the CPU has them (GCC otherwise stays at 256 on AVX-512 machines).
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
-          "-fno-math-errno", "-fno-trapping-math") + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
+          "-fno-math-errno", "-fno-trapping-math")
+if platform.machine() in ("x86_64", "AMD64"):
+    _FLAGS += ("-mprefer-vector-width=512",)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 MAX_HEAD_DIM = 1024  # per-head scratch of mrl_rope_qkv

@@ -216,7 +216,8 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
                 for (int64_t j = 0; j < kw; j += 64 / (int64_t)sizeof(T))
                     __builtin_prefetch(keys + (t0 + LANES + l) * kr + j);
             for (int64_t l = 0; l < LANES && t0 + l < span; l++)
-                for (int64_t j = 0; j < vw; j += 64 / (int64_t)sizeof(T)) __builtin_prefetch(values + (t0 + l) * vr + j, 0, 2);
+                for (int64_t j = 0; j < vw; j += 64 / (int64_t)sizeof(T))
+                    __builtin_prefetch(values + (t0 + l) * vr + j, 0, 2);
             for (int64_t l = 0; l < LANES; l++) rows[l] = t0 + l < span ? keys + (t0 + l) * kr : zero_row;
             for (int64_t i = 0; i < group; i++) NAME(dot_rows)(qf + i * kw, rows, kw, scores + i * stride + t0);
         }
@@ -234,7 +235,8 @@ void NAME(mrl_decode_attention)(const T *q, const T *k_cache, const T *v_cache, 
         for (int64_t h0 = 0; h0 < group; h0 += 4) {
             int64_t c0 = 0;
             for (; c0 + VALUE_VECTORS * LANES <= vw; c0 += VALUE_VECTORS * LANES)
-                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, VALUE_VECTORS, acc + h0 * vw, vw);
+                NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, VALUE_VECTORS, acc + h0 * vw,
+                                      vw);
             for (; c0 < vw; c0 += LANES)
                 NAME(weighted_values)(scores + h0 * stride, stride, values, vr, span, c0, 1, acc + h0 * vw, vw);
         }

@@ -149,12 +149,13 @@ class NativeEngine(_Scheduler):
             return None
         if self.device.type != "cpu" or not cpu_decode.CpuDecodeKernels.supports(self.dtype):
             if mode == "required":
-                raise ConfigError(f"engine.cpu_kernels=required: the fused kernels run on CPU in fp32 or bf16, this engine "
-                                  f"is on {self.device} in {self.dtype}")
+                raise ConfigError(f"engine.cpu_kernels=required: the fused kernels run on CPU in fp32 or bf16, "
+                                  f"this engine is on {self.device} in {self.dtype}")
             return None
         kernels = cpu_decode.load()
         if kernels is None and mode == "required":
-            raise ConfigError(f"engine.cpu_kernels=required: the fused CPU kernels cannot be built here: {cpu_decode.load_error()}")
+            raise ConfigError(f"engine.cpu_kernels=required: the fused CPU kernels cannot be built here: "
+                              f"{cpu_decode.load_error()}")
         return kernels
 
     @classmethod

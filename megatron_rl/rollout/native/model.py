@@ -288,7 +288,8 @@ class LlamaModel:
             row_slots[:n_dec] = batch.dec_slots
             for offset, slot, start, length in batch.chunks:
                 row_slots[offset:offset + length] = slot
-            cache_rows = ((row_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc + batch.positions[:, None]).contiguous()
+            cache_rows = ((row_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc
+                          + batch.positions[:, None]).contiguous()
         if kernels is not None:
             dec_slots, dec_lens = batch.dec_slots.contiguous(), batch.dec_lens.contiguous()
         adapters = self.adapters
@@ -324,10 +325,11 @@ class LlamaModel:
             if n_dec and kernels is not None:
                 if layer.mla is not None:
                     kc.view(-1, dk).index_copy_(0, dec_rows, k[:n_dec].reshape(-1, dk))
+                sinks = None if layer.sinks is None else layer.sinks.float().contiguous()
                 attended = kernels.decode_attention(
                     q[:n_dec].contiguous(), kc, kc if layer.mla is not None else vc, dec_slots, dec_lens, kv_heads=n_kv,
                     t_alloc=t_alloc, k_row=dk, v_row=dk if layer.mla is not None else d, dv=dv, scale=self.scale,
-                    window=window, softcap=softcap, sinks=None if layer.sinks is None else layer.sinks.float().contiguous())
+                    window=window, softcap=softcap, sinks=sinks)
                 if out is None:
                     out = attended
                 else:

@@ -289,7 +289,8 @@ class _Scheduler:
         self._stats["steps"] += 1
         if not sampling:
             return [], []
-        toks, lps = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling], self.model.kernels)
+        toks, lps = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                                  self.model.kernels)
         return toks.tolist(), lps.tolist()
 
     def _apply(self, plan: "_Plan", tokens: list[int], logprobs: list[float], version: int) -> list[_Seq]:
