@@ -267,10 +267,13 @@ class LlamaModel:
                 dec_masks[window] = first, torch.zeros(n_dec, 1, 1, t_max - first, device=tokens.device,
                                                        dtype=x.dtype).masked_fill_(
                     hidden.view(n_dec, 1, 1, t_max - first), float("-inf"))
-        if n_dec:
-            # rows of the flattened [slots * kv_heads * T, d] cache that the new K/V go to
-            dec_rows = ((batch.dec_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc
-                        + batch.positions[:n_dec, None]).reshape(-1)
+
+        def cache_rows_of(slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # [rows, kv_heads]: where each row's K/V go in the flattened [slots * kv_heads * T, d] cache
+            return (slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc + positions[:, None]
+
+        if n_dec and not fused_rope:  # (the fused kernel writes every row's K/V itself)
+            dec_rows = cache_rows_of(batch.dec_slots, batch.positions[:n_dec]).reshape(-1)
         causal = {}  # (start, length, window) -> (first key position, mask of the hidden keys)
         for offset, slot, start, length in batch.chunks:
             for window in set(self.windows):
@@ -283,13 +286,12 @@ class LlamaModel:
                     if window is not None:
                         hidden |= keys <= rows - window
                     causal[key] = first, hidden
-        if fused_rope:  # each row's K/V rows in the flattened [slots * kv_heads * T, d] cache
+        if fused_rope:
             row_slots = torch.empty(n, dtype=torch.long, device=tokens.device)
             row_slots[:n_dec] = batch.dec_slots
             for offset, slot, start, length in batch.chunks:
                 row_slots[offset:offset + length] = slot
-            cache_rows = ((row_slots[:, None] * n_kv + kv_heads[None, :]) * t_alloc
-                          + batch.positions[:, None]).contiguous()
+            cache_rows = cache_rows_of(row_slots, batch.positions).contiguous()
         if kernels is not None:
             dec_slots, dec_lens = batch.dec_slots.contiguous(), batch.dec_lens.contiguous()
         adapters = self.adapters
