@@ -219,6 +219,18 @@ def test_plain_sampling_kernel_draws_the_torch_samplers_tokens(kernels):
     assert (logprobs.double() - exact).abs().max().item() < 1e-6
 
 
+def test_plain_sampling_kernel_reads_bf16_logits_as_their_fp32_values(kernels):
+    """The engine hands bf16 logits to the sampler unwidened: the draw and the log-probs are those of the
+    exact fp32 values, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    logits = (4.0 * torch.randn(9, 1000, generator=g)).to(torch.bfloat16)
+    uniforms = torch.rand(9, dtype=torch.float64, generator=g)
+    tokens, logprobs = kernels.sample_plain(logits, uniforms)
+    want_tokens, want_logprobs = kernels.sample_plain(logits.float(), uniforms)
+    assert tokens.tolist() == want_tokens.tolist()
+    assert torch.equal(logprobs, want_logprobs)
+
+
 def _generate(kind: str, cpu_kernels: str):
     config = _hf_config(kind)
     _, state = random_model(config, seed=7)

@@ -165,56 +165,81 @@ static inline float sum_of(const float *restrict x, int64_t n) {
 #define IS_FLOAT 0
 #include "cpu_decode_body.h"
 
-/* One token per row of fp32 logits [rows, vocab], sampled from softmax(logits) by inverting its CDF at the
- * row's float64 uniform, and its log-prob: rollout/native/sampling.py `_sample_plain` in one pass per row
- * (the max, then exp(z - max) summed per block of `block` tokens in fp32, a float64 CDF over the blocks,
- * the chosen block's tokens in float64; the same clamps). */
-void mrl_sample_plain(const float *logits, int64_t rows, int64_t vocab, const double *uniforms, int64_t block,
-                      int64_t *tokens, float *logprobs, int threads) {
+/* One token per row of logits [rows, vocab] (fp32, or bf16 converted exactly to fp32 row by row, so an
+ * engine computing in bf16 need not widen the whole [rows, vocab] block first), sampled from softmax(logits)
+ * by inverting its CDF at the row's float64 uniform, and its log-prob: rollout/native/sampling.py
+ * `_sample_plain` in one pass per row (the max, then exp(z - max) summed per block of `block` tokens in fp32,
+ * a float64 CDF over the blocks, the chosen block's tokens in float64; the same clamps). */
+static void sample_row(const float *z, int64_t vocab, double uniform, int64_t block, double *cdf, double *inner,
+                       int64_t *token_out, float *logprob_out) {
     int64_t n_blocks = (vocab + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *z = logits + r * vocab;
-        float m = max_of(z, vocab);
+    float m = max_of(z, vocab);
+    double running = 0.0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        int64_t start = b * block, end = start + block < vocab ? start + block : vocab;
+        float acc[16] = {0};
+        int64_t t = start;
+        for (; t + 16 <= end; t += 16)
+            for (int l = 0; l < 16; l++) acc[l] += exp_approx(z[t + l] - m);
+        float sum = 0.0f;
+        for (int l = 0; l < 16; l++) sum += acc[l];
+        for (; t < end; t++) sum += exp_approx(z[t] - m);
+        running += (double)sum;
+        cdf[b] = running;
+    }
+    double total = cdf[n_blocks - 1];
+    double target = uniform * total;
+    double below_total = nextafter(total, 0.0);
+    target = target < below_total ? target : below_total;
+    int64_t chosen = 0;
+    while (chosen < n_blocks - 1 && cdf[chosen] <= target) chosen++;
+    double lower = chosen > 0 ? cdf[chosen - 1] : 0.0;
+    double mass = cdf[chosen] - lower;
+    int64_t start = chosen * block;
+    double in_block = 0.0;
+    for (int64_t t = 0; t < block; t++) {
+        in_block += start + t < vocab ? (double)exp_approx(z[start + t] - m) : 0.0;
+        inner[t] = in_block;
+    }
+    double within = (target - lower) / mass;
+    within = within < 0.0 ? 0.0 : (within > 1.0 ? 1.0 : within);
+    within *= inner[block - 1];
+    double below_inner = nextafter(inner[block - 1], 0.0);
+    within = within < below_inner ? within : below_inner;
+    int64_t k = 0;
+    while (k < block - 1 && inner[k] <= within) k++;
+    int64_t token = start + k;
+    *token_out = token;
+    *logprob_out = (float)((double)(z[token] - m) - log(total));
+}
+
+void mrl_sample_plain_f32(const float *logits, int64_t rows, int64_t vocab, const double *uniforms, int64_t block,
+                          int64_t *tokens, float *logprobs, int threads) {
+    int64_t n_blocks = (vocab + block - 1) / block;
+#pragma omp parallel num_threads(threads)
+    {
         double *cdf = malloc((size_t)(n_blocks + block) * sizeof(double));
-        double *inner = cdf + n_blocks;
-        double running = 0.0;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            int64_t start = b * block, end = start + block < vocab ? start + block : vocab;
-            float acc[16] = {0};
-            int64_t t = start;
-            for (; t + 16 <= end; t += 16)
-                for (int l = 0; l < 16; l++) acc[l] += exp_approx(z[t + l] - m);
-            float sum = 0.0f;
-            for (int l = 0; l < 16; l++) sum += acc[l];
-            for (; t < end; t++) sum += exp_approx(z[t] - m);
-            running += (double)sum;
-            cdf[b] = running;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            sample_row(logits + r * vocab, vocab, uniforms[r], block, cdf, cdf + n_blocks, tokens + r, logprobs + r);
+        free(cdf);
+    }
+}
+
+void mrl_sample_plain_bf16(const bf16_t *logits, int64_t rows, int64_t vocab, const double *uniforms, int64_t block,
+                           int64_t *tokens, float *logprobs, int threads) {
+    int64_t n_blocks = (vocab + block - 1) / block;
+#pragma omp parallel num_threads(threads)
+    {
+        double *cdf = malloc((size_t)(n_blocks + block) * sizeof(double));
+        float *row = malloc((size_t)vocab * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const bf16_t *src = logits + r * vocab;
+            for (int64_t t = 0; t < vocab; t++) row[t] = bf16_to_float(src[t]);
+            sample_row(row, vocab, uniforms[r], block, cdf, cdf + n_blocks, tokens + r, logprobs + r);
         }
-        double total = cdf[n_blocks - 1];
-        double target = uniforms[r] * total;
-        double below_total = nextafter(total, 0.0);
-        target = target < below_total ? target : below_total;
-        int64_t chosen = 0;
-        while (chosen < n_blocks - 1 && cdf[chosen] <= target) chosen++;
-        double lower = chosen > 0 ? cdf[chosen - 1] : 0.0;
-        double mass = cdf[chosen] - lower;
-        int64_t start = chosen * block;
-        double in_block = 0.0;
-        for (int64_t t = 0; t < block; t++) {
-            in_block += start + t < vocab ? (double)exp_approx(z[start + t] - m) : 0.0;
-            inner[t] = in_block;
-        }
-        double within = (target - lower) / mass;
-        within = within < 0.0 ? 0.0 : (within > 1.0 ? 1.0 : within);
-        within *= inner[block - 1];
-        double below_inner = nextafter(inner[block - 1], 0.0);
-        within = within < below_inner ? within : below_inner;
-        int64_t k = 0;
-        while (k < block - 1 && inner[k] <= within) k++;
-        int64_t token = start + k;
-        tokens[r] = token;
-        logprobs[r] = (float)((double)(z[token] - m) - log(total));
+        free(row);
         free(cdf);
     }
 }

@@ -135,14 +135,13 @@ class CpuDecodeKernels:
             "mrl_rope_qkv": [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _f32, _f32, _int, _p, _p, _p, _p, _int],
             "mrl_decode_attention": [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
                                      _f32, _f32, _p, _p, _int],
+            "mrl_sample_plain": [_p, _i64, _i64, _p, _i64, _p, _p, _int],
         }
         for name, argtypes in signatures.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[(name, dtype)] = fn
-        lib.mrl_sample_plain.argtypes = [_p, _i64, _i64, _p, _i64, _p, _p, _int]
-        lib.mrl_sample_plain.restype = None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -213,13 +212,13 @@ class CpuDecodeKernels:
 
     def sample_plain(self, logits: torch.Tensor, uniforms: torch.Tensor,
                      block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-        """sampling.py `_sample_plain` of fp32 logits [R, V] at float64 uniforms [R]: (tokens [R] int64,
-        log-probs [R] fp32)."""
-        _check(logits, dtype=torch.float32)
+        """sampling.py `_sample_plain` of logits [R, V] (fp32, or bf16 read as its exact fp32 values) at
+        float64 uniforms [R]: (tokens [R] int64, log-probs [R] fp32)."""
+        _check(logits, dtype=logits.dtype)
         _check(uniforms, dtype=torch.float64)
         rows, vocab = logits.shape
         tokens = torch.empty(rows, dtype=torch.int64)
         logprobs = torch.empty(rows, dtype=torch.float32)
-        self.lib.mrl_sample_plain(logits.data_ptr(), rows, vocab, uniforms.data_ptr(), block, tokens.data_ptr(),
-                                  logprobs.data_ptr(), torch.get_num_threads())
+        self._fns[("mrl_sample_plain", logits.dtype)](logits.data_ptr(), rows, vocab, uniforms.data_ptr(), block,
+                                                      tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
         return tokens, logprobs

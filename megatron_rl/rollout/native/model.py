@@ -218,9 +218,10 @@ class LlamaModel:
             x.add_(delta)
         return self.rms_norm(x, weight, a.norm_eps)
 
-    def forward(self, batch: _Batch, cache: KVCache) -> torch.Tensor:
-        """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns fp32
-        logits [R, vocab] for `batch.logit_rows`."""
+    def forward(self, batch: _Batch, cache: KVCache, float_logits: bool = True) -> torch.Tensor:
+        """Run one packed step, writing K/V of every input token into `cache` (allocated). Returns the
+        logits [R, vocab] for `batch.logit_rows`: fp32, or with `float_logits` False in the activation dtype
+        (for a sampler that widens them itself: a [R, vocab] fp32 copy costs as much as a layer's norms)."""
         a, w = self.arch, self.w
         k_cache, v_cache = cache.k, cache.v
         n_heads, n_kv, d = a.num_attention_heads, a.num_query_groups, a.head_dim
@@ -407,4 +408,5 @@ class LlamaModel:
             x = x.index_select(0, batch.logit_rows)
         h = self.norm(x, w.norm)
         # (capped in the activation dtype, as transformers)
-        return soft_cap(matmul(h, w.lm_head, w.packed_lm_head), a.final_logit_softcapping).float()
+        logits = soft_cap(matmul(h, w.lm_head, w.packed_lm_head), a.final_logit_softcapping)
+        return logits.float() if float_logits else logits

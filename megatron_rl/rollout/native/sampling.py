@@ -53,7 +53,8 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                   kernels: CpuDecodeKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of fp32 `logits` [R, V]; returns (tokens [R] long, logprobs [R] fp32).
+    """Sample one token per row of `logits` [R, V] (fp32, or the model's activation dtype: widened to fp32
+    first, which the kernels do row by row); returns (tokens [R] long, logprobs [R] fp32).
 
     Greedy rows (temperature 0 or top_k 1) take argmax(logits). Other rows draw exactly from
     p = softmax(filtered_logits) by inverting its CDF at one float64 uniform from the row's own
@@ -63,9 +64,10 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
     pass (the same draw, to float rounding).
     """
     if params and all(_plain(p) for p in params):
-        if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if kernels is not None and logits.device.type == "cpu" and kernels.supports(logits.dtype):
             return kernels.sample_plain(logits.contiguous(), _uniforms(generators, logits.device))
-        return _sample_plain(logits, generators)
+        return _sample_plain(logits.float(), generators)
+    logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]

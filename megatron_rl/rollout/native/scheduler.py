@@ -273,7 +273,7 @@ class _Scheduler:
         if record:
             # dense layers among the MoE ones keep NO_RECORD (-1): no expert chosen there
             batch.routing = torch.full((len(tokens), self.arch.num_layers, self.arch.moe_top_k), -1, dtype=torch.int16)
-        logits = self.model.forward(batch, kv)
+        logits = self.model.forward(batch, kv, float_logits=False)  # (sample_tokens widens them)
         if kv.drops:  # sliding-window layers: give back keys no later query reads, nor a waiting prefix copy
             pinned: dict[int, int] = {}
             for seq in self._running:
