@@ -275,7 +275,9 @@ class LlamaModel:
 
         if n_dec and not fused_rope:  # (the fused kernel writes every row's K/V itself)
             dec_rows = cache_rows_of(batch.dec_slots, batch.positions[:n_dec]).reshape(-1)
-        causal = {}  # (start, length, window) -> (first key position, mask of the hidden keys)
+        # (start, length, window) -> (first key position, mask of the hidden keys, of the visible ones or None
+        # where SDPA's own causal mask is the same: a whole prompt from position 0 without a window)
+        causal: dict[tuple[int, int, int | None], tuple[int, torch.Tensor, torch.Tensor | None]] = {}
         for offset, slot, start, length in batch.chunks:
             for window in set(self.windows):
                 key = (start, length, window)
@@ -286,7 +288,7 @@ class LlamaModel:
                     hidden = keys > rows
                     if window is not None:
                         hidden |= keys <= rows - window
-                    causal[key] = first, hidden
+                    causal[key] = first, hidden, None if window is None and start == 0 else ~hidden
         if fused_rope:
             row_slots = torch.empty(n, dtype=torch.long, device=tokens.device)
             row_slots[:n_dec] = batch.dec_slots
@@ -369,7 +371,15 @@ class LlamaModel:
                     kc[slot, :, start:end] = k[offset:offset + length].transpose(0, 1)
                     if layer.mla is None:
                         vc[slot, :, start:end] = v[offset:offset + length].transpose(0, 1)
-                first, hidden = causal[(start, length, window)]
+                first, hidden, visible = causal[(start, length, window)]
+                if layer.sinks is None and softcap is None:  # torch's fused attention (flash on CPU), GQA in place
+                    oc = F.scaled_dot_product_attention(
+                        q[offset:offset + length].transpose(0, 1)[None], kc[slot, :, first:end][None],
+                        vc[slot, :, first:end][None], attn_mask=visible, is_causal=visible is None, scale=self.scale,
+                        enable_gqa=True)                                         # [1, heads, len, dv]
+                    out[offset:offset + length] = oc[0].transpose(0, 1).reshape(length, n_heads * dv)
+                    continue
+                # (no fused kernel takes the sink column or caps the scores)
                 qc = q[offset:offset + length].view(length, n_kv, group, dk).permute(1, 2, 0, 3)
                 qc = qc.reshape(n_kv, group * length, dk)
                 scores = torch.matmul(qc, kc[slot, :, first:end].transpose(-1, -2)).mul_(self.scale)
