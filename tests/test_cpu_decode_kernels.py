@@ -231,6 +231,48 @@ def test_plain_sampling_kernel_reads_bf16_logits_as_their_fp32_values(kernels):
     assert torch.equal(logprobs, want_logprobs)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 45])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_matches_a_float64_product(kernels, rows, bias):
+    """x @ w^T (+ b) in fp32 through the packed panels against float64, within the forward error bound of an fp32
+    sum of k products in any order, with or without fused multiply-adds: (k + 2) * 2^-24 * (sum |x_i w_i| + |b|)
+    (the +2: the bias add and the result's rounding). Row and column counts are no multiple of the blocks."""
+    g = torch.Generator().manual_seed(rows)
+    width = kernels.panel_width
+    n, k = 2 * width + 5, 97
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    panels = kernels.pack_panels(w)
+    assert panels.shape == (3, k, width)
+    assert torch.equal(panels[1], w[width:2 * width].t()) and torch.equal(panels[2, :, :5], w[2 * width:].t())
+    assert not panels[2, :, 5:].any()  # zero past the last output row
+    _assert_within_the_fp32_product_bound(kernels.linear_panels(x, panels, n, b), x, w, b)
+
+
+def _assert_within_the_fp32_product_bound(got, x, w, b):
+    want = x.double() @ w.double().t()
+    products = x.double().abs() @ w.double().abs().t()
+    if b is not None:
+        want, products = want + b.double(), products + b.double().abs()
+    assert ((got.double() - want).abs() <= (x.shape[1] + 2) * 2.0 ** -24 * products).all()
+
+
+def test_packed_matrix_takes_the_panels_for_decode_steps_and_f_linear_for_long_chunks(kernels, monkeypatch):
+    from megatron_rl.rollout.native import weights
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(70, 40, generator=g), torch.randn(70, generator=g)
+    packed = weights.PackedMatrix(w, 32, kernels=kernels)
+    assert packed.panels is not None and packed.mkl is None and packed.transposed is None  # one copy of w
+    calls = []
+    real = kernels.linear_panels
+    monkeypatch.setattr(kernels, "linear_panels", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 32, weights.PANEL_MAX_ROWS, weights.PANEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 40, generator=g)
+        _assert_within_the_fp32_product_bound(packed(x, b), x, w, b)
+    assert calls == [1, 32, weights.PANEL_MAX_ROWS]
+
+
 def _generate(kind: str, cpu_kernels: str):
     config = _hf_config(kind)
     _, state = random_model(config, seed=7)
@@ -265,15 +307,18 @@ def test_required_cpu_kernels_without_a_compiler_are_refused_by_name(monkeypatch
     assert fallback == [c.output_ids for c in _generate("smollm2", "disabled")]
 
 
-def test_weight_update_reaches_the_kernels_as_a_fresh_engine_would(kernels):
-    """The kernels read the weight arena in place (nothing compiled holds a copy): after `update_weights` the
-    engine decodes bit for bit as a fresh engine built with the new weights."""
+@pytest.mark.parametrize("prepack", [False, True])
+def test_weight_update_reaches_the_kernels_as_a_fresh_engine_would(kernels, prepack):
+    """The kernels read the weight arena in place (nothing compiled holds a copy; the fp32 GEMM panels are
+    re-packed from it): after `update_weights` the engine decodes bit for bit as a fresh engine built with the
+    new weights."""
     config = _hf_config("qwen3")
     _, old = random_model(config, seed=11)
     _, new = random_model(config, seed=12)
     arch = arch_of(config, FAMILY_OF["qwen3"])
     prompts = default_prompts(arch, lengths=(5, 19), seed=13)
-    engine_config = NativeEngineConfig(max_batch_size=2, max_seq_len=64, cpu_kernels="required", prepack_weights=False)
+    engine_config = NativeEngineConfig(max_batch_size=2, max_seq_len=64, cpu_kernels="required",
+                                       prepack_weights=prepack)
 
     def requests():
         return [GenerateRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))

@@ -40,6 +40,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 MAX_HEAD_DIM = 1024  # per-head scratch of mrl_rope_qkv
 MAX_GROUP = 256      # query heads per KV head in mrl_decode_attention
+PANEL_MAX_ROWS = 256  # rows up to which mrl_linear_panels_f32 beats MKL on the same machines (docs/performance.md)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -142,6 +143,11 @@ class CpuDecodeKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[(name, dtype)] = fn
+        lib.mrl_panel_width.argtypes, lib.mrl_panel_width.restype = [], ctypes.c_int64
+        lib.mrl_pack_panels_f32.argtypes, lib.mrl_pack_panels_f32.restype = [_p, _i64, _i64, _p, _int], None
+        lib.mrl_linear_panels_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _p, _int]
+        lib.mrl_linear_panels_f32.restype = None
+        self.panel_width = int(lib.mrl_panel_width())
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -208,6 +214,29 @@ class CpuDecodeKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(), n_dec, heads,
             kv_heads, t_alloc, dk, dv, k_row, v_row, window or 0, scale, softcap or 0.0, _ptr(sinks), out.data_ptr(),
             torch.get_num_threads())
+        return out
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """An fp32 weight [n, k] laid out for `linear_panels`: [ceil(n / panel_width), k, panel_width], each
+        panel the transposed block of `panel_width` output rows (zero past n)."""
+        _check(weight, dtype=torch.float32)
+        n, k = weight.shape
+        panels = torch.empty(-(-n // self.panel_width), k, self.panel_width)
+        self.lib.mrl_pack_panels_f32(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+        return panels
+
+    def linear_panels(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) in fp32 for x [m, k] (m up to PANEL_MAX_ROWS, where it is faster than
+        MKL's GEMMs), weight given as `pack_panels(weight)`."""
+        _check(x, panels, bias, dtype=torch.float32)
+        m, k = x.shape
+        if panels.shape[1:] != (k, self.panel_width) or panels.shape[0] * self.panel_width < out_features:
+            raise ValueError(f"cpu_decode.linear_panels: panels {tuple(panels.shape)} do not fit x {tuple(x.shape)} "
+                             f"and {out_features} outputs")
+        out = torch.empty(m, out_features)
+        self.lib.mrl_linear_panels_f32(x.data_ptr(), m, k, panels.data_ptr(), out_features, _ptr(bias),
+                                       out.data_ptr(), torch.get_num_threads())
         return out
 
     def sample_plain(self, logits: torch.Tensor, uniforms: torch.Tensor,

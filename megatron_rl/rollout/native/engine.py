@@ -120,10 +120,11 @@ class NativeEngine(_Scheduler):
             if isinstance(state, dict):  # (a family's published form, e.g. GPT-OSS's stacked experts)
                 state = canonical_hf_state(state, arch)
             self.weights.load(iter_named_tensors(state), strict=True)
+        kernels = self._cpu_kernels(config.cpu_kernels)
         if config.prepack_weights:
-            self.weights.enable_packing(self.kv_cache.slots)
+            self.weights.enable_packing(self.kv_cache.slots, kernels=kernels)
         self.model = LlamaModel(self.weights, self.max_seq_len)
-        self.model.kernels = self._cpu_kernels(config.cpu_kernels)
+        self.model.kernels = kernels
         self._version = int(version)
         self._epoch = 0                                  # bumped by every weight load
         # shared state (guarded by _cv)
@@ -336,7 +337,7 @@ class NativeEngine(_Scheduler):
         (double-buffer: write the other arena, then adopt it)."""
         weights = LlamaWeights(self.arch, self.device, self.dtype, arena)
         if self.config.prepack_weights:
-            weights.enable_packing(self.kv_cache.slots, lazily=True)  # packed between the next steps
+            weights.enable_packing(self.kv_cache.slots, kernels=self.model.kernels, lazily=True)  # (between steps)
 
         def switch() -> None:
             self.weights = self.model.w = weights

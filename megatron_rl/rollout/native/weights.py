@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
+from megatron_rl.kernels.cpu_decode import PANEL_MAX_ROWS, CpuDecodeKernels
 from megatron_rl.models.arch import ModelArch
 from megatron_rl.models.megatron_layout import hf_layer_norm_names, mla_tensor_shapes
 from megatron_rl.rollout.native.moe import arena_blocks, layer_views, unknown_name_hint
@@ -28,28 +29,38 @@ class PackedMatrix:
     with `bench rollout` on 2-core AVX-512/AMX machines), built once per weight update instead of inside
     every call. `packed(x, bias)` == F.linear(x, weight, bias) up to float rounding.
 
-    - fp32 with MKL: MKL's packed GEMM, whose packing fixes the row count, serves the steps of `rows` /
-      2 < n <= `rows` rows (zero-padded to `rows`); other steps (a batch's long tail, prefill) take x @ W
-      on an [in, out] copy, up to 2x faster than F.linear on [out, in] at a few rows, or F.linear where
+    - fp32 with the fused CPU kernels (`kernels`): their panels (kernels/cpu_decode.c
+      `mrl_linear_panels_f32`, which overlaps the weight stream with the arithmetic) for steps of up to
+      `PANEL_MAX_ROWS` rows, F.linear for longer ones (prompt chunks). One copy of the weight.
+    - fp32 with MKL otherwise: MKL's packed GEMM, whose packing fixes the row count, serves the steps of
+      `rows` / 2 < n <= `rows` rows (zero-padded to `rows`); other steps (a batch's long tail, prefill) take
+      x @ W on an [in, out] copy, up to 2x faster than F.linear on [out, in] at a few rows, or F.linear where
       `transposed_copy` is False (the lm_head: a vocabulary-sized copy costs more memory than it saves).
     - bf16 (or fp32 without MKL): oneDNN's blocked layout, chosen for `rows`-row steps and valid for any
       row count. bf16 gains most: an unpacked bf16 F.linear re-lays out the weight on every call."""
 
-    def __init__(self, weight: torch.Tensor, rows: int, transposed_copy: bool = True):
+    def __init__(self, weight: torch.Tensor, rows: int, transposed_copy: bool = True,
+                 kernels: CpuDecodeKernels | None = None):
         self.weight, self.rows = weight, rows
         self.shape = weight.shape
-        if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+        self.mkl = self.transposed = self.onednn = self.panels = None
+        self.kernels = kernels
+        if weight.dtype == torch.float32 and kernels is not None:
+            self.panels = kernels.pack_panels(weight.contiguous())
+        elif weight.dtype == torch.float32 and torch.backends.mkl.is_available():
             self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
             self.transposed = weight.t().contiguous() if transposed_copy else None
-            self.onednn = None
         else:
-            self.mkl = self.transposed = None
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n = x.shape[0]
+        if self.panels is not None:
+            if n <= PANEL_MAX_ROWS:
+                return self.kernels.linear_panels(x.contiguous(), self.panels, self.shape[0], bias)
+            return F.linear(x, self.weight, bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-        n = x.shape[0]
         if self.rows // 2 < n <= self.rows:
             pad = self.rows - n
             out = torch.ops.mkl._mkl_linear(F.pad(x, (0, 0, 0, pad)) if pad else x, self.mkl, self.weight, bias,
@@ -190,21 +201,23 @@ class LlamaWeights:
         self.packed: list[tuple[PackedMatrix, ...] | None] | None = None
         self.packed_lm_head: PackedMatrix | None = None
         self.pack_rows = 0
+        self.pack_kernels: CpuDecodeKernels | None = None
         self._pending_pack: set[int] = set()
 
-    def enable_packing(self, rows: int, *, lazily: bool = False) -> bool:
-        """Keep a `PackedMatrix` of every weight matrix for steps of about `rows` rows (CPU, fp32 or bf16).
-        False where unsupported. `lazily`: pack nothing now; `pack_pending` packs a few layers at a time
-        (unpacked ones compute with F.linear meanwhile), so adopting new weights does not wait for the
-        repack."""
+    def enable_packing(self, rows: int, *, kernels: CpuDecodeKernels | None = None, lazily: bool = False) -> bool:
+        """Keep a `PackedMatrix` of every weight matrix for steps of about `rows` rows (CPU, fp32 or bf16),
+        in the fused CPU kernels' layout where `kernels` are given (fp32). False where unsupported. `lazily`:
+        pack nothing now; `pack_pending` packs a few layers at a time (unpacked ones compute with F.linear
+        meanwhile), so adopting new weights does not wait for the repack."""
         if self.embed.device.type != "cpu" or self.embed.dtype not in (torch.float32, torch.bfloat16) \
                 or self.arch.is_mla:  # (multi-latent attention's matrices are not packed yet)
             return False
         try:
-            PackedMatrix(torch.zeros(8, 8, dtype=self.embed.dtype), rows)(torch.zeros(rows, 8, dtype=self.embed.dtype))
+            PackedMatrix(torch.zeros(8, 8, dtype=self.embed.dtype), rows, kernels=kernels)(
+                torch.zeros(rows, 8, dtype=self.embed.dtype))
         except (AttributeError, RuntimeError):  # a torch build without MKL or oneDNN (or its bf16 GEMMs)
             return False
-        self.pack_rows = rows
+        self.pack_rows, self.pack_kernels = rows, kernels
         self.packed = [None] * len(self.layers)  # type: ignore[list-item]
         self.packed_lm_head = None
         self._pending_pack = set(range(-1, len(self.layers)))
@@ -229,9 +242,11 @@ class LlamaWeights:
             return
         for i in sorted(layers):
             if i < 0:
-                self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows, transposed_copy=False)
+                self.packed_lm_head = PackedMatrix(self.lm_head, self.pack_rows, transposed_copy=False,
+                                                   kernels=self.pack_kernels)
             else:
-                self.packed[i] = tuple(PackedMatrix(m, self.pack_rows) for m in self.layers[i].matrices())
+                self.packed[i] = tuple(PackedMatrix(m, self.pack_rows, kernels=self.pack_kernels)
+                                       for m in self.layers[i].matrices())
 
     def required_names(self) -> set[str]:
         return {e.name for e in self.layout.entries}
