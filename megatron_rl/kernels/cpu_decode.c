@@ -4,9 +4,10 @@
  * Each kernel replaces a run of small torch ops with one pass over memory, and keeps the rounding of the
  * transformers expression it stands for: in bf16 every intermediate that transformers casts to bf16 is
  * rounded to bf16 here too (round to nearest even, as torch), in fp32 every product and sum is an fp32
- * operation (built with -ffp-contract=off: no fused multiply-adds). What differs from torch is the order of
- * a reduction's fp32 additions (RMSNorm's sum of squares, attention's dot products and softmax sums) and
- * exp / tanh to about an ulp, as between any two CPU kernels.
+ * operation (built with -ffp-contract=off: no fused multiply-adds, but in the dot products of attention and of
+ * the matrix product, whose rounding no torch expression fixes). What differs from torch is the order of a
+ * reduction's fp32 additions (RMSNorm's sum of squares, attention's and the GEMM's dot products, softmax sums)
+ * and exp / tanh to about an ulp, as between any two CPU kernels.
  *
  * The bodies are in cpu_decode_body.h, included once per activation dtype (fp32 and bf16 as uint16).
  * Threads: OpenMP, resolved at load time to the libgomp torch has loaded (same soname), so the kernels share

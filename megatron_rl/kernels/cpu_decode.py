@@ -1,6 +1,7 @@
 """The native engine's fused CPU kernels (cpu_decode.c): residual add + RMSNorm, RoPE with the KV-cache write,
 the gated MLP activation, decode attention over the cache and plain sampling, each one pass over memory where
-eager torch takes several ops (rollout/native/model.py uses them; docs/performance.md says what they save).
+eager torch takes several ops, and the fp32 GEMM of decode steps on packed panels (rollout/native/model.py and
+weights.py use them; docs/performance.md says what they save).
 
 `load()` builds the C source once per machine with the system's GCC (`$CC`, else gcc; -O3 -march=native,
 OpenMP, GCC's vector extensions) into `$MEGATRON_RL_KERNEL_CACHE` (default ~/.cache/megatron_rl/kernels),
