@@ -13,7 +13,6 @@
  * Threads: OpenMP, resolved at load time to the libgomp torch has loaded (same soname), so the kernels share
  * torch's thread pool; each call passes torch.get_num_threads() of the calling thread.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -188,14 +187,9 @@ static inline float sum_of(const float *restrict x, int64_t n) {
 
 int64_t mrl_panel_width(void) { return PANEL_NR; }
 
-/* *p in every lane: one broadcast load */
-static inline vf splat(const float *p) {
-#if LANES == 16
-    return (vf)_mm512_set1_ps(*p);
-#else
-    return (vf)_mm256_set1_ps(*p);
-#endif
-}
+/* *p in every lane: one broadcast load (x - 0 is x, signed zeros too, so the subtraction folds away; 0 + x
+ * would not, and a lane-by-lane initialiser compiles to masked inserts) */
+static inline vf splat(const float *p) { return *p - (vf){0}; }
 
 /* panels [ceil(n / PANEL_NR), k, PANEL_NR] of w [n, k]: panels[p][j][c] = w[p PANEL_NR + c][j], zero past n */
 void mrl_pack_panels_f32(const float *w, int64_t n, int64_t k, float *panels, int threads) {

@@ -136,10 +136,11 @@ class NativeEngineConfig:
     cpu_kernels: Literal["auto", "required", "disabled"] = "auto"
     """On CPU, the fused C kernels of kernels/cpu_decode.c in place of runs of torch ops: the residual add with
     RMSNorm, RoPE with the KV-cache write, the gated activation, decode attention over the cache, plain
-    sampling, and (with `prepack_weights`) the fp32 GEMMs of steps up to 256 rows (docs/performance.md). Built on first use with the machine's GCC (about a second, cached under
-    ~/.cache/megatron_rl/kernels). auto: where they build (else torch ops, said once in the log); required:
-    refuse to start without them; disabled: torch ops. Results equal the torch ops up to the order of fp32
-    additions in a reduction and exp to about an ulp (tests/test_cpu_decode_kernels.py)."""
+    sampling, and (with `prepack_weights`) the fp32 GEMMs of steps up to 256 rows (docs/performance.md).
+    Built on first use with the machine's GCC (about a second, cached under ~/.cache/megatron_rl/kernels).
+    auto: where they build (else torch ops, said once in the log); required: refuse to start without them;
+    disabled: torch ops. Results equal the torch ops up to the order of fp32 additions in a reduction and exp
+    to about an ulp (tests/test_cpu_decode_kernels.py)."""
     record_routing: bool = False
     """MoE models: record each position's expert ids into `Completion.routed_experts` (int16 [P + R - 1,
     layers, top_k]; rollout/native/moe.py). Off by default: it costs layers * top_k * 2 bytes per token."""
