@@ -233,13 +233,15 @@ def test_plain_sampling_kernel_reads_bf16_logits_as_their_fp32_values(kernels):
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 32, 45])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_gemm_matches_a_float64_product(kernels, rows, bias):
+@pytest.mark.parametrize("k", [97, 2500])
+def test_panel_gemm_matches_a_float64_product(kernels, rows, bias, k):
     """x @ w^T (+ b) in fp32 through the packed panels against float64, within the forward error bound of an fp32
     sum of k products in any order, with or without fused multiply-adds: (k + 2) * 2^-24 * (sum |x_i w_i| + |b|)
-    (the +2: the bias add and the result's rounding). Row and column counts are no multiple of the blocks."""
+    (the +2: the bias add and the result's rounding). Row and column counts are no multiple of the blocks; k = 2500
+    is taken in several chunks, the sums carried between them in the output."""
     g = torch.Generator().manual_seed(rows)
     width = kernels.panel_width
-    n, k = 2 * width + 5, 97
+    n = 2 * width + 5
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     panels = kernels.pack_panels(w)
@@ -260,6 +262,7 @@ def _assert_within_the_fp32_product_bound(got, x, w, b):
 def test_packed_matrix_takes_the_panels_for_decode_steps_and_f_linear_for_long_chunks(kernels, monkeypatch):
     from megatron_rl.rollout.native import weights
 
+    monkeypatch.setattr(kernels, "fp32_gemm_panels", True)  # (an AVX2 build keeps MKL for the engine's GEMMs)
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(70, 40, generator=g), torch.randn(70, generator=g)
     packed = weights.PackedMatrix(w, 32, kernels=kernels)

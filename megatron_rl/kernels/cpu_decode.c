@@ -168,10 +168,11 @@ static inline float sum_of(const float *restrict x, int64_t n) {
 
 /* The fp32 matrix products of the decode steps: out [m, n] = x [m, k] @ w [n, k]^T (+ bias [n]) for up to a few
  * hundred rows m, with w packed once per weight update into panels of PANEL_NR output columns, each panel
- * [k, PANEL_NR] contiguous (`mrl_pack_panels_f32`). Per panel, blocks of PANEL_MR rows of x run over k with
- * PANEL_MR x PANEL_NV accumulator registers (one broadcast of x per row and k, fused multiply-adds): the panel
- * comes from memory once and from L2 for the other row blocks, while the next panel is prefetched, spread over
- * this panel's row blocks. The threads split the panels, each streaming its own contiguous part of w. (MKL's
+ * [k, PANEL_NR] contiguous (`mrl_pack_panels_f32`). Per chunk of up to PANEL_KC inputs of a panel, blocks of
+ * PANEL_MR rows of x run over it with PANEL_MR x PANEL_NV accumulator registers (one broadcast of x per row and
+ * input, fused multiply-adds): the chunk comes from memory once and from L2 for the other row blocks, while the
+ * next chunk is prefetched, spread over this one's row blocks. The threads split the panels, each streaming its
+ * own contiguous part of w. (MKL's
  * packed GEMM, the alternative, leaves the weight stream and the arithmetic unoverlapped: half the FMA peak at
  * 32 rows.) */
 #ifndef PANEL_MR
@@ -184,8 +185,12 @@ static inline float sum_of(const float *restrict x, int64_t n) {
 #endif
 #endif
 #define PANEL_NR (PANEL_NV * LANES)
+/* inputs per pass over a panel: a panel of a long input dimension (an 8B model's 14,336-wide down projection:
+ * 2.75 MB) is taken in chunks of at most this many rows, so the chunk its row blocks re-read stays in L2 */
+#define PANEL_KC 1024
 
 int64_t mrl_panel_width(void) { return PANEL_NR; }
+int64_t mrl_vector_lanes(void) { return LANES; }
 
 /* *p in every lane: one broadcast load (x - 0 is x, signed zeros too, so the subtraction folds away; 0 + x
  * would not, and a lane-by-lane initialiser compiles to masked inserts) */
@@ -217,39 +222,56 @@ void mrl_linear_panels_f32(const float *x, int64_t m, int64_t k, const float *pa
         return;
     }
     int64_t count = (n + PANEL_NR - 1) / PANEL_NR, blocks = (m + PANEL_MR - 1) / PANEL_MR;
-    int64_t lines = k * PANEL_NR * (int64_t)sizeof(float) / 64;   /* cache lines of a panel */
-    int64_t per_step = (lines + blocks * k - 1) / (blocks * k);   /* of the next panel, per k step */
+    int64_t chunks = (k + PANEL_KC - 1) / PANEL_KC, kc_max = (k + chunks - 1) / chunks;
+    const char *end = (const char *)(panels + count * k * PANEL_NR);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++) {
-        const float *panel = panels + p * k * PANEL_NR;
-        const char *next = (const char *)(p + 1 < count ? panel + k * PANEL_NR : panel);
         int64_t cols = n - p * PANEL_NR < PANEL_NR ? n - p * PANEL_NR : PANEL_NR;
-        for (int64_t block = 0; block < blocks; block++) {
-            int64_t m0 = block * PANEL_MR;
-            const float *xr[PANEL_MR];
-            for (int r = 0; r < PANEL_MR; r++) xr[r] = x + (m0 + r < m ? m0 + r : m - 1) * k; /* (tail rows repeat) */
-            vf acc[PANEL_MR][PANEL_NV];
-            for (int r = 0; r < PANEL_MR; r++)
-                for (int v = 0; v < PANEL_NV; v++) acc[r][v] = (vf){0};
-            int64_t line = block * k * per_step;
-            for (int64_t j = 0; j < k; j++) {
-                for (int64_t q = 0; q < per_step; q++, line++)
-                    if (line < lines) __builtin_prefetch(next + line * 64, 0, 2);
-                const float *row = panel + j * PANEL_NR;
-                vf wv[PANEL_NV];
-                for (int v = 0; v < PANEL_NV; v++) wv[v] = loadv(row + v * LANES);
-                for (int r = 0; r < PANEL_MR; r++) {
-                    vf xb = splat(xr[r] + j);
-                    for (int v = 0; v < PANEL_NV; v++) acc[r][v] += xb * wv[v];
+        for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+            int64_t kc = k - k0 < kc_max ? k - k0 : kc_max;
+            int first = k0 == 0, last = k0 + kc == k;
+            const float *chunk = panels + (p * k + k0) * PANEL_NR;
+            /* what follows this chunk in memory (the panel's next chunk, or the next panel's first) is fetched
+             * while it computes, spread over its row blocks */
+            const char *next = (const char *)(chunk + kc * PANEL_NR);
+            int64_t lines = kc * PANEL_NR * (int64_t)sizeof(float) / 64;
+            if (next + lines * 64 > end) lines = (end - next) / 64;
+            int64_t per_step = (lines + blocks * kc - 1) / (blocks * kc);
+            for (int64_t block = 0; block < blocks; block++) {
+                int64_t m0 = block * PANEL_MR;
+                const float *xr[PANEL_MR];
+                for (int r = 0; r < PANEL_MR; r++) /* (tail rows repeat) */
+                    xr[r] = x + (m0 + r < m ? m0 + r : m - 1) * k + k0;
+                vf acc[PANEL_MR][PANEL_NV];
+                float vals[PANEL_NR];
+                for (int r = 0; r < PANEL_MR; r++) { /* a later chunk continues the sums kept in `out` */
+                    if (!first && m0 + r < m) {
+                        memcpy(vals, out + (m0 + r) * n + p * PANEL_NR, (size_t)cols * sizeof(float));
+                        for (int v = 0; v < PANEL_NV; v++) acc[r][v] = loadv(vals + v * LANES);
+                    } else {
+                        for (int v = 0; v < PANEL_NV; v++) acc[r][v] = (vf){0};
+                    }
                 }
-            }
-            for (int r = 0; r < PANEL_MR && m0 + r < m; r++) {
-                float *o = out + (m0 + r) * n + p * PANEL_NR, vals[PANEL_NR];
-                for (int v = 0; v < PANEL_NV; v++) *(vf_unaligned *)(vals + v * LANES) = acc[r][v];
-                if (bias)
-                    for (int64_t c = 0; c < cols; c++) o[c] = vals[c] + bias[p * PANEL_NR + c];
-                else
-                    memcpy(o, vals, (size_t)cols * sizeof(float));
+                int64_t line = block * kc * per_step;
+                for (int64_t j = 0; j < kc; j++) {
+                    for (int64_t q = 0; q < per_step; q++, line++)
+                        if (line < lines) __builtin_prefetch(next + line * 64, 0, 2);
+                    const float *row = chunk + j * PANEL_NR;
+                    vf wv[PANEL_NV];
+                    for (int v = 0; v < PANEL_NV; v++) wv[v] = loadv(row + v * LANES);
+                    for (int r = 0; r < PANEL_MR; r++) {
+                        vf xb = splat(xr[r] + j);
+                        for (int v = 0; v < PANEL_NV; v++) acc[r][v] += xb * wv[v];
+                    }
+                }
+                for (int r = 0; r < PANEL_MR && m0 + r < m; r++) {
+                    float *o = out + (m0 + r) * n + p * PANEL_NR;
+                    for (int v = 0; v < PANEL_NV; v++) *(vf_unaligned *)(vals + v * LANES) = acc[r][v];
+                    if (last && bias)
+                        for (int64_t c = 0; c < cols; c++) o[c] = vals[c] + bias[p * PANEL_NR + c];
+                    else
+                        memcpy(o, vals, (size_t)cols * sizeof(float));
+                }
             }
         }
     }

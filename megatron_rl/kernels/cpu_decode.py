@@ -148,7 +148,12 @@ class CpuDecodeKernels:
         lib.mrl_pack_panels_f32.argtypes, lib.mrl_pack_panels_f32.restype = [_p, _i64, _i64, _p, _int], None
         lib.mrl_linear_panels_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _p, _int]
         lib.mrl_linear_panels_f32.restype = None
+        lib.mrl_vector_lanes.argtypes, lib.mrl_vector_lanes.restype = [], ctypes.c_int64
         self.panel_width = int(lib.mrl_panel_width())
+        # The engine's fp32 GEMMs take the panels where they measured faster than MKL: 512-bit vectors (about
+        # 20% at 32 rows). With 256-bit ones they ran level with MKL's AVX2 kernels on small matrices and 6 to
+        # 15% behind on an 8B model's (docs/performance.md), so MKL keeps them there.
+        self.fp32_gemm_panels = int(lib.mrl_vector_lanes()) == 16
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

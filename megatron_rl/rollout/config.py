@@ -127,16 +127,16 @@ class NativeEngineConfig:
     only prefixes computed with the current weights are shared. 0 disables sharing."""
     prepack_weights: bool = True
     """On CPU, also keep the weight matrices laid out for the GEMM kernel that is fastest for them
-    (rollout/native/weights.py `PackedMatrix`): fp32, the fused CPU kernels' panels for steps of up to 256
-    rows (one more copy of the matrices; with `cpu_kernels: disabled`, MKL's packed GEMM for nearly full
-    decode batches and transposed [in, out] copies for smaller steps: two more); bf16, oneDNN's blocked
-    layout for every step (one more copy; its unpacked F.linear re-lays out the weights on every call).
-    Rebuilt lazily between steps after a weight update. Results equal the unpacked F.linear path up to
-    float rounding (~1e-7 in fp32)."""
+    (rollout/native/weights.py `PackedMatrix`). fp32: on CPUs with AVX-512 the fused CPU kernels' panels for
+    steps of up to 256 rows (one more copy of the matrices); else (or with `cpu_kernels: disabled`) MKL's
+    packed GEMM for nearly full decode batches and transposed [in, out] copies for smaller steps (two more).
+    bf16: oneDNN's blocked layout for every step (one more copy; its unpacked F.linear re-lays out the
+    weights on every call). Rebuilt lazily between steps after a weight update. Results equal the unpacked
+    F.linear path up to float rounding (~1e-7 in fp32)."""
     cpu_kernels: Literal["auto", "required", "disabled"] = "auto"
     """On CPU, the fused C kernels of kernels/cpu_decode.c in place of runs of torch ops: the residual add with
     RMSNorm, RoPE with the KV-cache write, the gated activation, decode attention over the cache, plain
-    sampling, and (with `prepack_weights`) the fp32 GEMMs of steps up to 256 rows (docs/performance.md).
+    sampling, and (with `prepack_weights`, AVX-512) the fp32 GEMMs of steps up to 256 rows (docs/performance.md).
     Built on first use with the machine's GCC (about a second, cached under ~/.cache/megatron_rl/kernels).
     auto: where they build (else torch ops, said once in the log); required: refuse to start without them;
     disabled: torch ops. Results equal the torch ops up to the order of fp32 additions in a reduction and exp

@@ -29,7 +29,7 @@ class PackedMatrix:
     with `bench rollout` on 2-core AVX-512/AMX machines), built once per weight update instead of inside
     every call. `packed(x, bias)` == F.linear(x, weight, bias) up to float rounding.
 
-    - fp32 with the fused CPU kernels (`kernels`): their panels (kernels/cpu_decode.c
+    - fp32 with the fused CPU kernels (`kernels`) built for 512-bit vectors: their panels (kernels/cpu_decode.c
       `mrl_linear_panels_f32`, which overlaps the weight stream with the arithmetic) for steps of up to
       `PANEL_MAX_ROWS` rows, F.linear for longer ones (prompt chunks). One copy of the weight.
     - fp32 with MKL otherwise: MKL's packed GEMM, whose packing fixes the row count, serves the steps of
@@ -45,7 +45,7 @@ class PackedMatrix:
         self.shape = weight.shape
         self.mkl = self.transposed = self.onednn = self.panels = None
         self.kernels = kernels
-        if weight.dtype == torch.float32 and kernels is not None:
+        if weight.dtype == torch.float32 and kernels is not None and kernels.fp32_gemm_panels:
             self.panels = kernels.pack_panels(weight.contiguous())
         elif weight.dtype == torch.float32 and torch.backends.mkl.is_available():
             self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
