@@ -100,7 +100,7 @@ def test_onednn_packed_gemms_decode_as_the_unpacked_path(dtype, mkl, monkeypatch
                 for i, (p, n) in enumerate(zip(prompts, (12, 9, 5, 2)))]
     outputs = {}
     for prepack in (True, False):
-        # (fp32 takes the fused kernels' own packed GEMM where they build: tests/test_cpu_decode_kernels.py)
+        # (fp32 with AVX-512 takes the fused kernels' own packed GEMM: tests/test_cpu_decode_kernels.py)
         config_ = NativeEngineConfig(max_batch_size=4, max_seq_len=64, dtype=dtype, prepack_weights=prepack,
                                      cpu_kernels="disabled")
         with NativeEngine(arch, state, config=config_, eos_token_ids=[]) as engine:
