@@ -84,6 +84,10 @@ typedef uint16_t vu16_unaligned __attribute__((vector_size(LANES * 2), aligned(2
 
 static inline vf loadv(const float *p) { return *(const vf_unaligned *)p; }
 
+/* *p in every lane: one broadcast load (x - 0 is x, signed zeros too, so the subtraction folds away; 0 + x
+ * would not, and a lane-by-lane initialiser compiles to masked inserts) */
+static inline vf splat(const float *p) { return *p - (vf){0}; }
+
 /* The 16 lanes of a and b summed in pairs: lanes `first` of (a | b) plus lanes `second` of (a | b). */
 #define PAIR_SUM(a, b, first, second) (__builtin_shuffle((a), (b), (first)) + __builtin_shuffle((a), (b), (second)))
 
@@ -172,17 +176,14 @@ static inline float sum_of(const float *restrict x, int64_t n) {
  * PANEL_MR rows of x run over it with PANEL_MR x PANEL_NV accumulator registers (one broadcast of x per row and
  * input, fused multiply-adds): the chunk comes from memory once and from L2 for the other row blocks, while the
  * next chunk is prefetched, spread over this one's row blocks. The threads split the panels, each streaming its
- * own contiguous part of w. (MKL's
- * packed GEMM, the alternative, leaves the weight stream and the arithmetic unoverlapped: half the FMA peak at
- * 32 rows.) */
-#ifndef PANEL_MR
+ * own contiguous part of w. (MKL's packed GEMM, the alternative, leaves the weight stream and the arithmetic
+ * unoverlapped: half the FMA peak at 32 rows.) Block shapes as measured fastest (docs/performance.md). */
 #if LANES == 16
 #define PANEL_MR 8
 #define PANEL_NV 3
 #else
 #define PANEL_MR 6
 #define PANEL_NV 2
-#endif
 #endif
 #define PANEL_NR (PANEL_NV * LANES)
 /* inputs per pass over a panel: a panel of a long input dimension (an 8B model's 14,336-wide down projection:
@@ -191,10 +192,6 @@ static inline float sum_of(const float *restrict x, int64_t n) {
 
 int64_t mrl_panel_width(void) { return PANEL_NR; }
 int64_t mrl_vector_lanes(void) { return LANES; }
-
-/* *p in every lane: one broadcast load (x - 0 is x, signed zeros too, so the subtraction folds away; 0 + x
- * would not, and a lane-by-lane initialiser compiles to masked inserts) */
-static inline vf splat(const float *p) { return *p - (vf){0}; }
 
 /* panels [ceil(n / PANEL_NR), k, PANEL_NR] of w [n, k]: panels[p][j][c] = w[p PANEL_NR + c][j], zero past n */
 void mrl_pack_panels_f32(const float *w, int64_t n, int64_t k, float *panels, int threads) {

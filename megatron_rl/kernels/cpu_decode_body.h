@@ -144,14 +144,14 @@ static inline void NAME(weighted_values)(const float *restrict p, int64_t stride
             vf row[VALUE_VECTORS];
             for (int k = 0; k < VALUE_VECTORS; k++) row[k] = NAME(loadv)(v + LANES * k);
             for (int h = 0; h < 4; h++) {
-                vf w = (vf){0} + p[h * stride + t];
+                vf w = splat(p + h * stride + t);
                 for (int k = 0; k < VALUE_VECTORS; k++) a[h][k] += w * row[k];
             }
         }
     } else {
         for (int64_t t = 0; t < span; t++) {
             vf v0 = NAME(loadv)(values + t * v_row + c0);
-            for (int h = 0; h < 4; h++) a[h][0] += ((vf){0} + p[h * stride + t]) * v0;
+            for (int h = 0; h < 4; h++) a[h][0] += splat(p + h * stride + t) * v0;
         }
     }
     for (int h = 0; h < 4; h++)
