@@ -145,6 +145,47 @@ def test_weights_pushed_while_the_only_engine_is_down_reach_it_after_its_restart
         pool.close()
 
 
+class TransferEngine(RestartableEngine):
+    """Weights that live only in the server (VLLMEngine with a weight transfer): a restart comes back with the
+    launch weights, and nothing of an update is on disk."""
+
+    stages_weights = False
+
+    def __init__(self, arch, state):
+        super().__init__(arch, state)
+        self.launch_state = state
+
+    def staged_weights(self):
+        return None, 0
+
+    def restart(self, weights_dir, version):
+        self.state = self.launch_state
+        super().restart(weights_dir, version)
+
+
+def test_an_engine_whose_weights_live_only_in_its_server_restarts_with_the_last_weights_pushed(tiny_arch):
+    state = tiny_state(tiny_arch)
+    engines = [TransferEngine(tiny_arch, state) for _ in range(2)]
+    pool = EnginePool(engines, dead_engine_timeout_s=60)
+    try:
+        new_state = {k: v + 0.05 for k, v in state.items()}
+        pool.update_weights(new_state, version=3)
+        engines[1].kill()
+        pool.generate(_groups(2))
+        deadline = time.monotonic() + 60
+        while pool.engine_metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engines[1].restarted_with == (None, 0)  # relaunched from its launch weights ...
+        assert engines[1].version == 3  # ... then given the pool's last push
+        for name, tensor in new_state.items():
+            assert engines[1].native.named_weights([name])[name].equal(tensor)
+        greedy = [GenerateRequest(prompt_ids=prompt(i, 6), request_id=f"g{i}",
+                                  sampling=SamplingParams(max_new_tokens=8, temperature=0.0)) for i in range(3)]
+        assert [c.output_ids for c in engines[1].generate(greedy)] == [c.output_ids for c in engines[0].generate(greedy)]
+    finally:
+        pool.close()
+
+
 def test_with_every_engine_gone_requests_fail_with_one_line_naming_them(tiny_arch):
     state = tiny_state(tiny_arch)
     engines = [ServedEngine(tiny_arch, state) for _ in range(2)]

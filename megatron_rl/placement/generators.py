@@ -20,7 +20,16 @@ from megatron_rl.placement.generator_ranks import generator_rank_pool, rollout_e
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
+from megatron_rl.rollout.vllm_engine import (
+    VLLMEngine,
+    VLLMServer,
+    check_plugin,
+    device_server_args,
+    launch_model_dir,
+    resolve_weight_transfer,
+    vllm_python,
+)
+from megatron_rl.rollout.vllm_transfer import weight_transfer_config
 from megatron_rl.weight_sync.channel import make_weight_channel
 from megatron_rl.weight_sync.fp8 import generator_weights
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
@@ -81,22 +90,28 @@ def vllm_engines(config, model):
     from the run's initial weights (written once to tmpfs; logs in RUN_DIR/vllm_<i>.log), as one engine."""
     generator = config.cluster.generator
     tied = bool(model.arch.tie_word_embeddings)
+    transfer = resolve_weight_transfer(generator.vllm_weight_transfer)
+    workers = generator.engine_tp if torch.cuda.is_available() else 1  # a CPU server runs one worker
     if generator.urls:
         if tied:  # the servers were launched from a tied checkpoint: a reload would leave their output layer stale
             raise ConfigError("cluster.generator.urls: the model ties its output layer to its embedding, which vLLM's "
                               "in-place weight reload leaves on the launch weights; let the run launch its vLLM "
                               "servers (no urls: docs/vllm.md)",
                               field="cluster.generator.urls")
-        engines = [VLLMEngine(url) for url in generator.urls]
+        # the servers' workers reach trainer rank 0 at the launch's MASTER_ADDR (gloo; NCCL finds its own way)
+        address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+        engines = [VLLMEngine(url, weight_transfer=transfer, transfer_workers=workers, transfer_address=address)
+                   for url in generator.urls]
     else:
         python = vllm_python(generator.vllm_python)
+        check_plugin(python, transfer)
         model_dir = os.path.join(shm_directory(), f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model")
         tied = launch_model_dir(model_dir, model.arch, model.state, model.tokenizer)
         args = ["--dtype", VLLM_DTYPES[config.engine.dtype], "--max-model-len", str(engine_context(config, model.arch)),
                 "--max-num-seqs", str(config.engine.max_batch_size), "--seed", str(config.seed),
-                "--tensor-parallel-size", str(generator.engine_tp if torch.cuda.is_available() else 1),
+                "--tensor-parallel-size", str(workers),
                 *(["--quantization", "fp8"] if generator.precision == "fp8" else []), *device_server_args(),
-                *generator.vllm_args]
+                *([] if transfer == "reload" else weight_transfer_config(transfer)), *generator.vllm_args]
         threads = config.engine.num_threads or os.cpu_count() or 1
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}"}
         servers = [VLLMServer(model_dir, python=python, args=args, env=env, ready_timeout=generator.ready_timeout_s,
@@ -109,7 +124,8 @@ def vllm_engines(config, model):
                 server.stop()
             shutil.rmtree(model_dir, ignore_errors=True)
             raise
-        engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir) for server in servers]
+        engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir,
+                              weight_transfer=transfer, transfer_workers=workers) for server in servers]
     # a pool even of one: a launched engine that dies is restarted, and its groups wait for it
     return EnginePool(engines, **pool_options(generator))
 

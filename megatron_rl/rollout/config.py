@@ -192,6 +192,12 @@ class GeneratorGroupConfig:
     vllm_args: list[str] = dataclasses.field(default_factory=list)
     """backend vllm: more `vllm serve` flags for the servers the run launches (e.g. ["--enforce-eager"] on CPU:
     starts in about 25 s instead of 70 to 90 s of graph compilation, about 15% slower decoding)."""
+    vllm_weight_transfer: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    """backend vllm: how weights reach the servers (docs/vllm.md). reload: written as safetensors to this host's
+    tmpfs and reloaded in place by the server (a server on this host); nccl / gloo: vLLM's weight-transfer API,
+    every tensor broadcast from trainer rank 0 to the server's workers (nccl: GPU; gloo: TCP, for servers on
+    other hosts without GPUs, with megatron_rl's vLLM plugin in their environment). auto: nccl with a GPU,
+    else reload. Servers in `urls` must have been started with the matching `--weight-transfer-config`."""
     vllm_kv_cache_gib: float = 2.0
     """backend vllm on CPU: the KV cache of each launched server (VLLM_CPU_KVCACHE_SPACE)."""
     ready_timeout_s: float = 600.0
@@ -223,5 +229,7 @@ class GeneratorGroupConfig:
         require(self.hung_engine_timeout_s >= 0, "hung_engine_timeout_s", "must be >= 0 (0: never)")
         require(self.backend == "vllm" or not (self.vllm_python or self.vllm_args), "vllm_python",
                 f"vllm_python / vllm_args are settings of backend vllm, not {self.backend}")
+        require(self.backend == "vllm" or self.vllm_weight_transfer == "auto", "vllm_weight_transfer",
+                f"a setting of backend vllm, not {self.backend}")
         require(not (self.backend == "vllm" and self.launch_ranks), "launch_ranks",
                 "generator ranks run the native engine; backend vllm runs vLLM servers (launched or in urls)")

@@ -104,6 +104,11 @@ class EnginePool:
         self._restarts_of = [0] * len(self.engines)
         self._weights_lock = threading.Lock()
         self._missed: tuple[dict, int | None] | None = None  # the last weights an engine that is down did not get
+        # Engines whose weights live only in their server (vLLM's weight transfer) have nothing on disk to restart
+        # from: the pool keeps the last weights it pushed for them (one host copy; views of the trainer's own
+        # tensors when it runs in this process).
+        self._keeps_latest = any(hasattr(e, "restart") and not getattr(e, "stages_weights", True) for e in self.engines)
+        self._latest: tuple[dict, int | None] | None = None
         self._adapter: tuple[str, int] | None = None  # LoRA: the PEFT directory and version the engines serve
         self.dead_engine_timeout_s = dead_engine_timeout_s
         self._redispatch = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-pool-redispatch")
@@ -236,10 +241,11 @@ class EnginePool:
         try:
             weights_dir, version = self._freshest_weights(index)
             engine.restart(weights_dir, version)
-            with self._weights_lock:  # weights pushed while it was down (no engine on disk holds them)
-                if self._missed is not None and self._missed[1] is not None and self._missed[1] > version:
-                    engine.update_weights(*self._missed)
-                    version = self._missed[1]
+            with self._weights_lock:  # weights newer than any on disk: pushed while it was down, or never on disk
+                newer = [w for w in (self._missed, self._latest) if w is not None and w[1] is not None and w[1] > version]
+                if newer:
+                    named, version = max(newer, key=lambda w: w[1])
+                    engine.update_weights(named, version)
                 if self._adapter is not None:  # LoRA: the adapters the others serve
                     engine.load_adapter(*self._adapter)
                     version = self._adapter[1]
@@ -318,6 +324,8 @@ class EnginePool:
                             self._take_out(index, f"weight update failed: {exc}")
                     if index in self._dead:  # kept for its restart (held only while an engine is down)
                         self._missed = (named, version)
+                if self._keeps_latest:
+                    self._latest = (named, version)
         else:
             if self._sender is None:
                 self._sender = self._sender_factory()

@@ -57,6 +57,7 @@ from megatron_rl.rollout.engine import (
     submit_each,
     wait_all,
 )
+from megatron_rl.rollout.vllm_transfer import TRANSFER_BACKENDS, VLLMWeightTransfer
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
 
@@ -86,6 +87,27 @@ def vllm_python(configured: str = "") -> str:
     raise ConfigError(f"cluster.generator.vllm_python: no vLLM environment at {where}; create one with "
                       "`bash scripts/setup_vllm_cpu.sh` (CPU) or point it at a Python that imports vllm",
                       field="cluster.generator.vllm_python")
+
+
+def resolve_weight_transfer(setting: str) -> str:
+    """`cluster.generator.vllm_weight_transfer` for this machine: auto is nccl with a GPU, else reload; nccl
+    without a GPU is refused by name."""
+    if setting == "auto":
+        return "nccl" if torch.cuda.is_available() else "reload"
+    if setting == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("cluster.generator.vllm_weight_transfer: nccl needs a GPU in this process; without one use "
+                          "reload (a server on this host) or gloo (docs/vllm.md)",
+                          field="cluster.generator.vllm_weight_transfer")
+    return setting
+
+
+def check_plugin(python: str, transfer: str) -> None:
+    """The gloo transfer needs megatron_rl's vLLM plugin in vLLM's environment: refused by name without it."""
+    if transfer == "gloo" and not interpreter_has_module(python, "megatron_rl_vllm"):
+        raise ConfigError(f"cluster.generator.vllm_weight_transfer: gloo needs megatron_rl's vLLM plugin in {python}'s "
+                          "environment; install it with `bash scripts/setup_vllm_cpu.sh` or "
+                          f"`{python} -m pip install --no-deps ./plugins/vllm`",
+                          field="cluster.generator.vllm_weight_transfer")
 
 
 def device_server_args() -> list[str]:
@@ -150,11 +172,20 @@ class VLLMEngine:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, max_workers: int = 64,
                  launch_version: int = 0, staging_dir: str | None = None, server: "VLLMServer | None" = None,
-                 tied_embeddings: bool = False, launch_dir: str | None = None):
+                 tied_embeddings: bool = False, launch_dir: str | None = None, weight_transfer: str = "reload",
+                 transfer_workers: int = 1, transfer_address: str = "127.0.0.1"):
         """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model
         ties its output layer to the embedding and the server was launched untied (`launch_model_dir`): every
         update sends the embedding as `lm_head.weight` too. `staging_dir`: where updates are written (default:
-        tmpfs, named by this process's pid so that a dead run's directory is reclaimed)."""
+        tmpfs, named by this process's pid so that a dead run's directory is reclaimed). `weight_transfer`:
+        reload (from the staging directory), or nccl / gloo through vLLM's weight-transfer API
+        (rollout/vllm_transfer.py; the server launched with that backend), with `transfer_workers` worker
+        processes (TP x PP) reaching this host at `transfer_address`."""
+        if weight_transfer not in ("reload", *TRANSFER_BACKENDS):
+            raise ValueError(f"weight_transfer {weight_transfer!r}: reload, {', '.join(TRANSFER_BACKENDS)}")
+        self.weight_transfer = weight_transfer
+        self._transfer_options = dict(backend=weight_transfer, workers=transfer_workers, master_address=transfer_address)
+        self._transfer: VLLMWeightTransfer | None = None
         self.tied_embeddings = tied_embeddings
         self.launch_dir = launch_dir
         self.http = HTTPEngine(base_url, api_key=api_key, timeout=timeout, max_workers=max_workers)
@@ -197,7 +228,10 @@ class VLLMEngine:
         return [c for f in futures for c in f.result()]
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        """Write the tensors to a staging directory and reload them in place, generation frozen meanwhile."""
+        """Write the tensors to a staging directory and reload them in place (or send them through vLLM's
+        weight-transfer API), generation frozen meanwhile; returns how many tensors went."""
+        if self.weight_transfer != "reload":
+            return self._transfer_weights(named_tensors, version)
         with self._update_lock:
             target = os.path.join(self._staging_root, f"v{version if version is not None else 'next'}-{time.time_ns()}")
             os.makedirs(target)
@@ -229,6 +263,34 @@ class VLLMEngine:
             self._staged_version = self.launch_version if version is None else int(version)
             return count
 
+    def _transfer_weights(self, named_tensors: NamedTensors, version: int | None) -> int:
+        with self._update_lock:
+            named = iter_named_tensors(named_tensors)
+            if self.tied_embeddings:
+                named = _with_output_layer(named)
+            if self._transfer is None:
+                self._transfer = VLLMWeightTransfer(self._post, **self._transfer_options)
+            pause_here = self._paused is None
+            if pause_here:
+                self._post("/pause?mode=keep")
+            try:
+                sent = self._transfer.send(named, version)
+                self._post("/reset_prefix_cache?reset_running_requests=true")
+            except BaseException:
+                self._transfer.close()  # what the group holds is unknown now: the next update forms it again
+                self._transfer = None
+                raise
+            finally:
+                if pause_here:
+                    self._post("/resume")
+            return int(sent["tensors"])
+
+    @property
+    def stages_weights(self) -> bool:
+        """Whether the weights this engine serves are on disk after an update (`staged_weights`), from where a
+        restarted server reloads them; with a weight transfer they are only in the server."""
+        return self.weight_transfer == "reload"
+
     def staged_weights(self) -> tuple[str | None, int]:
         """The directory of the weights this engine serves (None: its launch weights) and their version."""
         return self._staged, self._staged_version
@@ -241,6 +303,9 @@ class VLLMEngine:
                 raise RuntimeError(f"{self.base_url}: closed, or a server this run did not launch")
             self.server.stop()
             self.server = self.server.relaunch()
+            if self._transfer is not None:  # the group died with the server: the next update forms a new one
+                self._transfer.close(notify=False)
+                self._transfer = None
         self.server.wait_ready(self.server.ready_timeout)  # fails at once if close() stopped it meanwhile
         self._paused = None
         if weights_dir is not None:
@@ -290,6 +355,9 @@ class VLLMEngine:
         return _version_label(info.get("weight_version") if isinstance(info, dict) else None, self.launch_version)
 
     def close(self) -> None:
+        if self._transfer is not None:
+            self._transfer.close(notify=self.server is None)  # a server we stop needs no notice
+            self._transfer = None
         self.http.close()
         with self._server_lock:  # a restart in progress launches nothing after this
             self._closed = True

@@ -99,11 +99,11 @@ class WeightUpdateSession(Protocol):
     def end_weight_update(self) -> None: ...
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _wire(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+def wire_tensor(tensor: torch.Tensor, backend: str) -> torch.Tensor:
     """gloo has no 1-byte float types: move fp8 as its bytes (NCCL sends float8 as it is)."""
     if backend == "gloo" and tensor.element_size() == 1 and tensor.is_floating_point():
         return tensor.view(torch.uint8)
@@ -141,7 +141,7 @@ class BroadcastWeightSender:
         world_size = 1 + sum(engine_tp)
         offsets = [1 + sum(engine_tp[:i]) for i in range(len(engines))]
         # The engines' init calls return only once the group exists, so they run beside our own join.
-        calls = _run_all([lambda e=e, o=o: e.init_weights_update_group(master_address, master_port, o, world_size,
+        calls = run_all([lambda e=e, o=o: e.init_weights_update_group(master_address, master_port, o, world_size,
                                                                          group_name, backend)
                           for e, o in zip(self.engines, offsets)])
         self.group = init_weight_update_group(master_address, master_port, 0, world_size, group_name=group_name,
@@ -154,7 +154,7 @@ class BroadcastWeightSender:
         sessions = [e for e in self.engines if isinstance(e, WeightUpdateSession)]
         paused_here = [e for e in sessions if e.paused_mode is None]
         flush = {id(e): e.paused_mode in ("retract", "abort") for e in sessions}
-        _run_all([lambda e=e: e.pause("in_place") for e in paused_here]).join()
+        run_all([lambda e=e: e.pause("in_place") for e in paused_here]).join()
         opened: list[Any] = []
         try:
             for engine in sessions:
@@ -162,14 +162,14 @@ class BroadcastWeightSender:
                 opened.append(engine)
             stats = self._broadcast(named, version, flush)
             ended, opened = opened, []
-            _run_all([lambda e=e: e.end_weight_update() for e in ended]).join()
+            run_all([lambda e=e: e.end_weight_update() for e in ended]).join()
         finally:
             if opened:  # a failed sync: close the sessions so the next one can begin (best effort)
-                _run_all([lambda e=e: e.end_weight_update() for e in opened])
-            _run_all([lambda e=e: e.resume() for e in paused_here]).join()
+                run_all([lambda e=e: e.end_weight_update() for e in opened])
+            run_all([lambda e=e: e.resume() for e in paused_here]).join()
         # Receivers that stage buckets (generator ranks) apply them all at once here; SGLang has
         # applied each bucket as it arrived.
-        _run_all([lambda e=e: e.finish_weights_update(version) for e in self.engines
+        run_all([lambda e=e: e.finish_weights_update(version) for e in self.engines
                   if hasattr(e, "finish_weights_update")]).join()
         return stats
 
@@ -177,13 +177,13 @@ class BroadcastWeightSender:
         total = count = 0
         for bucket, last in _with_last(buckets(named, self.bucket_bytes)):
             names = [n for n, _ in bucket]
-            dtypes = [_dtype_name(t.dtype) for _, t in bucket]
+            dtypes = [dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
-            calls = _run_all([lambda e=e: e.update_weights_from_distributed(
+            calls = run_all([lambda e=e: e.update_weights_from_distributed(
                 names, dtypes, shapes, version if last else None, self.group_name,
                 flush_cache=last and flush.get(id(e), False)) for e in self.engines])
             for _, tensor in bucket:
-                payload = _wire(tensor.detach().to(self.device).contiguous(), self.backend)
+                payload = wire_tensor(tensor.detach().to(self.device).contiguous(), self.backend)
                 dist.broadcast(payload, src=0, group=self.group)
                 total += payload.numel() * payload.element_size()
             calls.join()
@@ -200,7 +200,7 @@ def receive_broadcast(group, names: Sequence[str], dtypes: Sequence[str], shapes
     out = {}
     for name, dtype, shape in zip(names, dtypes, shapes):
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.broadcast(_wire(tensor, backend), src=0, group=group)
+        dist.broadcast(wire_tensor(tensor, backend), src=0, group=group)
         out[name] = tensor
     return out
 
@@ -229,7 +229,9 @@ class _Calls:
             raise self.errors[0]
 
 
-def _run_all(functions: list[Callable[[], Any]]) -> _Calls:
+def run_all(functions: list[Callable[[], Any]]) -> _Calls:
+    """Each function in a thread of its own (calls that return only once the caller has broadcast what they
+    wait for); `join()` waits for all of them and raises the first error."""
     errors: list[BaseException] = []
 
     def guard(fn):
