@@ -154,10 +154,19 @@ def test_a_vllm_recipe_starts_vllm_servers_with_the_planned_flags(tmp_path):
         # vLLM quantizes to fp8 itself: it starts from the model, not from an fp8 copy
         assert "VLLM_SERVER_DEV_MODE=1 /opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model " \
                "/models/llama-70b --tensor-parallel-size 4 --max-num-seqs 256 --seed " in engine
-        assert "--enable-scale-out --quantization fp8 --gpu-memory-utilization 0." in engine
+        # weights reach them through vLLM's NCCL weight-transfer backend (the trainer's auto on a GPU)
+        assert "--enable-scale-out --weight-transfer-config.backend nccl --quantization fp8 " \
+               "--gpu-memory-utilization 0." in engine
         assert "--enforce-eager" not in engine and "--gpus=4" in engine
     trainer = next(s for s in steps if "torch.distributed.run" in s)
     assert "cluster.generator.backend=vllm" in trainer and "cluster.generator.urls=[http://node" in trainer
+
+
+def test_a_vllm_reload_on_a_cluster_is_refused_by_name(tmp_path):
+    code, _, err = _finish(_launch(tmp_path, "cluster.generator.backend=vllm",
+                                   "cluster.generator.vllm_weight_transfer=reload", FAKE_ENGINES="32"))
+    assert code == 2
+    assert "cluster.generator.vllm_weight_transfer: reload reads the weights from the trainer's tmpfs" in err
 
 
 def test_a_chain_submits_singleton_jobs_that_resume(tmp_path):

@@ -24,6 +24,13 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
+from megatron_rl.rollout.vllm_transfer import (
+    VLLMWeightTransfer,
+    gloo_init_info,
+    nccl_init_info,
+    update_info,
+    weight_transfer_config,
+)
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, reclaim_stale
 from tests.helpers import near_uniform_state
 from tests.test_loop import _config
@@ -69,12 +76,14 @@ def vllm_server(vllm_chat_model, tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("vllm") / "model")
     tied = launch_model_dir(model_dir, model.arch, state, model.tokenizer)
     log_path = str(tmp_path_factory.mktemp("vllm") / "server.log")
+    # with the plugin's gloo weight transfer too: the reload path and vLLM's weight-transfer API on one server
     server = VLLMServer(model_dir, python=python, log_path=log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
-                              *device_server_args()])
+                              *device_server_args(), *weight_transfer_config("gloo")])
     try:
         server.wait_ready(600)
         engine = VLLMEngine(server.url, tied_embeddings=tied, staging_dir=str(tmp_path_factory.mktemp("staging")))
+        engine.tied = tied
         yield engine, model, state, model_dir
         engine.close()
     finally:
@@ -141,6 +150,11 @@ def test_a_sliding_window_model_on_vllm_equals_the_native_engine(smollm2, tmp_pa
             assert [c.output_ids for c in dense.generate(_greedy(prompts))] != [c.output_ids for c in ours]
         finally:
             dense.close()
+        # This server was launched without a weight-transfer backend: a transfer into it is refused by name (a
+        # configuration error, not a dead engine to restart).
+        with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_weight_transfer: the vLLM server has no gloo "
+                                              r"weight transfer \(start it with `--weight-transfer-config\.backend gloo`\)"):
+            VLLMWeightTransfer(engine._post, backend="gloo", timeout_s=5).open()
 
 
 @contextlib.contextmanager
@@ -206,6 +220,69 @@ def test_weights_pushed_into_vllm_generate_what_the_native_engine_generates_with
     finally:
         old.close()
     engine.update_weights(state, version=start + 3)  # back to the module's weights for the other tests
+
+
+def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native_engine_generates(vllm_server):
+    """gloo (megatron_rl's vLLM plugin) through /init_weight_transfer_engine, /start_weight_update,
+    /update_weights and /finish_weight_update: after each update vLLM's greedy tokens and log-probs equal the
+    native engine's with the same weights, labelled with the new version; an update while a request decodes
+    splits its tokens between the two versions, in order."""
+    launched, model, state, _ = vllm_server
+    engine = VLLMEngine(launched.base_url, tied_embeddings=launched.tied, weight_transfer="gloo")
+    try:
+        start = engine.version
+        for round_, seed in enumerate((3, 4), start=1):
+            new_state = _spread_state(model.arch, seed)
+            sent = engine.update_weights(new_state, version=start + round_)
+            assert sent == len(new_state) + (1 if model.arch.tie_word_embeddings else 0)
+            assert engine.version == start + round_
+            ours = _greedy_equals_native(engine, model, new_state)
+            assert all(set(c.weight_versions) == {start + round_} for c in ours)
+        long = GenerateRequest(prompt_ids=_prompts(model)[1], request_id="long",
+                               sampling=SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+        [future] = engine.submit([long])
+        time.sleep(1.0)  # some tokens decoded under start + 2
+        engine.update_weights(state, version=start + 3)
+        versions = future.result().weight_versions
+        assert versions[0] == start + 2 and versions[-1] == start + 3 and versions == sorted(versions)
+        _greedy_equals_native(engine, model, state)  # back to the module's weights for the other tests
+    finally:
+        engine.close()
+
+
+def test_our_nccl_and_gloo_payloads_are_what_vllm_parses(tmp_path):
+    """vLLM's own dataclasses (in its environment) take what the trainer sends: NCCLWeightTransferInitInfo with the
+    unique-id rendezvous, NCCLWeightTransferUpdateInfo, the plugin's gloo infos, and the server flag."""
+    python = _vllm_or_skip()
+    bucket = [("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)),
+              ("model.norm.weight", torch.zeros(2))]
+    payload = {"nccl": nccl_init_info(bytes(range(128)), 3), "gloo": gloo_init_info("10.0.0.1", 29511, 2, 60.0),
+               "update": update_info(bucket), "flags": weight_transfer_config("nccl")}
+    probe = """
+import json, sys
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from megatron_rl_vllm.gloo_transfer import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+p = json.load(open(sys.argv[1]))
+nccl = NCCLWeightTransferInitInfo(**p["nccl"])
+assert nccl.nccl_unique_id_bytes == bytes(range(128)) and nccl.rank_offset == 1 and nccl.world_size == 3
+assert nccl.packed is False and nccl.master_address is None
+update = NCCLWeightTransferUpdateInfo(**p["update"])
+assert update.dtype_names == ["bfloat16", "float32"] and update.shapes == [[4, 2], [2]]
+GlooWeightTransferUpdateInfo(**p["update"])
+gloo = GlooWeightTransferInitInfo(**p["gloo"])
+assert (gloo.master_address, gloo.master_port, gloo.rank_offset, gloo.world_size) == ("10.0.0.1", 29511, 1, 2)
+args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", *p["flags"]])
+assert AsyncEngineArgs.from_cli_args(args).weight_transfer_config.backend == "nccl"
+print("parsed")
+"""
+    path = tmp_path / "payload.json"
+    path.write_text(json.dumps(payload))
+    import subprocess
+
+    out = subprocess.run([python, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "parsed" in out.stdout, out.stderr[-2000:]
 
 
 def test_a_missing_vllm_environment_is_refused_by_name(tmp_path):

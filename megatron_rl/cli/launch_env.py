@@ -8,6 +8,7 @@ import sys
 
 from megatron_rl.config import ConfigError
 from megatron_rl.models.lora_layout import peft_target_modules
+from megatron_rl.rollout.vllm_transfer import weight_transfer_config
 from megatron_rl.run_config import load_run_config
 from megatron_rl.sim.planner import make_plan
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_run_config(argv[0], argv[1:])
         plan = make_plan(config)
+        weight_transfer = cluster_weight_transfer(config.cluster.generator.vllm_weight_transfer)
     except ConfigError as exc:
         print(f"echo {shlex.quote(f'launch_env: {exc}')} >&2; exit 2")
         return 2
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         "ENGINE_BACKEND": gen.backend if gen.backend == "vllm" else "sglang",
         "ENGINE_SERVER_ARGS": shlex.join(vllm_server_args(
             plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
-            gpu_memory_utilization=engine_memory_fraction(plan), seed=config.seed, extra=gen.vllm_args)
+            gpu_memory_utilization=engine_memory_fraction(plan), seed=config.seed, extra=gen.vllm_args,
+            weight_transfer=weight_transfer)
             if gen.backend == "vllm" else sglang_server_args(
             plan.engine_tp, plan.engine_precision, gen.max_running_requests, gen.cuda_graphs,
             mem_fraction_static=engine_memory_fraction(plan), deterministic=config.rollout.deterministic,
@@ -74,14 +77,26 @@ def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int
     return args
 
 
+def cluster_weight_transfer(setting: str) -> str:
+    """`cluster.generator.vllm_weight_transfer` for servers on generator nodes: auto is nccl (a GPU cluster);
+    reload is refused by name (it reads the trainer's tmpfs, which another node does not see)."""
+    if setting == "reload":
+        raise ConfigError("cluster.generator.vllm_weight_transfer: reload reads the weights from the trainer's tmpfs, "
+                          "which vLLM servers on generator nodes cannot see; use nccl (or auto) on a cluster",
+                          field="cluster.generator.vllm_weight_transfer")
+    return "nccl" if setting == "auto" else setting
+
+
 def vllm_server_args(engine_tp: int, precision: str, max_running_requests: int, cuda_graphs: bool, *,
-                     gpu_memory_utilization: float | None = None, seed: int = 0, extra: list[str] = ()) -> list[str]:
+                     gpu_memory_utilization: float | None = None, seed: int = 0, extra: list[str] = (),
+                     weight_transfer: str = "nccl") -> list[str]:
     """`vllm.entrypoints.openai.api_server` flags (vLLM 0.32's names) for one engine of the plan: TP size, the
     continuous batch, online fp8 quantization, eager mode where CUDA graphs are off, the GPU share the memory
-    check allowed, the run's seed, and the token-in / token-out route the run generates through
-    (rollout/vllm_engine.py); the launcher sets VLLM_SERVER_DEV_MODE=1 for the RL routes."""
+    check allowed, the run's seed, the token-in / token-out route the run generates through
+    (rollout/vllm_engine.py), and the weight-transfer backend the trainer sends weights through
+    (rollout/vllm_transfer.py); the launcher sets VLLM_SERVER_DEV_MODE=1 for the RL routes."""
     args = ["--tensor-parallel-size", str(engine_tp), "--max-num-seqs", str(max_running_requests),
-            "--seed", str(seed), "--enable-scale-out"]
+            "--seed", str(seed), "--enable-scale-out", *weight_transfer_config(weight_transfer)]
     if precision == "fp8":
         args += ["--quantization", "fp8"]
     if not cuda_graphs:

@@ -8,7 +8,7 @@ with the server's workers (each tensor loaded by `model.load_weights` as it arri
 HF names, vLLM fuses and quantizes as it does when loading a checkpoint), then `/finish_weight_update` with the
 new version label. The group is formed once, by `/init_weight_transfer_engine`, on the first sync.
 
-Transports (the server is launched with the matching `--weight-transfer-config '{"backend": ...}'`):
+Transports (the server is launched with the matching `--weight-transfer-config.backend`):
 - nccl (GPU): vLLM's dense NCCL backend, unpacked, joined through its unique-id rendezvous: this process
   mints an ncclUniqueId (torch.cuda.nccl), sends it base64-encoded with rank_offset 1 and the world size, and
   joins as rank 0 while the workers join; then it answers the one-element float32 all-reduce that vLLM's
@@ -39,8 +39,28 @@ GROUP_NAME = "megatron_rl_weight_transfer"  # the plugin's default (plugins/vllm
 
 
 def weight_transfer_config(backend: str) -> list[str]:
-    """The `vllm serve` flag that gives a server the weight-transfer backend `backend`."""
-    return ["--weight-transfer-config", '{"backend": "%s"}' % backend]
+    """The `vllm serve` flags that give a server the weight-transfer backend `backend`: vLLM's dotted form of
+    `--weight-transfer-config '{"backend": ...}'`, which survives word-splitting in the Slurm scripts."""
+    return ["--weight-transfer-config.backend", backend]
+
+
+def nccl_init_info(uid: bytes, world_size: int) -> dict[str, Any]:
+    """`/init_weight_transfer_engine`'s init_info for vLLM's NCCL backend (its NCCLWeightTransferInitInfo):
+    the unique-id rendezvous (standard base64 of the 128 bytes), workers from rank 1, unpacked tensors."""
+    return {"nccl_unique_id_b64": base64.b64encode(uid).decode("ascii"), "rank_offset": 1, "world_size": world_size,
+            "packed": False}
+
+
+def gloo_init_info(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """init_info for the plugin's gloo backend (GlooWeightTransferInitInfo)."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": 1, "world_size": world_size,
+            "group_name": GROUP_NAME, "timeout_s": timeout_s}
+
+
+def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """`/update_weights`'s update_info for one bucket, in broadcast order (both backends' UpdateInfo)."""
+    return {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
 
 
 class VLLMWeightTransfer:
@@ -68,14 +88,12 @@ class VLLMWeightTransfer:
         this process joins beside it. A server without the backend is refused by name (ConfigError)."""
         if self.backend == "nccl":
             uid = torch.cuda.nccl.unique_id()
-            info = {"nccl_unique_id_b64": base64.b64encode(uid).decode("ascii"), "rank_offset": 1,
-                    "world_size": self.world_size, "packed": False}
+            info = nccl_init_info(uid, self.world_size)
             joining = run_all([lambda: self._join_nccl(uid)])
         else:  # the store is ours (rank 0); the workers connect to it
             self._store = dist.TCPStore("0.0.0.0", 0, self.world_size, is_master=True, timeout=self.timeout,
                                         wait_for_workers=False)
-            info = {"master_address": self.master_address, "master_port": self._store.port, "rank_offset": 1,
-                    "world_size": self.world_size, "group_name": GROUP_NAME, "timeout_s": self.timeout.total_seconds()}
+            info = gloo_init_info(self.master_address, self._store.port, self.world_size, self.timeout.total_seconds())
             joining = run_all([self._join_gloo])
         try:
             self.post("/init_weight_transfer_engine", {"init_info": info})
@@ -99,10 +117,6 @@ class VLLMWeightTransfer:
         self._group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_NAME, self._store), 0, self.world_size,
                                             self.timeout)
 
-    @property
-    def is_open(self) -> bool:
-        return self._group is not None
-
     def _broadcast(self, tensor: torch.Tensor) -> int:
         tensor = tensor.detach().to(self.device).contiguous()
         if self.backend == "nccl":
@@ -120,8 +134,7 @@ class VLLMWeightTransfer:
         self.post("/start_weight_update", None)
         tensors = sent = count = 0
         for bucket in buckets(named, self.bucket_bytes):
-            info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket]}
+            info = update_info(bucket)
             calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
             for _, tensor in bucket:
                 sent += self._broadcast(tensor)
