@@ -408,7 +408,7 @@ def test_colocated_engine_memory_fraction_from_the_plan():
     # 1 x 2 dense + 2 x 2 x 4 experts + 10 KV = 28 GiB of 80
     assert colocated_engine_kwargs(moe, deterministic=False)["mem_fraction_static"] == 0.35
     moe.engine_memory["kv_cache"] = 40 * gib  # 18 resident + 58 engine > 72 usable (activations are freed)
-    with pytest.raises(ConfigError, match="colocated SGLang engine needs 58.0 GiB next to the trainer's 18.0 GiB"):
+    with pytest.raises(ConfigError, match="a colocated engine needs 58.0 GiB next to the trainer's 18.0 GiB"):
         colocated_engine_kwargs(moe, deterministic=False)
 
 

@@ -250,6 +250,20 @@ def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native
         engine.close()
 
 
+def test_a_sleeping_server_wakes_up_serving_the_same_weights(vllm_server):
+    """Sleep mode's routes as a colocated run drives them around each trainer step (/sleep level 1 once the
+    requests finished, /wake_up); vLLM's CPU build accepts them and keeps its weights in place (it has no
+    device memory to free: the GPU part of sleep mode runs only on a GPU)."""
+    launched, model, state, _ = vllm_server
+    engine = VLLMEngine(launched.base_url, tied_embeddings=launched.tied, sleep_mode=True)
+    try:
+        assert engine.release_memory_occupation() == {}
+        engine.resume_memory_occupation()
+        _greedy_equals_native(engine, model, state)
+    finally:
+        engine.close()
+
+
 def test_our_nccl_and_gloo_payloads_are_what_vllm_parses(tmp_path):
     """vLLM's own dataclasses (in its environment) take what the trainer sends: NCCLWeightTransferInitInfo with the
     unique-id rendezvous, NCCLWeightTransferUpdateInfo, the plugin's gloo infos, and the server flag."""

@@ -121,8 +121,11 @@ class Controller:
             if prepare_selection:
                 self.selection_metrics = self.selector.prepare(self.rollouts)
         rollout = config.rollout
-        generator = config.cluster.generator  # engines in other processes hold their own memory
-        remote_generators = bool(generator.launch_ranks or generator.urls or generator.backend == "vllm")
+        generator = config.cluster.generator  # engines in other processes hold their own memory ...
+        # ... except vLLM servers launched beside the trainer on its GPU, which sleep while it trains (vLLM's CPU
+        # build has no sleep mode)
+        remote_generators = bool(generator.launch_ranks or generator.urls or (
+            generator.backend == "vllm" and not torch.cuda.is_available()))
         self.offload = (rollout.offload_idle and rollout.placement == "colocated" and not rollout.is_async
                         and len(self.policies) == 1 and not remote_generators)
         self._host = "cpu"

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import torch
+
 from megatron_rl import ranks
 from megatron_rl.controller.config import RECIPES
 from megatron_rl.controller.curriculum import PromptSelector, build_selector
@@ -24,7 +26,7 @@ from megatron_rl.controller.objectives import make_objective
 from megatron_rl.data.sources import build_datasets
 from megatron_rl.placement.generators import make_engine, policy_weight_channel
 from megatron_rl.rewards.registry import Reward
-from megatron_rl.rollout.sglang_engine import colocated_engine_kwargs
+from megatron_rl.rollout.sglang_engine import colocated_engine_kwargs, colocated_memory_fraction
 from megatron_rl.sim.planner import make_plan
 from megatron_rl.trainer.trainer import MegatronTrainer, load_policy
 
@@ -83,13 +85,23 @@ def colocated_sglang_kwargs(config) -> dict[str, Any]:
     return colocated_engine_kwargs(make_plan(config), deterministic=config.rollout.deterministic)
 
 
+def colocated_vllm_memory_fraction(config) -> float | None:
+    """The GPU share of each vLLM server the run launches beside the trainer (placement colocated, on a GPU), as
+    the planner sizes a colocated engine; None where the servers have GPUs of their own (or there is none)."""
+    generator = config.cluster.generator
+    if generator.backend != "vllm" or generator.urls or config.rollout.placement != "colocated" \
+            or not torch.cuda.is_available():
+        return None
+    return colocated_memory_fraction(make_plan(config))
+
+
 def build_policy(config, model, *, single_policy: bool = True) -> tuple[PolicyExecutor, PromptSelector | None]:
     """The run's primary policy (trainer, engine on the driver, objective, weight channel) and the
     curriculum's selector, built in the order every run's random state depends on."""
     trainer = load_policy(config.model.path, config.trainer, pretrained=model)
     driver = ranks.is_driver()
-    engine = make_engine(config, model, single_policy=single_policy,
-                         sglang_kwargs=colocated_sglang_kwargs(config)) if driver else None
+    engine = make_engine(config, model, single_policy=single_policy, sglang_kwargs=colocated_sglang_kwargs(config),
+                         vllm_memory_fraction=colocated_vllm_memory_fraction(config)) if driver else None
     # A generator process on this host's cores: train on the cores it leaves idle too.
     cores = getattr(engine, "trainer_cores", None)
     if cores is not None:

@@ -40,11 +40,13 @@ def engine_context(config, arch) -> int:
     return min(config.engine.max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 
-def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dict | None = None):
+def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dict | None = None,
+                vllm_memory_fraction: float | None = None):
     """The generator executor for the configured placement (see RolloutConfig.placement). A run of several
     policies (`single_policy=False`) keeps the fixed core split: their generator processes would each
     lend and take back the same cores. `sglang_kwargs`: more `sglang.Engine` arguments for an in-process
-    SGLang engine (its planned memory fraction)."""
+    SGLang engine (its planned memory fraction); `vllm_memory_fraction`: the GPU share of vLLM servers launched
+    beside the trainer (colocated on a GPU), which then sleep while it trains."""
     rollout = config.rollout
     generator = config.cluster.generator
     engine_config = rollout_engine_config(config)
@@ -57,7 +59,7 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
     if generator.launch_ranks:  # generator ranks of this launch (placement/generator_ranks.py)
         return generator_rank_pool(config)
     if generator.backend == "vllm":
-        return vllm_engines(config, model)
+        return vllm_engines(config, model, colocated_memory_fraction=vllm_memory_fraction)
     if generator.urls:  # a generator group of SGLang servers (examples/slurm_common.sh starts them)
         return EnginePool.for_sglang_servers(generator.urls, engine_tp=generator.engine_tp,
                                              master_address=socket.getfqdn(), master_port=generator.weight_update_group_port,
@@ -85,9 +87,11 @@ def make_engine(config, model, *, single_policy: bool = True, sglang_kwargs: dic
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "auto": "auto"}
 
 
-def vllm_engines(config, model):
+def vllm_engines(config, model, *, colocated_memory_fraction: float | None = None):
     """backend vllm: clients of the servers in `cluster.generator.urls`, or `num_engines` servers launched here
-    from the run's initial weights (written once to tmpfs; logs in RUN_DIR/vllm_<i>.log), as one engine."""
+    from the run's initial weights (written once to tmpfs; logs in RUN_DIR/vllm_<i>.log), as one engine.
+    `colocated_memory_fraction` (servers beside the trainer on its GPUs): each server takes that share of the
+    GPU (`--gpu-memory-utilization`) and runs with sleep mode, so it frees its memory while the trainer steps."""
     generator = config.cluster.generator
     tied = bool(model.arch.tie_word_embeddings)
     transfer = resolve_weight_transfer(generator.vllm_weight_transfer)
@@ -111,7 +115,10 @@ def vllm_engines(config, model):
                 "--max-num-seqs", str(config.engine.max_batch_size), "--seed", str(config.seed),
                 "--tensor-parallel-size", str(workers),
                 *(["--quantization", "fp8"] if generator.precision == "fp8" else []), *device_server_args(),
-                *([] if transfer == "reload" else weight_transfer_config(transfer)), *generator.vllm_args]
+                *([] if transfer == "reload" else weight_transfer_config(transfer)),
+                *([] if colocated_memory_fraction is None else
+                  ["--enable-sleep-mode", "--gpu-memory-utilization", f"{colocated_memory_fraction:g}"]),
+                *generator.vllm_args]
         threads = config.engine.num_threads or os.cpu_count() or 1
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}"}
         servers = [VLLMServer(model_dir, python=python, args=args, env=env, ready_timeout=generator.ready_timeout_s,
@@ -125,7 +132,8 @@ def vllm_engines(config, model):
             shutil.rmtree(model_dir, ignore_errors=True)
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir,
-                              weight_transfer=transfer, transfer_workers=workers) for server in servers]
+                              weight_transfer=transfer, transfer_workers=workers,
+                              sleep_mode=colocated_memory_fraction is not None) for server in servers]
     # a pool even of one: a launched engine that dies is restarted, and its groups wait for it
     return EnginePool(engines, **pool_options(generator))
 

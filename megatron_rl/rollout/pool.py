@@ -358,6 +358,14 @@ class EnginePool:
                 self._take_out(index, f"{name} failed: {exc}")
         return out
 
+    def release_memory_occupation(self) -> dict[str, int]:
+        """Colocated engines free their memory for the trainer's step (those that can)."""
+        self._all("release_memory_occupation")
+        return {}
+
+    def resume_memory_occupation(self) -> None:
+        self._all("resume_memory_occupation")
+
     def pause(self) -> None:
         self._all("pause")
 

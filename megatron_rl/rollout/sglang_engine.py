@@ -62,10 +62,10 @@ def sglang_available() -> bool:
 
 
 def colocated_memory_fraction(plan) -> float:
-    """mem_fraction_static for an in-process engine beside the trainer (a `sim.planner.Plan`): its own
-    copy of the weights (sharded by TP only; an MoE engine holds every expert) plus the planned KV cache,
-    as a share of the GPU, rounded up to 0.01. SGLang's default (most of the GPU) would leave the trainer
-    nothing."""
+    """The GPU share of an engine beside the trainer (a `sim.planner.Plan`; SGLang's mem_fraction_static, vLLM's
+    gpu_memory_utilization): its own copy of the weights (sharded by TP only; an MoE engine holds every expert)
+    plus the planned KV cache, as a share of the GPU, rounded up to 0.01. The engines' defaults (most of the
+    GPU) would leave the trainer nothing."""
     hbm = plan.hardware.hbm_bytes
     trainer = plan.trainer_memory
     weights = plan.engine_memory.get("weights", trainer["weights"] * plan.pp)
@@ -74,7 +74,7 @@ def colocated_memory_fraction(plan) -> float:
     # the trainer's resident terms (dense and expert weights, gradients, optimizer; activations are freed)
     resident = sum(v for k, v in trainer.items() if k.endswith(("weights", "gradients", "optimizer")))
     if resident + engine > plan.usable_bytes:
-        raise ConfigError(f"field 'cluster': a colocated SGLang engine needs {engine / 2**30:.1f} GiB next to the "
+        raise ConfigError(f"field 'cluster': a colocated engine needs {engine / 2**30:.1f} GiB next to the "
                           f"trainer's {resident / 2**30:.1f} GiB, over the {plan.usable_bytes / 2**30:.1f} GiB usable")
     return math.ceil(engine / hbm * 100) / 100
 

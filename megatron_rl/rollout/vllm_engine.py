@@ -173,17 +173,19 @@ class VLLMEngine:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, max_workers: int = 64,
                  launch_version: int = 0, staging_dir: str | None = None, server: "VLLMServer | None" = None,
                  tied_embeddings: bool = False, launch_dir: str | None = None, weight_transfer: str = "reload",
-                 transfer_workers: int = 1, transfer_address: str = "127.0.0.1"):
+                 transfer_workers: int = 1, transfer_address: str = "127.0.0.1", sleep_mode: bool = False):
         """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model
         ties its output layer to the embedding and the server was launched untied (`launch_model_dir`): every
         update sends the embedding as `lm_head.weight` too. `staging_dir`: where updates are written (default:
         tmpfs, named by this process's pid so that a dead run's directory is reclaimed). `weight_transfer`:
         reload (from the staging directory), or nccl / gloo through vLLM's weight-transfer API
         (rollout/vllm_transfer.py; the server launched with that backend), with `transfer_workers` worker
-        processes (TP x PP) reaching this host at `transfer_address`."""
+        processes (TP x PP) reaching this host at `transfer_address`. `sleep_mode`: the server was launched with
+        `--enable-sleep-mode` beside the trainer, and sleeps while it trains (`release_memory_occupation`)."""
         if weight_transfer not in ("reload", *TRANSFER_BACKENDS):
             raise ValueError(f"weight_transfer {weight_transfer!r}: reload, {', '.join(TRANSFER_BACKENDS)}")
         self.weight_transfer = weight_transfer
+        self.sleep_mode = sleep_mode
         self._transfer_options = dict(backend=weight_transfer, workers=transfer_workers, master_address=transfer_address)
         self._transfer: VLLMWeightTransfer | None = None
         self.tied_embeddings = tied_embeddings
@@ -326,6 +328,18 @@ class VLLMEngine:
     def resume(self) -> None:
         self._post("/resume")
         self._paused = None
+
+    def release_memory_occupation(self) -> dict[str, int]:
+        """Colocated on a GPU: the server sleeps (level 1: its weights to host memory, its KV cache freed) once
+        the requests it holds have finished, so the trainer has the GPU for its step."""
+        if self.sleep_mode:
+            self._post("/sleep?level=1&mode=wait")
+        return {}
+
+    def resume_memory_occupation(self) -> None:
+        """Undo `release_memory_occupation`: weights back on the GPU, the KV cache allocated again."""
+        if self.sleep_mode:
+            self._post("/wake_up")
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         ids = None if request_ids is None else ([request_ids] if isinstance(request_ids, str) else list(request_ids))
