@@ -23,7 +23,15 @@ from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine, VLLMServer, device_server_args, launch_model_dir, vllm_python
+from megatron_rl.rollout.vllm_checksums import ParameterDigests
+from megatron_rl.rollout.vllm_engine import (
+    VLLMEngine,
+    VLLMServer,
+    with_output_layer,
+    device_server_args,
+    launch_model_dir,
+    vllm_python,
+)
 from megatron_rl.rollout.vllm_transfer import (
     VLLMWeightTransfer,
     gloo_init_info,
@@ -228,7 +236,8 @@ def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native
     native engine's with the same weights, labelled with the new version; an update while a request decodes
     splits its tokens between the two versions, in order."""
     launched, model, state, _ = vllm_server
-    engine = VLLMEngine(launched.base_url, tied_embeddings=launched.tied, weight_transfer="gloo")
+    engine = VLLMEngine(launched.base_url, tied_embeddings=launched.tied, weight_transfer="gloo", verify_weights=True,
+                        weight_dtype=torch.float32)  # each update read back: a differing parameter fails it
     try:
         start = engine.version
         for round_, seed in enumerate((3, 4), start=1):
@@ -246,8 +255,22 @@ def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native
         versions = future.result().weight_versions
         assert versions[0] == start + 2 and versions[-1] == start + 3 and versions == sorted(versions)
         _greedy_equals_native(engine, model, state)  # back to the module's weights for the other tests
+        # the read-back tells weights apart: every parameter whose bytes the CPU build keeps (embedding, output
+        # layer, norms; its linear weights live in oneDNN) differs from the digests of other weights
+        other = ParameterDigests(torch.float32)
+        list(other.observe(with_output_layer(_spread_state(model.arch, 9).items())))
+        result = other.compare(engine._post("/weight_checker", {"action": "checksum"})["checksums"])
+        assert result["compared"] == 2 * model.arch.num_layers + 3
+        assert len(result["mismatched"]) == result["compared"]
+        assert engine.verify_readback(_digests_of(state))["compared"] == result["compared"]
     finally:
         engine.close()
+
+
+def _digests_of(state):
+    digests = ParameterDigests(torch.float32)
+    list(digests.observe(with_output_layer(state.items())))
+    return digests
 
 
 def test_a_sleeping_server_wakes_up_serving_the_same_weights(vllm_server):

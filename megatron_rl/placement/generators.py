@@ -96,6 +96,8 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
     tied = bool(model.arch.tie_word_embeddings)
     transfer = resolve_weight_transfer(generator.vllm_weight_transfer)
     workers = generator.engine_tp if torch.cuda.is_available() else 1  # a CPU server runs one worker
+    readback = dict(verify_weights=config.rollout.verify_weight_sync,
+                    weight_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(config.engine.dtype))
     if generator.urls:
         if tied:  # the servers were launched from a tied checkpoint: a reload would leave their output layer stale
             raise ConfigError("cluster.generator.urls: the model ties its output layer to its embedding, which vLLM's "
@@ -104,8 +106,8 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
                               field="cluster.generator.urls")
         # the servers' workers reach trainer rank 0 at the launch's MASTER_ADDR (gloo; NCCL finds its own way)
         address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-        engines = [VLLMEngine(url, weight_transfer=transfer, transfer_workers=workers, transfer_address=address)
-                   for url in generator.urls]
+        engines = [VLLMEngine(url, weight_transfer=transfer, transfer_workers=workers, transfer_address=address,
+                              **readback) for url in generator.urls]
     else:
         python = vllm_python(generator.vllm_python)
         check_plugin(python, transfer)
@@ -133,7 +135,7 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
             raise
         engines = [VLLMEngine(server.url, server=server, tied_embeddings=tied, launch_dir=model_dir,
                               weight_transfer=transfer, transfer_workers=workers,
-                              sleep_mode=colocated_memory_fraction is not None) for server in servers]
+                              sleep_mode=colocated_memory_fraction is not None, **readback) for server in servers]
     # a pool even of one: a launched engine that dies is restarted, and its groups wait for it
     return EnginePool(engines, **pool_options(generator))
 

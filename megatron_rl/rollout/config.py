@@ -52,7 +52,8 @@ class RolloutConfig:
     them (partial rollouts; each token records its version). pause: generation is paused for the
     update, and the KV cache is freed (when no response is in flight) before it resumes."""
     verify_weight_sync: bool = False
-    """Checksum every tensor on both sides after each weight sync (disaggregated); fail on mismatch."""
+    """Checksum every tensor on both sides after each weight sync (disaggregated; vLLM: its parameters read back
+    through /weight_checker, rollout/vllm_checksums.py); fail on mismatch."""
     weight_sync: Literal["full", "delta", "adapters"] = "full"
     """full: every weight byte goes to the engine on every sync. delta: only the elements whose bits changed
     (in the engine's dtype) since the version it holds, each tensor sent as nothing, sparse positions, a

@@ -57,6 +57,7 @@ from megatron_rl.rollout.engine import (
     submit_each,
     wait_all,
 )
+from megatron_rl.rollout.vllm_checksums import ParameterDigests
 from megatron_rl.rollout.vllm_transfer import TRANSFER_BACKENDS, VLLMWeightTransfer
 from megatron_rl.types import Completion
 from megatron_rl.weight_sync.shared_memory import OWNED_DIR_PREFIX, shm_directory
@@ -173,7 +174,8 @@ class VLLMEngine:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, max_workers: int = 64,
                  launch_version: int = 0, staging_dir: str | None = None, server: "VLLMServer | None" = None,
                  tied_embeddings: bool = False, launch_dir: str | None = None, weight_transfer: str = "reload",
-                 transfer_workers: int = 1, transfer_address: str = "127.0.0.1", sleep_mode: bool = False):
+                 transfer_workers: int = 1, transfer_address: str = "127.0.0.1", sleep_mode: bool = False,
+                 verify_weights: bool = False, weight_dtype: torch.dtype | None = None):
         """`launch_dir`: the weights the server was launched from, removed on close. `tied_embeddings`: the model
         ties its output layer to the embedding and the server was launched untied (`launch_model_dir`): every
         update sends the embedding as `lm_head.weight` too. `staging_dir`: where updates are written (default:
@@ -181,11 +183,15 @@ class VLLMEngine:
         reload (from the staging directory), or nccl / gloo through vLLM's weight-transfer API
         (rollout/vllm_transfer.py; the server launched with that backend), with `transfer_workers` worker
         processes (TP x PP) reaching this host at `transfer_address`. `sleep_mode`: the server was launched with
-        `--enable-sleep-mode` beside the trainer, and sleeps while it trains (`release_memory_occupation`)."""
+        `--enable-sleep-mode` beside the trainer, and sleeps while it trains (`release_memory_occupation`).
+        `verify_weights`: read the weights back after every update (rollout/vllm_checksums.py), as the server holds
+        them in `weight_dtype` (None: as sent)."""
         if weight_transfer not in ("reload", *TRANSFER_BACKENDS):
             raise ValueError(f"weight_transfer {weight_transfer!r}: reload, {', '.join(TRANSFER_BACKENDS)}")
         self.weight_transfer = weight_transfer
         self.sleep_mode = sleep_mode
+        self.verify_weights = verify_weights
+        self.weight_dtype = weight_dtype
         self._transfer_options = dict(backend=weight_transfer, workers=transfer_workers, master_address=transfer_address)
         self._transfer: VLLMWeightTransfer | None = None
         self.tied_embeddings = tied_embeddings
@@ -231,61 +237,78 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         """Write the tensors to a staging directory and reload them in place (or send them through vLLM's
-        weight-transfer API), generation frozen meanwhile; returns how many tensors went."""
-        if self.weight_transfer != "reload":
-            return self._transfer_weights(named_tensors, version)
-        with self._update_lock:
-            target = os.path.join(self._staging_root, f"v{version if version is not None else 'next'}-{time.time_ns()}")
-            os.makedirs(target)
-            count = 0
-            try:
-                named = iter_named_tensors(named_tensors)
-                if self.tied_embeddings:
-                    named = _with_output_layer(named)
-                for index, bucket in enumerate(_buckets(named, 1 << 30)):
-                    save_file(bucket, os.path.join(target, f"model-{index:05d}.safetensors"))
-                    count += len(bucket)
-                pause_here = self._paused is None
-                if pause_here:
-                    self._post("/pause?mode=keep")
-                try:
-                    self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": target}})
-                    if version is not None:
-                        self._post("/update_weight_version", {"new_version": str(int(version))})
-                    self._post("/reset_prefix_cache?reset_running_requests=true")
-                finally:
-                    if pause_here:
-                        self._post("/resume")
-            except BaseException:
-                shutil.rmtree(target, ignore_errors=True)
-                raise
-            if self._staged is not None:  # the server reads its model from the newest directory from now on
-                shutil.rmtree(self._staged, ignore_errors=True)
-            self._staged = target
-            self._staged_version = self.launch_version if version is None else int(version)
-            return count
-
-    def _transfer_weights(self, named_tensors: NamedTensors, version: int | None) -> int:
+        weight-transfer API), generation frozen meanwhile; returns how many tensors went. With `verify_weights`,
+        the server's parameters are then read back and compared (`verify_readback`)."""
         with self._update_lock:
             named = iter_named_tensors(named_tensors)
             if self.tied_embeddings:
-                named = _with_output_layer(named)
-            if self._transfer is None:
-                self._transfer = VLLMWeightTransfer(self._post, **self._transfer_options)
+                named = with_output_layer(named)
+            digests = ParameterDigests(self.weight_dtype) if self.verify_weights else None
+            if digests is not None:
+                named = digests.observe(named)
+            count = self._reload(named, version) if self.weight_transfer == "reload" else \
+                self._transfer_weights(named, version)
+            if digests is not None:
+                self.verify_readback(digests)
+            return count
+
+    def verify_readback(self, digests: ParameterDigests) -> dict[str, Any]:
+        """The server's parameters (`/weight_checker` checksum) against `digests` of what was sent; a mismatch
+        fails the sync (RuntimeError naming the parameters), and a read-back that compares nothing too."""
+        result = digests.compare(self._post("/weight_checker", {"action": "checksum"})["checksums"])
+        if result["mismatched"] or not result["compared"]:
+            raise RuntimeError(f"{self.base_url}: weight read-back after the update: {len(result['mismatched'])} of "
+                               f"{result['compared']} parameters differ from what was sent "
+                               f"({', '.join(result['mismatched'][:5]) or 'none comparable'})")
+        log.info("%s: read back %d parameters, all equal to what was sent (%d not comparable here)", self.base_url,
+                 result["compared"], len(result["not_compared"]))
+        return result
+
+    def _reload(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> int:
+        target = os.path.join(self._staging_root, f"v{version if version is not None else 'next'}-{time.time_ns()}")
+        os.makedirs(target)
+        count = 0
+        try:
+            for index, bucket in enumerate(_buckets(named, 1 << 30)):
+                save_file(bucket, os.path.join(target, f"model-{index:05d}.safetensors"))
+                count += len(bucket)
             pause_here = self._paused is None
             if pause_here:
                 self._post("/pause?mode=keep")
             try:
-                sent = self._transfer.send(named, version)
+                self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": target}})
+                if version is not None:
+                    self._post("/update_weight_version", {"new_version": str(int(version))})
                 self._post("/reset_prefix_cache?reset_running_requests=true")
-            except BaseException:
-                self._transfer.close()  # what the group holds is unknown now: the next update forms it again
-                self._transfer = None
-                raise
             finally:
                 if pause_here:
                     self._post("/resume")
-            return int(sent["tensors"])
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        if self._staged is not None:  # the server reads its model from the newest directory from now on
+            shutil.rmtree(self._staged, ignore_errors=True)
+        self._staged = target
+        self._staged_version = self.launch_version if version is None else int(version)
+        return count
+
+    def _transfer_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> int:
+        if self._transfer is None:
+            self._transfer = VLLMWeightTransfer(self._post, **self._transfer_options)
+        pause_here = self._paused is None
+        if pause_here:
+            self._post("/pause?mode=keep")
+        try:
+            sent = self._transfer.send(named, version)
+            self._post("/reset_prefix_cache?reset_running_requests=true")
+        except BaseException:
+            self._transfer.close()  # what the group holds is unknown now: the next update forms it again
+            self._transfer = None
+            raise
+        finally:
+            if pause_here:
+                self._post("/resume")
+        return int(sent["tensors"])
 
     @property
     def stages_weights(self) -> bool:
@@ -389,7 +412,7 @@ class VLLMEngine:
         self.close()
 
 
-def _with_output_layer(named: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+def with_output_layer(named: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
     for name, tensor in named:
         yield name, tensor
         if name == "model.embed_tokens.weight":
@@ -406,7 +429,7 @@ def launch_model_dir(path: str, arch, state: dict[str, Any], tokenizer) -> bool:
     named: Iterable[tuple[str, Any]] = state.items()
     if tied:
         arch = dataclasses.replace(arch, tie_word_embeddings=False)
-        named = _with_output_layer(state.items())
+        named = with_output_layer(state.items())
     os.makedirs(path, exist_ok=True)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     config = to_hf_config(arch, dtype=dtype, torch_dtype=dtype)
