@@ -21,6 +21,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.controller.loop import train
 from megatron_rl.models.pretrained import load_pretrained
 from megatron_rl.rollout.config import NativeEngineConfig
+from megatron_rl.rollout.client import EngineHTTPError
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.vllm_checksums import ParameterDigests
@@ -285,6 +286,52 @@ def test_a_sleeping_server_wakes_up_serving_the_same_weights(vllm_server):
         _greedy_equals_native(engine, model, state)
     finally:
         engine.close()
+
+
+def test_a_transfer_round_makes_vllms_control_calls_in_order():
+    """Without a server (a group of one: trainer rank 0 alone): the group is formed once, each round is start,
+    one update per bucket naming its tensors in broadcast order, finish with the version label; a failing
+    control call leaves the round."""
+    calls = []
+    transfer = VLLMWeightTransfer(lambda path, body: calls.append((path, body)), backend="gloo", workers=0,
+                                  bucket_bytes=60)
+    state = {"a": torch.zeros(10), "b": torch.ones(20, dtype=torch.bfloat16), "c": torch.zeros(3)}
+    sent = transfer.send(iter(state.items()), version=4)
+    assert sent == {"tensors": 3.0, "bytes": 40.0 + 40.0 + 12.0, "buckets": 2.0}
+    assert [p for p, _ in calls] == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                                     "/update_weights", "/finish_weight_update"]
+    assert calls[0][1]["init_info"]["world_size"] == 1 and calls[0][1]["init_info"]["rank_offset"] == 1
+    assert [c[1]["update_info"]["names"] for c in calls[2:4]] == [["a"], ["b", "c"]]
+    assert calls[3][1]["update_info"]["dtype_names"] == ["bfloat16", "float32"] and calls[4][1] == {"weight_version": "4"}
+    calls.clear()
+    transfer.send(iter(state.items()))  # the group stays; no version: the label is left as it is
+    assert [p for p, _ in calls][0] == "/start_weight_update" and calls[-1] == ("/finish_weight_update", {})
+
+
+
+def test_a_worker_that_dies_mid_round_fails_the_round_at_once():
+    """A server whose worker joined the group and then died: its /update_weights fails, and the broadcast the
+    worker will never take is left at once rather than waited on for the group's 30-minute timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    worker = {}
+
+    def server(path, body):
+        if path == "/init_weight_transfer_engine":  # the worker joins as rank 1, as the plugin does
+            info = body["init_info"]
+            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False)
+            worker["group"] = dist.ProcessGroupGloo(dist.PrefixStore(info["group_name"], store), 1, info["world_size"],
+                                                    datetime.timedelta(seconds=info["timeout_s"]))
+        if path == "/update_weights":
+            raise EngineHTTPError(500, "worker died")
+
+    transfer = VLLMWeightTransfer(server, backend="gloo", workers=1)
+    started = time.monotonic()
+    with pytest.raises(EngineHTTPError, match="worker died"):
+        transfer.send(iter({"w": torch.zeros(1 << 20)}.items()), version=5)
+    assert time.monotonic() - started < 60
 
 
 def test_our_nccl_and_gloo_payloads_are_what_vllm_parses(tmp_path):

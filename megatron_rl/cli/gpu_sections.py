@@ -10,6 +10,7 @@ GPU for a GPU-only kernel), and its failure is the process's exit status with th
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import os
@@ -35,6 +36,7 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.sglang_engine import sglang_available
+from megatron_rl.rollout.vllm_transfer import VLLMWeightTransfer
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.model import transformer_engine_problem
 from megatron_rl.trainer.parallel import free_port
@@ -251,7 +253,8 @@ def section_logprob(s: Shapes, facts: dict, budget_s: float) -> dict:
 
 def section_weight_sync(s: Shapes, facts: dict, budget_s: float) -> dict:
     """Trainer -> engine on this device: export the HF views, load them into the engine (the path a
-    colocated run takes; NCCL between processes needs a second GPU)."""
+    colocated run takes; NCCL between processes needs a second GPU); then the trainer's side of vLLM's NCCL
+    weight transfer (`vllm_nccl_sender`)."""
     device = _device()
     _, trainer = trainer_step(s, device, "none", "local", steps=1)
     state = trainer.export_hf_state()
@@ -272,6 +275,34 @@ def section_weight_sync(s: Shapes, facts: dict, budget_s: float) -> dict:
     if facts.get("copy_GBps"):
         result["frac_of_copy"] = result["sync_GBps"] / facts["copy_GBps"]
     print(f"[weight sync] {nbytes / 2**30:.2f} GiB in {elapsed * 1e3:.1f} ms = {result['sync_GBps']:.0f} GB/s", flush=True)
+    if device == "cuda":
+        result["vllm_nccl"] = vllm_nccl_sender(trainer.export_hf_state())
+        if not result["vllm_nccl"]["ok"]:
+            raise RuntimeError(f"vLLM NCCL sender: unexpected calls or counts: {result}")
+    return result
+
+
+def vllm_nccl_sender(state: dict[str, torch.Tensor]) -> dict:
+    """The trainer's side of vLLM's NCCL weight transfer (rollout/vllm_transfer.py) on this device: the
+    torch.cuda.nccl calls it makes (unique id, a communicator from it, the warm-up all-reduce, one broadcast per
+    tensor) in a group of one (NCCL refuses two ranks on one GPU, and vLLM is not installed here), with the
+    control-plane calls a vLLM server would get recorded and checked in order."""
+    calls: list[tuple[str, object]] = []
+    transfer = VLLMWeightTransfer(lambda path, body: calls.append((path, body)), backend="nccl", workers=0)
+    start = time.perf_counter()
+    sent = transfer.send(iter(state.items()), version=7)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    paths = [path for path, _ in calls]
+    init = calls[0][1]["init_info"]
+    ok = (paths == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"]
+          and len(base64.b64decode(init["nccl_unique_id_b64"])) == 128 and init["world_size"] == 1
+          and calls[2][1]["update_info"]["names"] == list(state) and calls[3][1] == {"weight_version": "7"}
+          and sent["tensors"] == len(state))
+    transfer.close()
+    result = {"calls": paths, "tensors": sent["tensors"], "bytes": sent["bytes"], "send_s": seconds, "ok": ok}
+    print(f"[weight sync] vLLM NCCL sender: {int(sent['tensors'])} tensors, {sent['bytes'] / 1e6:.0f} MB through "
+          f"torch.cuda.nccl in {seconds:.3f} s; control calls {paths}", flush=True)
     return result
 
 

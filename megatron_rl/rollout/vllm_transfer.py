@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -117,12 +118,22 @@ class VLLMWeightTransfer:
         self._group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_NAME, self._store), 0, self.world_size,
                                             self.timeout)
 
-    def _broadcast(self, tensor: torch.Tensor) -> int:
+    def _broadcast(self, tensor: torch.Tensor, calls) -> int:
+        """One tensor from rank 0; `calls`: the server's `/update_weights`, which fails first when a worker died
+        (gloo: the broadcast is then left, not waited on for the group's timeout; an NCCL broadcast cannot be
+        left: its stream waits for the peer)."""
         tensor = tensor.detach().to(self.device).contiguous()
         if self.backend == "nccl":
             torch.cuda.nccl.broadcast([tensor], root=0, comms=[self._group])
         else:
-            self._group.broadcast([wire_tensor(tensor, "gloo")], dist.BroadcastOptions()).wait()
+            work = self._group.broadcast([wire_tensor(tensor, "gloo")], dist.BroadcastOptions())
+            pause = 1e-4
+            while not work.is_completed():
+                if calls.errors:
+                    raise calls.errors[0]
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            work.wait()  # raises what the broadcast failed with
         return tensor.numel() * tensor.element_size()
 
     # --- a round --------------------------------------------------------------------------------
@@ -137,7 +148,7 @@ class VLLMWeightTransfer:
             info = update_info(bucket)
             calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
             for _, tensor in bucket:
-                sent += self._broadcast(tensor)
+                sent += self._broadcast(tensor, calls)
             if self.backend == "nccl":
                 torch.cuda.current_stream(self.device).synchronize()
             calls.join()

@@ -219,6 +219,8 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
 
 
 class _Calls:
+    """Calls running in threads (`run_all`); `errors`: what those that failed raised, so far."""
+
     def __init__(self, threads: list[threading.Thread], errors: list[BaseException]):
         self.threads, self.errors = threads, errors
 
