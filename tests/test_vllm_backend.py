@@ -391,12 +391,17 @@ def test_a_dead_runs_staging_directory_is_reclaimed(tmp_path):
     assert not stale.exists() and mine.exists()
 
 
-def test_a_run_rolled_out_by_vllm_trains_and_leaves_nothing_behind(vllm_chat_model, tmp_path):
+@pytest.mark.parametrize("transfer", ["reload", "gloo"])
+def test_a_run_rolled_out_by_vllm_trains_and_leaves_nothing_behind(vllm_chat_model, tmp_path, transfer, caplog):
+    """reload: the step's weights reloaded from tmpfs; gloo: sent through vLLM's weight-transfer API and read
+    back after every sync (rollout.verify_weight_sync: a differing parameter would fail the run)."""
     _vllm_or_skip()
+    caplog.set_level("INFO", logger="megatron_rl.rollout.vllm_engine")
     run_dir = str(tmp_path / "run")
     config = _config(vllm_chat_model, run_dir, "steps=2", "cluster.generator.backend=vllm",
                      "cluster.generator.vllm_args=[--enforce-eager]", "cluster.generator.vllm_kv_cache_gib=1",
-                     "rollout.temperature=1.0")
+                     "rollout.temperature=1.0", f"cluster.generator.vllm_weight_transfer={transfer}",
+                     f"rollout.verify_weight_sync={transfer == 'gloo'}")
     summary = train(config)
     assert summary.steps == 2
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -404,7 +409,12 @@ def test_a_run_rolled_out_by_vllm_trains_and_leaves_nothing_behind(vllm_chat_mod
     assert mismatch and max(mismatch) < LOGPROB_TOL  # vLLM's behaviour log-probs against the trainer's
     assert {m["rollout/staleness_max"] for m in metrics if "rollout/staleness_max" in m} == {0}
     log = open(os.path.join(run_dir, "vllm_0.log"), encoding="utf-8", errors="replace").read()
-    assert "reload" in log.lower()  # the step's weights went in by the in-place reload
+    if transfer == "reload":
+        assert "reload" in log.lower()  # the step's weights went in by the in-place reload
+    else:
+        assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
+        readbacks = [r.getMessage() for r in caplog.records if "read back" in r.getMessage()]
+        assert len(readbacks) == 2 and all("read back 7 parameters, all equal" in m for m in readbacks)
     assert not [p for p in _processes() if f"{OWNED_DIR_PREFIX}{os.getpid()}-vllm-model" in p]  # the run's server
     from megatron_rl.weight_sync.shared_memory import shm_directory
 
@@ -437,8 +447,9 @@ def _vllm_servers_of_this_process() -> list[int]:
     return sorted(set(found))
 
 
-def _one_launched_engine_pool(model_path, tmp_path, **pool_options):
-    """(model, its launched vLLM server, a pool of that one engine), the server ready."""
+def _one_launched_engine_pool(model_path, tmp_path, transfer="reload", **pool_options):
+    """(model, its launched vLLM server, a pool of that one engine), the server ready; `transfer`: how weights
+    reach it (reload, or gloo through vLLM's weight-transfer API)."""
     from megatron_rl.rollout.pool import EnginePool
 
     python = _vllm_or_skip()
@@ -447,10 +458,11 @@ def _one_launched_engine_pool(model_path, tmp_path, **pool_options):
     tied = launch_model_dir(model_dir, model.arch, _spread_state(model.arch, 0), model.tokenizer)
     server = VLLMServer(model_dir, python=python, log_path=str(tmp_path / "server.log"),
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_timeout=600,
-                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args()])
+                        args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *device_server_args(),
+                              *([] if transfer == "reload" else weight_transfer_config(transfer))])
     server.wait_ready(600)
-    pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"))],
-                      dead_engine_timeout_s=600, **pool_options)
+    pool = EnginePool([VLLMEngine(server.url, server=server, tied_embeddings=tied, staging_dir=str(tmp_path / "s"),
+                                  weight_transfer=transfer)], dead_engine_timeout_s=600, **pool_options)
     return model, server, pool
 
 
@@ -512,7 +524,30 @@ def test_a_sigkilled_vllm_server_restarts_with_the_weights_it_missed(vllm_chat_m
 
 
 @pytest.mark.slow
-def test_a_run_goes_on_when_one_of_its_vllm_engines_is_sigkilled(vllm_chat_model, tmp_path):
+def test_a_sigkilled_vllm_server_fed_by_weight_transfer_restarts_with_the_last_weights_pushed(vllm_chat_model,
+                                                                                             tmp_path):
+    """The same with the gloo weight transfer, where no update is on disk: the restart relaunches the server from
+    its launch weights, forms a new transfer group and sends it the pool's last push (v1); the next update goes
+    through that group."""
+    model, server, pool = _one_launched_engine_pool(vllm_chat_model, tmp_path, transfer="gloo")
+    try:
+        v1 = _spread_state(model.arch, 1)
+        pool.update_weights(v1, version=1)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        completions = pool.generate(_greedy(_prompts(model)))
+        _assert_restarted_once_serving(pool, model, completions, v1, 1)
+        v2 = _spread_state(model.arch, 2)
+        pool.update_weights(v2, version=2)
+        _greedy_equals_native(pool.engines[0], model, v2)
+    finally:
+        pool.close()
+    assert not pool.engines[0].server.alive()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transfer", ["reload", "gloo"])
+def test_a_run_goes_on_when_one_of_its_vllm_engines_is_sigkilled(vllm_chat_model, tmp_path, transfer):
     """Two launched vLLM engines; after step 1 one is SIGKILLed with its whole process tree (API server, engine
     core, worker). The run finishes: the dead engine is taken out and its groups go to the other (its restart is
     the test above), the prompt ledger lists every prompt once, and no server outlives the run."""
@@ -520,7 +555,7 @@ def test_a_run_goes_on_when_one_of_its_vllm_engines_is_sigkilled(vllm_chat_model
     run_dir = str(tmp_path / "run")
     config = _config(vllm_chat_model, run_dir, "steps=6", "cluster.generator.backend=vllm",
                      "cluster.generator.num_engines=2", "cluster.generator.vllm_args=[--enforce-eager]",
-                     "cluster.generator.vllm_kv_cache_gib=1")
+                     "cluster.generator.vllm_kv_cache_gib=1", f"cluster.generator.vllm_weight_transfer={transfer}")
     killed: list[int] = []
 
     def kill_one_after_step_one():
