@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "lora": "megatron_rl.trainer.bench_lora:bench_lora",
     "rollout": "megatron_rl.rollout.bench_generate:bench_rollout",
     "serve": "megatron_rl.rollout.bench_serve:bench_serve",
+    "vllm-sync": "megatron_rl.rollout.bench_vllm_sync:bench_vllm_sync",
     "serve-memory": "megatron_rl.rollout.bench_serve_memory:bench_serve_memory",
     "logprob": "megatron_rl.kernels.bench_logprob:bench_logprob",
     "async": "megatron_rl.controller.bench_async:bench_async",
