@@ -96,6 +96,10 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
     tied = bool(model.arch.tie_word_embeddings)
     transfer = resolve_weight_transfer(generator.vllm_weight_transfer)
     workers = generator.engine_tp if torch.cuda.is_available() else 1  # a CPU server runs one worker
+    if config.rollout.verify_weight_sync and workers > 1:
+        raise ConfigError(f"rollout.verify_weight_sync: vLLM servers of {workers} workers hold shards of each parameter, "
+                          "which the read-back does not compare (rollout/vllm_checksums.py); it checks servers of one "
+                          "worker (cluster.generator.engine_tp 1)", field="rollout.verify_weight_sync")
     readback = dict(verify_weights=config.rollout.verify_weight_sync,
                     weight_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(config.engine.dtype))
     if generator.urls:

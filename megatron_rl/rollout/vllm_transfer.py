@@ -144,16 +144,23 @@ class VLLMWeightTransfer:
             self.open()
         self.post("/start_weight_update", None)
         tensors = sent = count = 0
-        for bucket in buckets(named, self.bucket_bytes):
-            info = update_info(bucket)
-            calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
-            for _, tensor in bucket:
-                sent += self._broadcast(tensor, calls)
-            if self.backend == "nccl":
-                torch.cuda.current_stream(self.device).synchronize()
-            calls.join()
-            tensors += len(bucket)
-            count += 1
+        try:
+            for bucket in buckets(named, self.bucket_bytes):
+                info = update_info(bucket)
+                calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
+                for _, tensor in bucket:
+                    sent += self._broadcast(tensor, calls)
+                if self.backend == "nccl":
+                    torch.cuda.current_stream(self.device).synchronize()
+                calls.join()
+                tensors += len(bucket)
+                count += 1
+        except BaseException:
+            try:  # close the server's session (its weights are part-updated; the next round sends them all)
+                self.post("/finish_weight_update", {})
+            except Exception as exc:
+                log.debug("finish_weight_update after a failed round: %s", exc)
+            raise
         self.post("/finish_weight_update", {} if version is None else {"weight_version": str(int(version))})
         return {"tensors": float(tensors), "bytes": float(sent), "buckets": float(count)}
 
