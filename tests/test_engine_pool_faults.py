@@ -71,6 +71,12 @@ class RestartableEngine(ServedEngine):
         self.killed = False
 
 
+def _wait_for_restarts(pool, count, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while pool.engine_metrics["rollout/engine_restarts"] < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _groups(count, n=3, tokens=12):
     return [GenerateRequest(prompt_ids=prompt(i, 6), request_id=f"p{i}",
                             sampling=SamplingParams(max_new_tokens=tokens, n=n, seed=100 + i)) for i in range(count)]
@@ -112,18 +118,14 @@ def test_a_restartable_engine_comes_back_with_the_current_weights_and_version(ti
         engines[1].kill()
         completions = pool.generate(_groups(6))
         assert {v for c in completions for v in c.weight_versions} == {4}
-        deadline = time.monotonic() + 60
-        while pool.engine_metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_restarts(pool, 1)
         assert pool.engine_metrics == {"rollout/engine_restarts": 1.0, "rollout/engines_live": 2.0}
         assert engines[1].restarted_with == (None, 4) and engines[1].version == 4
         # found dead by a weight update: it restarts from the newest weights on disk (the live engine's, or its
         # own when the restart began before the live engine took the update) and then takes any it missed
         engines[0].kill()
         pool.update_weights({k: v + 0.02 for k, v in state.items()}, version=5)
-        deadline = time.monotonic() + 60
-        while pool.engine_metrics["rollout/engine_restarts"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_restarts(pool, 2)
         assert engines[0].restarted_with in ((None, 4), (None, 5)) and engines[0].version == 5
     finally:
         pool.close()
@@ -172,9 +174,7 @@ def test_an_engine_whose_weights_live_only_in_its_server_restarts_with_the_last_
         pool.update_weights(new_state, version=3)
         engines[1].kill()
         pool.generate(_groups(2))
-        deadline = time.monotonic() + 60
-        while pool.engine_metrics["rollout/engine_restarts"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_restarts(pool, 1)
         assert engines[1].restarted_with == (None, 0)  # relaunched from its launch weights ...
         assert engines[1].version == 3  # ... then given the pool's last push
         for name, tensor in new_state.items():
