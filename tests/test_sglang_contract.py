@@ -398,7 +398,7 @@ def test_colocated_engine_memory_fraction_from_the_plan():
     for key in ("mem_fraction_static", "enable_memory_saver", "enable_deterministic_inference"):
         assert "--" + key.replace("_", "-") in CONTRACT["server_flags"]  # sglang.Engine takes ServerArgs fields
     plan.engine_memory["kv_cache"] = 50 * gib
-    with pytest.raises(ConfigError, match="colocated SGLang engine"):
+    with pytest.raises(ConfigError, match="a colocated engine needs"):
         colocated_engine_kwargs(plan, deterministic=False)
     # MoE: the engine holds every expert (the trainer's share x PP x EP), the trainer keeps its expert state
     moe = SimpleNamespace(hardware=plan.hardware, pp=2, ep=4, usable_bytes=72 * gib, engine_memory={"kv_cache": 10 * gib},
