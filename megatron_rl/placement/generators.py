@@ -94,7 +94,7 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
     GPU (`--gpu-memory-utilization`) and runs with sleep mode, so it frees its memory while the trainer steps."""
     generator = config.cluster.generator
     tied = bool(model.arch.tie_word_embeddings)
-    transfer = resolve_weight_transfer(generator.vllm_weight_transfer)
+    transfer = resolve_weight_transfer(generator.vllm_weight_transfer, colocated=colocated_memory_fraction is not None)
     workers = generator.engine_tp if torch.cuda.is_available() else 1  # a CPU server runs one worker
     if config.rollout.verify_weight_sync and workers > 1:
         raise ConfigError(f"rollout.verify_weight_sync: vLLM servers of {workers} workers hold shards of each parameter, "

@@ -197,8 +197,9 @@ class GeneratorGroupConfig:
     """backend vllm: how weights reach the servers (docs/vllm.md). reload: written as safetensors to this host's
     tmpfs and reloaded in place by the server (a server on this host); nccl / gloo: vLLM's weight-transfer API,
     every tensor broadcast from trainer rank 0 to the server's workers (nccl: GPU; gloo: TCP, for servers on
-    other hosts without GPUs, with megatron_rl's vLLM plugin in their environment). auto: nccl with a GPU,
-    else reload. Servers in `urls` must have been started with the matching `--weight-transfer-config`."""
+    other hosts without GPUs, with megatron_rl's vLLM plugin in their environment). auto: nccl with a GPU (reload
+    for servers on the trainer's own GPUs, rollout.placement colocated: NCCL refuses two ranks on one GPU), else
+    reload. Servers in `urls` must have been started with the matching `--weight-transfer-config`."""
     vllm_kv_cache_gib: float = 2.0
     """backend vllm on CPU: the KV cache of each launched server (VLLM_CPU_KVCACHE_SPACE)."""
     ready_timeout_s: float = 600.0

@@ -90,15 +90,20 @@ def vllm_python(configured: str = "") -> str:
                       field="cluster.generator.vllm_python")
 
 
-def resolve_weight_transfer(setting: str) -> str:
-    """`cluster.generator.vllm_weight_transfer` for this machine: auto is nccl with a GPU, else reload; nccl
-    without a GPU is refused by name."""
+def resolve_weight_transfer(setting: str, *, colocated: bool = False) -> str:
+    """`cluster.generator.vllm_weight_transfer` for this machine: auto is nccl with a GPU, else reload, and reload
+    for servers that share the trainer's GPUs (`colocated`), where nccl is refused by name (NCCL refuses two ranks
+    on one GPU, and trainer rank 0 would share one with a worker); nccl without a GPU is refused by name."""
     if setting == "auto":
-        return "nccl" if torch.cuda.is_available() else "reload"
+        return "nccl" if torch.cuda.is_available() and not colocated else "reload"
     if setting == "nccl" and not torch.cuda.is_available():
         raise ConfigError("cluster.generator.vllm_weight_transfer: nccl needs a GPU in this process; without one use "
                           "reload (a server on this host) or gloo (docs/vllm.md)",
                           field="cluster.generator.vllm_weight_transfer")
+    if setting == "nccl" and colocated:
+        raise ConfigError("cluster.generator.vllm_weight_transfer: nccl between the trainer and vLLM servers on its own "
+                          "GPUs (rollout.placement colocated) would put two ranks on one GPU, which NCCL refuses; use "
+                          "reload (or auto)", field="cluster.generator.vllm_weight_transfer")
     return setting
 
 
