@@ -5,9 +5,11 @@ the native engine computes with the same weights, version spans, and a training 
 that leaves no server process or staging directory behind."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -340,8 +342,12 @@ def test_our_nccl_and_gloo_payloads_are_what_vllm_parses(tmp_path):
     python = _vllm_or_skip()
     bucket = [("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)),
               ("model.norm.weight", torch.zeros(2))]
+    # ipc: the handles as ipc_handles() encodes them (per tensor {GPU UUID: rebuild_cuda_tensor's 15 arguments},
+    # pickled, standard base64); real CUDA handles need a GPU (gpu_check's weight_sync section maps them)
+    handles = base64.b64encode(pickle.dumps([{"GPU-0": tuple(range(15))}, {"GPU-0": tuple(range(15))}])).decode()
     payload = {"nccl": nccl_init_info(bytes(range(128)), 3), "gloo": gloo_init_info("10.0.0.1", 29511, 2, 60.0),
-               "update": update_info(bucket), "flags": weight_transfer_config("nccl")}
+               "update": update_info(bucket), "flags": weight_transfer_config("nccl"),
+               "ipc": {**update_info(bucket), "ipc_handles_pickled": handles}}
     probe = """
 import json, sys
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
@@ -357,6 +363,10 @@ assert update.dtype_names == ["bfloat16", "float32"] and update.shapes == [[4, 2
 GlooWeightTransferUpdateInfo(**p["update"])
 gloo = GlooWeightTransferInitInfo(**p["gloo"])
 assert (gloo.master_address, gloo.master_port, gloo.rank_offset, gloo.world_size) == ("10.0.0.1", 29511, 1, 2)
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+assert IPCWeightTransferInitInfo(packed=False).packed is False
+ipc = IPCWeightTransferUpdateInfo(**p["ipc"])
+assert ipc.ipc_handles == [{"GPU-0": tuple(range(15))}] * 2 and ipc.names == p["update"]["names"]
 args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", *p["flags"]])
 assert AsyncEngineArgs.from_cli_args(args).weight_transfer_config.backend == "nccl"
 print("parsed")
@@ -365,11 +375,12 @@ print("parsed")
     path.write_text(json.dumps(payload))
     import subprocess
 
-    out = subprocess.run([python, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([python, "-c", probe, str(path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     assert out.returncode == 0 and "parsed" in out.stdout, out.stderr[-2000:]
 
 
-def test_nccl_is_refused_by_name_where_it_cannot_run():
+def test_transfers_are_refused_by_name_where_they_cannot_run():
     from megatron_rl.rollout.vllm_engine import resolve_weight_transfer
 
     gpu = torch.cuda.is_available()
@@ -379,9 +390,16 @@ def test_nccl_is_refused_by_name_where_it_cannot_run():
     with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_weight_transfer: nccl (needs a GPU|between the "
                                           r"trainer and vLLM servers on its own GPUs)"):
         resolve_weight_transfer("nccl", colocated=True)
+    with pytest.raises(ConfigError, match=r"cluster\.generator\.vllm_weight_transfer: ipc maps trainer rank 0's GPU "
+                                          r"memory into the server, so it needs the server on that GPU"):
+        resolve_weight_transfer("ipc")  # a server on GPUs of its own
     if not gpu:
         with pytest.raises(ConfigError, match=r"nccl needs a GPU in this process"):
             resolve_weight_transfer("nccl")
+        with pytest.raises(ConfigError, match=r"ipc maps trainer rank 0's GPU memory"):
+            resolve_weight_transfer("ipc", colocated=True)
+    else:
+        assert resolve_weight_transfer("ipc", colocated=True) == "ipc"
 
 
 def test_a_missing_vllm_environment_is_refused_by_name(tmp_path):

@@ -48,7 +48,7 @@ SECTIONS = (
     Section("decode", 90, "native engine decode, bf16, batch 32 x 128 new tokens, against HF generate"),
     Section("train_bf16", 90, "Megatron trainer step, bf16, local layers, 8 x 2048 tokens: tokens/s, MFU"),
     Section("logprob", 60, "fused Triton log-prob kernel against torch: time, peak memory"),
-    Section("weight_sync", 60, "trainer -> engine weight update on the device: GB/s; vLLM's NCCL sender"),
+    Section("weight_sync", 60, "trainer -> engine weight update on the device: GB/s; vLLM's NCCL and IPC senders"),
     Section("sglang", 115, "SGLang server: start, generate, one weight update through our sender, read-back"),
     Section("te_fp8", 40, "Transformer Engine FP8 trainer step (where TE passes its self-test)"),
     Section("packing", 60, "packed (THD) rows against padded rows: log-probs and a training step"),

@@ -36,7 +36,7 @@ from megatron_rl.rollout.config import NativeEngineConfig
 from megatron_rl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_rl.rollout.native import NativeEngine
 from megatron_rl.rollout.sglang_engine import sglang_available
-from megatron_rl.rollout.vllm_transfer import VLLMWeightTransfer
+from megatron_rl.rollout.vllm_transfer import VLLMWeightTransfer, ipc_handles
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.model import transformer_engine_problem
 from megatron_rl.trainer.parallel import free_port
@@ -254,7 +254,7 @@ def section_logprob(s: Shapes, facts: dict, budget_s: float) -> dict:
 def section_weight_sync(s: Shapes, facts: dict, budget_s: float) -> dict:
     """Trainer -> engine on this device: export the HF views, load them into the engine (the path a
     colocated run takes; NCCL between processes needs a second GPU); then the trainer's side of vLLM's NCCL
-    weight transfer (`vllm_nccl_sender`)."""
+    and CUDA-IPC weight transfers (`vllm_nccl_sender`, `vllm_ipc_handles`)."""
     device = _device()
     _, trainer = trainer_step(s, device, "none", "local", steps=1)
     state = trainer.export_hf_state()
@@ -277,8 +277,9 @@ def section_weight_sync(s: Shapes, facts: dict, budget_s: float) -> dict:
     print(f"[weight sync] {nbytes / 2**30:.2f} GiB in {elapsed * 1e3:.1f} ms = {result['sync_GBps']:.0f} GB/s", flush=True)
     if device == "cuda":
         result["vllm_nccl"] = vllm_nccl_sender(trainer.export_hf_state())
-        if not result["vllm_nccl"]["ok"]:
-            raise RuntimeError(f"vLLM NCCL sender: unexpected calls or counts: {result}")
+        result["vllm_ipc"] = vllm_ipc_handles(trainer.export_hf_state())
+        if not (result["vllm_nccl"]["ok"] and result["vllm_ipc"]["ok"]):
+            raise RuntimeError(f"vLLM weight transfer, trainer side: {result}")
     return result
 
 
@@ -304,6 +305,37 @@ def vllm_nccl_sender(state: dict[str, torch.Tensor]) -> dict:
     print(f"[weight sync] vLLM NCCL sender: {int(sent['tensors'])} tensors, {sent['bytes'] / 1e6:.0f} MB through "
           f"torch.cuda.nccl in {seconds:.3f} s; control calls {paths}", flush=True)
     return result
+
+
+_MAP_IPC_HANDLES = """
+import base64, json, pickle, sys, torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+device = int(sys.argv[1])
+uuid = str(torch.cuda.get_device_properties(device).uuid)
+sums = []
+for handle in pickle.loads(base64.b64decode(sys.stdin.read())):
+    args = list(handle[uuid])
+    args[6] = device  # as vLLM's IPC backend does: the receiver's own device index
+    sums.append(float(rebuild_cuda_tensor(*args).double().sum()))
+print(json.dumps(sums))
+"""
+
+
+def vllm_ipc_handles(state: dict[str, torch.Tensor]) -> dict:
+    """The CUDA-IPC handles vLLM's IPC weight transfer gets from us (rollout/vllm_transfer.py `ipc_handles`),
+    mapped in another process on this GPU as vLLM's worker maps them, and the tensors there equal ours."""
+    names = list(state)[:4]
+    tensors = [state[name].detach().to("cuda").contiguous() for name in names]
+    torch.cuda.synchronize()
+    done = subprocess.run([sys.executable, "-c", _MAP_IPC_HANDLES, str(torch.cuda.current_device())],
+                          input=ipc_handles(tensors), capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return {"ok": False, "error": done.stderr[-1500:]}
+    theirs = json.loads(done.stdout.splitlines()[-1])
+    ours = [float(t.double().sum()) for t in tensors]
+    print(f"[weight sync] vLLM IPC handles: {len(names)} tensors mapped in another process, sums equal: "
+          f"{theirs == ours}", flush=True)
+    return {"tensors": names, "ok": theirs == ours, "sums": ours, "mapped_sums": theirs}
 
 
 def section_sglang(s: Shapes, facts: dict, budget_s: float) -> dict:

@@ -79,11 +79,11 @@ def sglang_server_args(engine_tp: int, precision: str, max_running_requests: int
 
 def cluster_weight_transfer(setting: str) -> str:
     """`cluster.generator.vllm_weight_transfer` for servers on generator nodes: auto is nccl (a GPU cluster);
-    reload is refused by name (it reads the trainer's tmpfs, which another node does not see)."""
-    if setting == "reload":
-        raise ConfigError("cluster.generator.vllm_weight_transfer: reload reads the weights from the trainer's tmpfs, "
-                          "which vLLM servers on generator nodes cannot see; use nccl (or auto) on a cluster",
-                          field="cluster.generator.vllm_weight_transfer")
+    reload and ipc are refused by name (the trainer's tmpfs and GPU memory, which another node does not see)."""
+    if setting in ("reload", "ipc"):
+        why = "reads the weights from the trainer's tmpfs" if setting == "reload" else "maps the trainer's GPU memory"
+        raise ConfigError(f"cluster.generator.vllm_weight_transfer: {setting} {why}, which vLLM servers on generator "
+                          "nodes cannot see; use nccl (or auto) on a cluster", field="cluster.generator.vllm_weight_transfer")
     return "nccl" if setting == "auto" else setting
 
 

@@ -96,6 +96,10 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
     tied = bool(model.arch.tie_word_embeddings)
     transfer = resolve_weight_transfer(generator.vllm_weight_transfer, colocated=colocated_memory_fraction is not None)
     workers = generator.engine_tp if torch.cuda.is_available() else 1  # a CPU server runs one worker
+    if transfer == "ipc" and workers > 1:
+        raise ConfigError(f"cluster.generator.vllm_weight_transfer: ipc hands each tensor from trainer rank 0's GPU to a "
+                          f"worker on that GPU; servers of {workers} workers (cluster.generator.engine_tp) span other "
+                          "GPUs: use reload, or engine_tp 1", field="cluster.generator.vllm_weight_transfer")
     if config.rollout.verify_weight_sync and workers > 1:
         raise ConfigError(f"rollout.verify_weight_sync: vLLM servers of {workers} workers hold shards of each parameter, "
                           "which the read-back does not compare (rollout/vllm_checksums.py); it checks servers of one "
@@ -126,7 +130,9 @@ def vllm_engines(config, model, *, colocated_memory_fraction: float | None = Non
                   ["--enable-sleep-mode", "--gpu-memory-utilization", f"{colocated_memory_fraction:g}"]),
                 *generator.vllm_args]
         threads = config.engine.num_threads or os.cpu_count() or 1
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}"}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{generator.vllm_kv_cache_gib:g}",
+               # ipc's handles are pickled; the server is this run's own, on loopback
+               **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if transfer == "ipc" else {})}
         servers = [VLLMServer(model_dir, python=python, args=args, env=env, ready_timeout=generator.ready_timeout_s,
                               log_path=os.path.join(config.run_dir, f"vllm_{i}.log")) for i in range(generator.num_engines)]
         try:

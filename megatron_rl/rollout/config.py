@@ -193,13 +193,14 @@ class GeneratorGroupConfig:
     vllm_args: list[str] = dataclasses.field(default_factory=list)
     """backend vllm: more `vllm serve` flags for the servers the run launches (e.g. ["--enforce-eager"] on CPU:
     starts in about 25 s instead of 70 to 90 s of graph compilation, about 15% slower decoding)."""
-    vllm_weight_transfer: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    vllm_weight_transfer: Literal["auto", "reload", "nccl", "gloo", "ipc"] = "auto"
     """backend vllm: how weights reach the servers (docs/vllm.md). reload: written as safetensors to this host's
-    tmpfs and reloaded in place by the server (a server on this host); nccl / gloo: vLLM's weight-transfer API,
-    every tensor broadcast from trainer rank 0 to the server's workers (nccl: GPU; gloo: TCP, for servers on
-    other hosts without GPUs, with megatron_rl's vLLM plugin in their environment). auto: nccl with a GPU (reload
-    for servers on the trainer's own GPUs, rollout.placement colocated: NCCL refuses two ranks on one GPU), else
-    reload. Servers in `urls` must have been started with the matching `--weight-transfer-config`."""
+    tmpfs and reloaded in place by the server (a server on this host); nccl / gloo / ipc: vLLM's weight-transfer
+    API (nccl: every tensor broadcast from trainer rank 0 to the server's workers on GPUs of their own; gloo: the
+    same over TCP, for servers without GPUs, with megatron_rl's vLLM plugin in their environment; ipc: CUDA-IPC
+    handles of rank 0's tensors, for a one-worker server beside the trainer on its GPU). auto: nccl with a GPU
+    (reload for servers on the trainer's own GPUs, rollout.placement colocated: NCCL refuses two ranks on one
+    GPU), else reload. Servers in `urls` must have been started with the matching `--weight-transfer-config`."""
     vllm_kv_cache_gib: float = 2.0
     """backend vllm on CPU: the KV cache of each launched server (VLLM_CPU_KVCACHE_SPACE)."""
     ready_timeout_s: float = 600.0

@@ -93,7 +93,8 @@ def vllm_python(configured: str = "") -> str:
 def resolve_weight_transfer(setting: str, *, colocated: bool = False) -> str:
     """`cluster.generator.vllm_weight_transfer` for this machine: auto is nccl with a GPU, else reload, and reload
     for servers that share the trainer's GPUs (`colocated`), where nccl is refused by name (NCCL refuses two ranks
-    on one GPU, and trainer rank 0 would share one with a worker); nccl without a GPU is refused by name."""
+    on one GPU, and trainer rank 0 would share one with a worker); nccl without a GPU, and ipc anywhere but
+    beside the trainer on its GPU, are refused by name."""
     if setting == "auto":
         return "nccl" if torch.cuda.is_available() and not colocated else "reload"
     if setting == "nccl" and not torch.cuda.is_available():
@@ -103,7 +104,11 @@ def resolve_weight_transfer(setting: str, *, colocated: bool = False) -> str:
     if setting == "nccl" and colocated:
         raise ConfigError("cluster.generator.vllm_weight_transfer: nccl between the trainer and vLLM servers on its own "
                           "GPUs (rollout.placement colocated) would put two ranks on one GPU, which NCCL refuses; use "
-                          "reload (or auto)", field="cluster.generator.vllm_weight_transfer")
+                          "ipc, reload or auto", field="cluster.generator.vllm_weight_transfer")
+    if setting == "ipc" and not (colocated and torch.cuda.is_available()):
+        raise ConfigError("cluster.generator.vllm_weight_transfer: ipc maps trainer rank 0's GPU memory into the server, "
+                          "so it needs the server on that GPU (rollout.placement colocated, with a GPU)",
+                          field="cluster.generator.vllm_weight_transfer")
     return setting
 
 

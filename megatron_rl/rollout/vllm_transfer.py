@@ -13,6 +13,10 @@ Transports (the server is launched with the matching `--weight-transfer-config.b
   mints an ncclUniqueId (torch.cuda.nccl), sends it base64-encoded with rank_offset 1 and the world size, and
   joins as rank 0 while the workers join; then it answers the one-element float32 all-reduce that vLLM's
   communicator issues right after ncclCommInitRank (its warm-up handshake) before anything else.
+- ipc (a server of one worker on trainer rank 0's own GPU, rollout.placement colocated): vLLM's CUDA-IPC backend,
+  unpacked: no group; each `/update_weights` carries, per tensor, the CUDA-IPC handle of rank 0's copy keyed by
+  the GPU's UUID (`torch.multiprocessing.reductions.reduce_tensor`'s arguments, pickled: the server needs
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1), and the worker maps it and loads from it in place.
 - gloo (no GPU): the backend of megatron_rl's vLLM plugin (plugins/vllm: installed into vLLM's environment by
   scripts/setup_vllm_cpu.sh): this process serves a TCPStore on an ephemeral port, and both sides build
   `ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size)`.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import pickle
 import time
 from typing import Any, Callable, Iterable
 
@@ -35,7 +40,7 @@ from megatron_rl.weight_sync.distributed import buckets, dtype_name, run_all, wi
 
 log = logging.getLogger(__name__)
 
-TRANSFER_BACKENDS = ("nccl", "gloo")
+TRANSFER_BACKENDS = ("nccl", "gloo", "ipc")
 GROUP_NAME = "megatron_rl_weight_transfer"  # the plugin's default (plugins/vllm/megatron_rl_vllm/gloo_transfer.py)
 
 
@@ -64,6 +69,19 @@ def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
             "shapes": [list(t.shape) for _, t in bucket]}
 
 
+def ipc_handles(tensors: list[torch.Tensor]) -> str:
+    """The `ipc_handles_pickled` of vLLM's IPCWeightTransferUpdateInfo for CUDA tensors on this process's GPU:
+    per tensor, {GPU UUID: the arguments `rebuild_cuda_tensor` takes}, pickled and base64-encoded."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = []
+    for tensor in tensors:
+        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+        _, args = reduce_tensor(tensor)
+        handles.append({uuid: args})
+    return base64.b64encode(pickle.dumps(handles)).decode("ascii")
+
+
 class VLLMWeightTransfer:
     """One server's transfer group and rounds (see the module docstring). `post(path, body)`: the server's
     control plane (raises on failure); `workers`: the server's worker processes (TP x PP x DP);
@@ -79,15 +97,19 @@ class VLLMWeightTransfer:
         self.master_address = master_address
         self.bucket_bytes = bucket_bytes
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._group = None  # gloo: the ProcessGroupGloo; nccl: the communicator
+        self._group = None  # gloo: the ProcessGroupGloo; nccl: the communicator; ipc: True once announced
         self._store = None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend in ("nccl", "ipc") \
+            else torch.device("cpu")
 
     # --- the group ------------------------------------------------------------------------------
     def open(self) -> None:
         """Form the group with the server's workers: `/init_weight_transfer_engine` answers once they joined, while
         this process joins beside it. A server without the backend is refused by name (ConfigError)."""
-        if self.backend == "nccl":
+        if self.backend == "ipc":  # no group: the handles travel with each update
+            info = {"packed": False}
+            joining = run_all([])
+        elif self.backend == "nccl":
             uid = torch.cuda.nccl.unique_id()
             info = nccl_init_info(uid, self.world_size)
             joining = run_all([lambda: self._join_nccl(uid)])
@@ -105,6 +127,8 @@ class VLLMWeightTransfer:
                                   f"): {exc}", field="cluster.generator.vllm_weight_transfer") from exc
             raise
         joining.join()
+        if self.backend == "ipc":
+            self._group = True
 
     def _join_nccl(self, uid: bytes) -> None:
         with torch.cuda.device(self.device):
@@ -136,6 +160,21 @@ class VLLMWeightTransfer:
             work.wait()  # raises what the broadcast failed with
         return tensor.numel() * tensor.element_size()
 
+    def _share(self, bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any]) -> int:
+        """ipc: the bucket's tensors on this GPU, their handles sent; they stay alive until the server has loaded
+        them (its /update_weights answers after load_weights)."""
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        torch.cuda.current_stream(self.device).synchronize()  # the copies are complete before the server reads them
+        try:
+            self.post("/update_weights", {"update_info": {**info, "ipc_handles_pickled": ipc_handles(tensors)}})
+        except EngineHTTPError as exc:
+            if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
+                raise ConfigError("cluster.generator.vllm_weight_transfer: ipc sends pickled CUDA-IPC handles, which "
+                                  "the vLLM server takes only with VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its "
+                                  f"environment: {exc}", field="cluster.generator.vllm_weight_transfer") from exc
+            raise
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # --- a round --------------------------------------------------------------------------------
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> dict[str, float]:
         """One weight update: every tensor of `named`, then the version label (None: unchanged). The caller
@@ -147,6 +186,11 @@ class VLLMWeightTransfer:
         try:
             for bucket in buckets(named, self.bucket_bytes):
                 info = update_info(bucket)
+                if self.backend == "ipc":
+                    sent += self._share(bucket, info)
+                    tensors += len(bucket)
+                    count += 1
+                    continue
                 calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
                 for _, tensor in bucket:
                     sent += self._broadcast(tensor, calls)
