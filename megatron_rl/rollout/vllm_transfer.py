@@ -160,13 +160,25 @@ class VLLMWeightTransfer:
             work.wait()  # raises what the broadcast failed with
         return tensor.numel() * tensor.element_size()
 
-    def _share(self, bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any]) -> int:
+    def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """nccl / gloo: the server's /update_weights for the bucket, answered once its workers took every tensor,
+        beside our broadcasts of them in the same order."""
+        info = update_info(bucket)
+        calls = run_all([lambda: self.post("/update_weights", {"update_info": info})])
+        sent = sum(self._broadcast(tensor, calls) for _, tensor in bucket)
+        if self.backend == "nccl":
+            torch.cuda.current_stream(self.device).synchronize()
+        calls.join()
+        return sent
+
+    def _share(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """ipc: the bucket's tensors on this GPU, their handles sent; they stay alive until the server has loaded
         them (its /update_weights answers after load_weights)."""
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
         torch.cuda.current_stream(self.device).synchronize()  # the copies are complete before the server reads them
         try:
-            self.post("/update_weights", {"update_info": {**info, "ipc_handles_pickled": ipc_handles(tensors)}})
+            self.post("/update_weights", {"update_info": {**update_info(bucket),
+                                                          "ipc_handles_pickled": ipc_handles(tensors)}})
         except EngineHTTPError as exc:
             if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
                 raise ConfigError("cluster.generator.vllm_weight_transfer: ipc sends pickled CUDA-IPC handles, which "
@@ -185,18 +197,7 @@ class VLLMWeightTransfer:
         tensors = sent = count = 0
         try:
             for bucket in buckets(named, self.bucket_bytes):
-                info = update_info(bucket)
-                if self.backend == "ipc":
-                    sent += self._share(bucket, info)
-                    tensors += len(bucket)
-                    count += 1
-                    continue
-                calls = run_all([lambda info=info: self.post("/update_weights", {"update_info": info})])
-                for _, tensor in bucket:
-                    sent += self._broadcast(tensor, calls)
-                if self.backend == "nccl":
-                    torch.cuda.current_stream(self.device).synchronize()
-                calls.join()
+                sent += self._share(bucket) if self.backend == "ipc" else self._broadcast_bucket(bucket)
                 tensors += len(bucket)
                 count += 1
         except BaseException:
