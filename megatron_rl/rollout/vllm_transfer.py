@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.client import EngineHTTPError
@@ -72,8 +73,6 @@ def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
 def ipc_handles(tensors: list[torch.Tensor]) -> str:
     """The `ipc_handles_pickled` of vLLM's IPCWeightTransferUpdateInfo for CUDA tensors on this process's GPU:
     per tensor, {GPU UUID: the arguments `rebuild_cuda_tensor` takes}, pickled and base64-encoded."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     handles = []
     for tensor in tensors:
         uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
