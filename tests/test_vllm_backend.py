@@ -252,9 +252,15 @@ def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native
             assert all(set(c.weight_versions) == {start + round_} for c in ours)
         long = GenerateRequest(prompt_ids=_prompts(model)[1], request_id="long",
                                sampling=SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+        decoded = _generated_tokens(engine)
         [future] = engine.submit([long])
-        time.sleep(1.0)  # some tokens decoded under start + 2
+        deadline = time.monotonic() + 60
+        while _generated_tokens(engine) < decoded + 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.pause("in_place")  # held mid-decode (a few tokens under start + 2), whatever the machine's speed
+        assert not future.done()
         engine.update_weights(state, version=start + 3)
+        engine.resume()
         versions = future.result().weight_versions
         assert versions[0] == start + 2 and versions[-1] == start + 3 and versions == sorted(versions)
         _greedy_equals_native(engine, model, state)  # back to the module's weights for the other tests
@@ -268,6 +274,14 @@ def test_weights_sent_through_vllms_weight_transfer_api_generate_what_the_native
         assert engine.verify_readback(_digests_of(state))["compared"] == result["compared"]
     finally:
         engine.close()
+
+
+def _generated_tokens(engine) -> float:
+    """vLLM's count of tokens generated so far (its Prometheus counter)."""
+    _, text = engine.http.request("GET", "/metrics")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
 
 
 def _digests_of(state):
