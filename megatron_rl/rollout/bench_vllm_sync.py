@@ -39,7 +39,10 @@ def bench_vllm_sync(options: dict) -> dict:
     repeats = int(options.get("repeats", 5))
     threads = int(options.get("threads", 2))
     transfer = str(options.get("transfer", "gloo"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[str(options.get("dtype", "fp32"))]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if str(options.get("dtype", "fp32")) not in dtypes:
+        raise ConfigError(f"bench vllm-sync: dtype={options['dtype']!r}: fp32 or bf16")
+    dtype = dtypes[str(options.get("dtype", "fp32"))]
     pretrained = load_pretrained(str(options.get("model", "smollm2-135m")))
     state = {k: v.to(dtype) for k, v in pretrained.state.items()}
     python = vllm_python()

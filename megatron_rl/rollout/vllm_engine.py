@@ -282,17 +282,10 @@ class VLLMEngine:
             for index, bucket in enumerate(_buckets(named, 1 << 30)):
                 save_file(bucket, os.path.join(target, f"model-{index:05d}.safetensors"))
                 count += len(bucket)
-            pause_here = self._paused is None
-            if pause_here:
-                self._post("/pause?mode=keep")
-            try:
+            with self._generation_frozen():
                 self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": target}})
                 if version is not None:
                     self._post("/update_weight_version", {"new_version": str(int(version))})
-                self._post("/reset_prefix_cache?reset_running_requests=true")
-            finally:
-                if pause_here:
-                    self._post("/resume")
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
@@ -305,20 +298,28 @@ class VLLMEngine:
     def _transfer_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> int:
         if self._transfer is None:
             self._transfer = VLLMWeightTransfer(self._post, **self._transfer_options)
-        pause_here = self._paused is None
-        if pause_here:
-            self._post("/pause?mode=keep")
         try:
-            sent = self._transfer.send(named, version)
-            self._post("/reset_prefix_cache?reset_running_requests=true")
+            with self._generation_frozen():
+                sent = self._transfer.send(named, version)
         except BaseException:
             self._transfer.close()  # what the group holds is unknown now: the next update forms it again
             self._transfer = None
             raise
+        return int(sent["tensors"])
+
+    @contextlib.contextmanager
+    def _generation_frozen(self):
+        """Generation frozen in place around a weight update (unless the caller paused it), and the prefix cache
+        reset with the running requests before it goes on: their KV entries are recomputed under the new weights."""
+        pause_here = self._paused is None
+        if pause_here:
+            self._post("/pause?mode=keep")
+        try:
+            yield
+            self._post("/reset_prefix_cache?reset_running_requests=true")
         finally:
             if pause_here:
                 self._post("/resume")
-        return int(sent["tensors"])
 
     @property
     def stages_weights(self) -> bool:
